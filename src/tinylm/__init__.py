@@ -1,0 +1,19 @@
+"""tinylm: GPT-style language models from the attention equations up."""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from tinylm.config import ModelConfig  # noqa: E402
+from tinylm.errors import CheckpointError, ConfigError, DataError, TinyLMError  # noqa: E402
+from tinylm.model import GPT  # noqa: E402
+
+__all__ = [
+    "GPT",
+    "CheckpointError",
+    "ConfigError",
+    "DataError",
+    "ModelConfig",
+    "TinyLMError",
+    "__version__",
+]

@@ -1,0 +1,252 @@
+"""Attention, step by step, in the seed's letters.
+
+Shape legend (used in every comment below):
+
+    B  batch size
+    C  context length (number of query positions in this call)
+    T  number of key/value positions (C, or cache length + C when decoding)
+    E  embedding dim (width of the residual stream)
+    H  number of heads
+    D  query/key/value dim per head
+    V  vocabulary size (only in model.py)
+
+The seed's single-head attention (SEED-MATH.md section 1):
+
+    Q = x·W_q (C, D)     K = x·W_k (C, D)     V = x·W_v (C, E)
+    S = Q·Kᵀ / √D (C, C)                     -- step 1, scaled similarity
+    A = softmax(mask(S)) (C, C)              -- step 2, the attention map
+    out = A·V (C, E)                         -- step 3
+
+Multi-head attention (sections 3-4) gives each head its own W_q^i, W_k^i, W_v^i (E, D)
+and W_o^i (D, E). Two equal ways to combine the heads:
+
+    sum form      MultiHead(x) = Σ_i A^i · V^i · W_o^i
+    concat form   MultiHead(x) = [R^1 … R^H] (C, H·D) · [W_o^1; …; W_o^H] (H·D, E)
+
+The concat form is what :class:`MultiHeadAttention` computes, with all heads' Q, K, V
+from one fused (E, 3·H·D) projection. Two paths compute it and are proven equal in the
+tests: the explicit one (which can return the attention map) and the fused fast one
+through ``torch.nn.functional.scaled_dot_product_attention``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+# --- the math as small pure functions ---------------------------------------------------
+
+
+def causal_mask(C: int, T: int | None = None, device: torch.device | str | None = None) -> Tensor:
+    """Boolean (C, T) mask, True where query i may look at key j.
+
+    Query i sits at absolute position ``T - C + i`` (the last C of T positions, as when
+    C new tokens follow T - C cached ones), so it may see keys j <= T - C + i. With
+    T == C this is the lower-triangular matrix of the seed (torch.tril of ones).
+    """
+    T = C if T is None else T
+    if T < C:
+        raise ValueError(f"causal_mask needs T >= C, got C={C}, T={T}")
+    return torch.ones(C, T, dtype=torch.bool, device=device).tril(diagonal=T - C)
+
+
+def attention_scores(q: Tensor, k: Tensor) -> Tensor:
+    """Step 1: scaled similarity S = Q·Kᵀ/√D.
+
+    q (..., C, D), k (..., T, D) -> (..., C, T). Dividing by √D keeps the variance of S
+    near 1 for unit-variance inputs, so softmax does not saturate.
+    """
+    D = q.shape[-1]
+    return torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(D)  # (..., C, D)·(..., D, T)
+
+
+def attention_weights(scores: Tensor, mask: Tensor | None = None) -> Tensor:
+    """Step 2: the attention map, softmax over keys of the masked scores.
+
+    scores (..., C, T); mask (C, T) boolean, True = allowed. Masked entries are set to
+    -inf so their weight is exactly 0; each row sums to 1.
+    """
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return F.softmax(scores, dim=-1)
+
+
+def explicit_attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """Steps 1-3 written out: returns (A·V, A).
+
+    q (..., C, D), k (..., T, D), v (..., T, Dv) -> out (..., C, Dv), weights (..., C, T).
+    """
+    weights = attention_weights(attention_scores(q, k), mask)  # (..., C, T)
+    return torch.matmul(weights, v), weights  # (..., C, T)·(..., T, Dv) -> (..., C, Dv)
+
+
+# --- the note's own class ---------------------------------------------------------------
+
+
+class SingleHeadAttention(nn.Module):
+    """The seed's ``Attention(embed_dim, key_dim)`` class, kept as written.
+
+    W_q, W_k: E -> D and W_v: E -> E, no biases, causal mask, softmax. Input (B, C, E),
+    output (B, C, E); with ``return_weights=True`` also the attention map (B, C, C).
+    """
+
+    def __init__(self, embed_dim: int, key_dim: int) -> None:
+        super().__init__()
+        self.W_q = nn.Linear(embed_dim, key_dim, bias=False)
+        self.W_k = nn.Linear(embed_dim, key_dim, bias=False)
+        self.W_v = nn.Linear(embed_dim, embed_dim, bias=False)
+        self.key_dim = key_dim
+
+    def forward(self, x: Tensor, return_weights: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+        C = x.shape[1]
+        q = self.W_q(x)  # (B, C, E) -> (B, C, D)
+        k = self.W_k(x)  # (B, C, E) -> (B, C, D)
+        v = self.W_v(x)  # (B, C, E) -> (B, C, E)
+        out, weights = explicit_attention(q, k, v, causal_mask(C, device=x.device))
+        return (out, weights) if return_weights else out
+
+
+# --- the KV cache -----------------------------------------------------------------------
+
+
+class KVCache:
+    """Preallocated keys and values of every layer, for incremental decoding.
+
+    Holds k, v of shape (L, B, H, max_len, D). ``length`` is how many positions are
+    filled; a forward pass over C new tokens writes positions [length, length + C) in
+    each layer (:meth:`update`) and then the model calls :meth:`advance`. The cache is
+    an object passed into ``GPT.forward`` — the model itself keeps no hidden state.
+    """
+
+    def __init__(
+        self,
+        n_layer: int,
+        batch_size: int,
+        n_head: int,
+        max_len: int,
+        head_dim: int,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        shape = (n_layer, batch_size, n_head, max_len, head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.max_len = max_len
+        self.length = 0
+
+    @classmethod
+    def for_model(cls, model: nn.Module, batch_size: int, max_len: int | None = None,
+                  **kwargs) -> KVCache:
+        """A cache sized for ``model`` (a GPT); max_len defaults to its context length."""
+        cfg = model.config
+        param = next(model.parameters())
+        kwargs.setdefault("device", param.device)
+        kwargs.setdefault("dtype", param.dtype)
+        return cls(cfg.n_layer, batch_size, cfg.n_head, max_len or cfg.context_length,
+                   cfg.head_dim, **kwargs)
+
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Store k, v (B, H, C, D) at positions [length, length + C) of ``layer``.
+
+        Returns views of all filled keys and values, (B, H, length + C, D).
+        """
+        start, end = self.length, self.length + k.shape[2]
+        if end > self.max_len:
+            raise ValueError(f"KV cache overflow: {end} positions > max_len {self.max_len}")
+        self.k[layer, :, :, start:end] = k
+        self.v[layer, :, :, start:end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+    def advance(self, n: int) -> None:
+        """Mark n more positions as filled (called once per forward, after all layers)."""
+        self.length += n
+
+    def reset(self) -> None:
+        self.length = 0
+
+
+# --- multi-head attention ---------------------------------------------------------------
+
+
+class MultiHeadAttention(nn.Module):
+    """Causal multi-head attention with a fused QKV projection.
+
+    ``qkv``: E -> 3·H·D holds every head's W_q^i, W_k^i, W_v^i side by side (the output
+    is laid out as [q | k | v], each split into H heads of D). ``out``: H·D -> E is the
+    stacked [W_o^1; …; W_o^H]. Biases are optional (GPT-2 has them, the seed does not).
+    """
+
+    def __init__(self, n_embd: int, n_head: int, head_dim: int, *, bias: bool = True,
+                 dropout: float = 0.0) -> None:
+        super().__init__()
+        self.n_head = n_head
+        self.head_dim = head_dim
+        self.qkv = nn.Linear(n_embd, 3 * n_head * head_dim, bias=bias)
+        self.out = nn.Linear(n_head * head_dim, n_embd, bias=bias)
+        self.dropout = dropout
+
+    def _heads(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        B, C, _ = x.shape
+        qkv = self.qkv(x)  # (B, C, E) -> (B, C, 3·H·D)
+        qkv = qkv.view(B, C, 3, self.n_head, self.head_dim)  # -> (B, C, 3, H, D)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # -> 3 × (B, H, C, D)
+        return q, k, v
+
+    def forward(
+        self,
+        x: Tensor,
+        cache: KVCache | None = None,
+        layer: int = 0,
+        *,
+        return_weights: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """x (B, C, E) -> (B, C, E); with return_weights also the map (B, H, C, T).
+
+        The fast path uses SDPA; ``return_weights=True`` takes the explicit path.
+        With a cache, keys/values of earlier positions come from it and the new ones
+        are written into it (the caller advances it after the last layer).
+        """
+        B, C, _ = x.shape
+        q, k, v = self._heads(x)  # 3 × (B, H, C, D)
+        if cache is not None:
+            k, v = cache.update(layer, k, v)  # -> (B, H, T, D), T = cached + C
+        T = k.shape[2]
+        if return_weights:
+            r, weights = explicit_attention(q, k, v, causal_mask(C, T, device=x.device))
+        else:
+            weights = None
+            p = self.dropout if self.training else 0.0
+            if T == C:  # no cache offset: the standard causal mask
+                r = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+            elif C == 1:  # one new token sees every cached key
+                r = F.scaled_dot_product_attention(q, k, v, dropout_p=p)
+            else:  # C new tokens after T - C cached ones
+                mask = causal_mask(C, T, device=x.device)
+                r = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
+        r = r.transpose(1, 2).reshape(B, C, self.n_head * self.head_dim)  # (B,H,C,D)->(B,C,H·D)
+        y = self.out(r)  # [R^1 … R^H]·[W_o^1; …; W_o^H]: (B, C, H·D) -> (B, C, E)
+        return (y, weights) if return_weights else y
+
+    def forward_sum_form(self, x: Tensor) -> Tensor:
+        """The seed's sum form, head by head: Σ_i softmax(mask(Q^iK^iᵀ/√D))·V^i·W_o^i.
+
+        Slow and explicit; exists to prove it equals the concat form of :meth:`forward`.
+        """
+        B, C, _ = x.shape
+        q, k, v = self._heads(x)  # 3 × (B, H, C, D)
+        mask = causal_mask(C, device=x.device)
+        D = self.head_dim
+        y = torch.zeros(B, C, self.out.out_features, dtype=x.dtype, device=x.device)
+        for i in range(self.n_head):
+            r_i, _ = explicit_attention(q[:, i], k[:, i], v[:, i], mask)  # (B, C, D)
+            W_o_i = self.out.weight[:, i * D:(i + 1) * D].t()  # (D, E), rows of W_o for head i
+            y = y + r_i @ W_o_i  # (B, C, D)·(D, E) -> (B, C, E)
+        if self.out.bias is not None:
+            y = y + self.out.bias
+        return y

@@ -1,0 +1,282 @@
+"""Checkpoints: a folder of safetensors + JSON, written atomically, never pickled.
+
+Layout of a checkpoint folder::
+
+    config.json              {"format": "tinylm", "version": 1, "model": ModelConfig, ...}
+    model.safetensors        the weights (a tied LM head is stored once, as tok_emb)
+    tokenizer.json           the tokenizer, when one is known
+    train_state.safetensors  optional: optimizer moments, RNG states (tensors)
+    train_state.json         optional: step, data position, best loss ... (JSON)
+
+Writes go to a temporary sibling folder that is fsynced and then renamed into place;
+an existing checkpoint at the destination is kept until the new one is complete, so a
+run killed mid-save never leaves a folder that looks complete but is not.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from tinylm.config import ModelConfig
+from tinylm.errors import CheckpointError, ConfigError, TinyLMError
+from tinylm.model import GPT
+
+FORMAT = "tinylm"
+VERSION = 1
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+TOKENIZER_FILE = "tokenizer.json"
+STATE_TENSORS_FILE = "train_state.safetensors"
+STATE_JSON_FILE = "train_state.json"
+
+# Prefixes that wrappers add to parameter names: torch.compile and DDP/FSDP.
+_WRAPPER_PREFIXES = ("_orig_mod.", "module.")
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The plain module under torch.compile / DDP / FSDP wrappers."""
+    while True:
+        if hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        elif hasattr(model, "module") and isinstance(model.module, nn.Module):
+            model = model.module
+        else:
+            return model
+
+
+def strip_wrapper_prefixes(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Remove torch.compile / DDP prefixes from state-dict keys (the one place that does)."""
+    out = {}
+    for key, value in state.items():
+        changed = True
+        while changed:
+            changed = False
+            for prefix in _WRAPPER_PREFIXES:
+                if key.startswith(prefix):
+                    key, changed = key[len(prefix):], True
+        out[key] = value
+    return out
+
+
+def model_state(model: nn.Module) -> dict[str, Tensor]:
+    """Contiguous CPU copies of the weights, without the tied LM head duplicate."""
+    model = unwrap_model(model)
+    state = strip_wrapper_prefixes(model.state_dict())
+    if getattr(model.config, "tie_embeddings", False):
+        state.pop("lm_head.weight", None)
+    return {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
+
+
+# --- writing ------------------------------------------------------------------------------
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_json(path: Path, data: Any) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _write_tensors(path: Path, tensors: dict[str, Tensor]) -> None:
+    from safetensors.torch import save_file
+
+    save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, str(path))
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def save_checkpoint(
+    path: str | os.PathLike,
+    model: nn.Module,
+    tokenizer: Any | None = None,
+    *,
+    extra_config: dict[str, Any] | None = None,
+    train_tensors: dict[str, Tensor] | None = None,
+    train_meta: dict[str, Any] | None = None,
+) -> Path:
+    """Write ``model`` (and optionally its tokenizer and training state) to ``path``.
+
+    ``extra_config`` entries are merged into config.json (e.g. "train" or "lowrank");
+    ``train_tensors``/``train_meta`` become train_state.safetensors/.json. Atomic: the
+    folder appears complete or not at all, and a previous checkpoint at ``path`` is
+    replaced only once the new one is fully on disk.
+    """
+    dest = Path(path)
+    parent = dest.parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=parent))
+    except OSError as exc:
+        raise CheckpointError(f"cannot write a checkpoint in {parent}: {exc.strerror}; "
+                              f"choose a writable --out folder") from exc
+    try:
+        base = unwrap_model(model)
+        config = {"format": FORMAT, "version": VERSION, "model": base.config.to_dict()}
+        config.update(extra_config or {})
+        _write_tensors(tmp / WEIGHTS_FILE, model_state(base))
+        _write_json(tmp / CONFIG_FILE, config)
+        if tokenizer is not None:
+            tokenizer.save(tmp / TOKENIZER_FILE)
+        if train_tensors is not None:
+            _write_tensors(tmp / STATE_TENSORS_FILE, train_tensors)
+        if train_meta is not None:
+            _write_json(tmp / STATE_JSON_FILE, train_meta)
+        _fsync_dir(tmp)
+        old = None
+        if dest.exists():
+            old = parent / f".{dest.name}.old-{os.getpid()}"
+            if old.exists():
+                shutil.rmtree(old)
+            os.replace(dest, old)
+        os.replace(tmp, dest)
+        _fsync_dir(parent)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"could not write checkpoint {dest}: {exc}; the previous "
+                              f"checkpoint (if any) is untouched; free disk space or choose "
+                              f"another --out") from exc
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dest
+
+
+# --- reading ------------------------------------------------------------------------------
+
+
+def read_config(path: str | os.PathLike) -> dict[str, Any]:
+    """config.json of a checkpoint folder, checked for format and version."""
+    folder = Path(path)
+    if not folder.is_dir():
+        hint = " (it is a file; pass the folder that holds config.json)" if folder.exists() else ""
+        raise CheckpointError(f"checkpoint folder {folder} does not exist{hint}; pass the --out "
+                              f"folder of 'tinylm train' or 'tinylm convert'")
+    cfg_path = folder / CONFIG_FILE
+    try:
+        data = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except FileNotFoundError as exc:
+        raise CheckpointError(f"{cfg_path} is missing: {folder} is not a complete tinylm "
+                              f"checkpoint") from exc
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{cfg_path} is not valid JSON ({exc}); the checkpoint is "
+                              f"corrupt, restore it or retrain") from exc
+    if not isinstance(data, dict) or data.get("format") != FORMAT or "model" not in data:
+        raise CheckpointError(f"{cfg_path} is not a tinylm checkpoint config; for a Hugging "
+                              f"Face folder use 'tinylm convert --from-hf'")
+    if data.get("version", 0) > VERSION:
+        raise CheckpointError(f"{folder} was written by a newer tinylm (format version "
+                              f"{data['version']}); upgrade tinylm")
+    return data
+
+
+def read_tensors(path: str | os.PathLike) -> dict[str, Tensor]:
+    """All tensors of a safetensors file; a corrupt file becomes a CheckpointError."""
+    from safetensors.torch import load_file
+
+    p = Path(path)
+    if not p.is_file():
+        raise CheckpointError(f"{p} is missing; the checkpoint is incomplete")
+    try:
+        return load_file(str(p))
+    except Exception as exc:  # safetensors raises several types for corrupt headers/data
+        raise CheckpointError(f"{p} is corrupt or not a safetensors file ({exc}); restore it "
+                              f"or retrain") from exc
+
+
+def build_model(config: dict[str, Any]) -> GPT:
+    """An uninitialised-weights model with the structure described by config.json."""
+    try:
+        model_config = ModelConfig.from_dict(config["model"])
+    except (ConfigError, TypeError) as exc:
+        raise CheckpointError(f"config.json has an invalid model config: {exc}") from exc
+    model = GPT(model_config)
+    lowrank = config.get("lowrank")
+    if lowrank:
+        from tinylm.lowrank import apply_structure  # factorised layers (tinylm compress)
+
+        apply_structure(model, lowrank)
+    return model
+
+
+def load_model(path: str | os.PathLike, device: torch.device | str = "cpu") -> GPT:
+    """The model stored in a checkpoint folder, in eval mode, on ``device``."""
+    config = read_config(path)
+    model = build_model(config)
+    state = strip_wrapper_prefixes(read_tensors(Path(path) / WEIGHTS_FILE))
+    if model.config.tie_embeddings:
+        state.pop("lm_head.weight", None)
+    expected = set(model_state(model))
+    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{path}: weights do not match config.json (missing {missing[:3]}, unexpected "
+            f"{unexpected[:3]}); the folder mixes files from different models"
+        )
+    own = model.state_dict()
+    for key, value in state.items():
+        if own[key].shape != value.shape:
+            raise CheckpointError(
+                f"{path}: weight {key} has shape {tuple(value.shape)} but config.json implies "
+                f"{tuple(own[key].shape)}; the folder mixes files from different models"
+            )
+    model.load_state_dict(state, strict=False)
+    return model.to(device).eval()
+
+
+def load_tokenizer_of(path: str | os.PathLike):
+    """The checkpoint's tokenizer, or None when the folder has none."""
+    tok_path = Path(path) / TOKENIZER_FILE
+    if not tok_path.is_file():
+        return None
+    from tinylm.tokenizers import load_tokenizer
+
+    try:
+        return load_tokenizer(tok_path)
+    except TinyLMError:
+        raise
+    except Exception as exc:
+        raise CheckpointError(f"{tok_path} is corrupt ({exc}); restore it or re-run "
+                              f"'tinylm prepare'") from exc
+
+
+def load_checkpoint(path: str | os.PathLike, device: torch.device | str = "cpu"):
+    """(model, tokenizer or None) from a checkpoint folder."""
+    return load_model(path, device), load_tokenizer_of(path)
+
+
+def load_train_state(path: str | os.PathLike) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """(tensors, meta) of the training state saved with a checkpoint."""
+    folder = Path(path)
+    meta_path = folder / STATE_JSON_FILE
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    except FileNotFoundError as exc:
+        raise CheckpointError(f"{folder} has no training state ({STATE_JSON_FILE}); it cannot "
+                              f"be resumed, start a new run instead") from exc
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{meta_path} is corrupt ({exc}); cannot resume from it") from exc
+    return read_tensors(folder / STATE_TENSORS_FILE), meta

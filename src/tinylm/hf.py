@@ -1,0 +1,191 @@
+"""Hugging Face GPT-2 interop: one name-map table, import and export.
+
+GPT-2's names live only here. Its ``Conv1D`` layers store weights as (in, out), the
+transpose of ``nn.Linear``'s (out, in); the table marks which ones to transpose. The
+fused QKV layouts agree: GPT-2's c_attn output is [q | k | v], each split into H heads
+of D, exactly as ``MultiHeadAttention.qkv``. ``transformers`` is imported lazily.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tinylm.config import ModelConfig
+from tinylm.errors import CheckpointError, ConfigError
+from tinylm.model import GPT
+
+# (GPT-2 name, tinylm name, transpose). "{i}" is the block index.
+NAME_MAP: list[tuple[str, str, bool]] = [
+    ("transformer.wte.weight", "tok_emb.weight", False),
+    ("transformer.wpe.weight", "pos_emb.weight", False),
+    ("transformer.h.{i}.ln_1.weight", "blocks.{i}.ln1.weight", False),
+    ("transformer.h.{i}.ln_1.bias", "blocks.{i}.ln1.bias", False),
+    ("transformer.h.{i}.attn.c_attn.weight", "blocks.{i}.attn.qkv.weight", True),
+    ("transformer.h.{i}.attn.c_attn.bias", "blocks.{i}.attn.qkv.bias", False),
+    ("transformer.h.{i}.attn.c_proj.weight", "blocks.{i}.attn.out.weight", True),
+    ("transformer.h.{i}.attn.c_proj.bias", "blocks.{i}.attn.out.bias", False),
+    ("transformer.h.{i}.ln_2.weight", "blocks.{i}.ln2.weight", False),
+    ("transformer.h.{i}.ln_2.bias", "blocks.{i}.ln2.bias", False),
+    ("transformer.h.{i}.mlp.c_fc.weight", "blocks.{i}.ffn.up.weight", True),
+    ("transformer.h.{i}.mlp.c_fc.bias", "blocks.{i}.ffn.up.bias", False),
+    ("transformer.h.{i}.mlp.c_proj.weight", "blocks.{i}.ffn.down.weight", True),
+    ("transformer.h.{i}.mlp.c_proj.bias", "blocks.{i}.ffn.down.bias", False),
+    ("transformer.ln_f.weight", "final_norm.weight", False),
+    ("transformer.ln_f.bias", "final_norm.bias", False),
+    ("lm_head.weight", "lm_head.weight", False),
+]
+
+
+def _require_transformers():
+    try:
+        import transformers
+    except ImportError as exc:
+        raise ConfigError("Hugging Face interop needs the 'transformers' package; install it "
+                          "with: pip install 'tinylm[hf]'") from exc
+    return transformers
+
+
+def _expand(n_layer: int) -> list[tuple[str, str, bool]]:
+    rows = []
+    for hf_name, our_name, transpose in NAME_MAP:
+        if "{i}" in hf_name:
+            rows += [(hf_name.format(i=i), our_name.format(i=i), transpose) for i in range(n_layer)]
+        else:
+            rows.append((hf_name, our_name, transpose))
+    return rows
+
+
+def config_from_hf(hf_config: Any) -> ModelConfig:
+    """A ModelConfig equal to a transformers GPT2Config; refuses variants tinylm lacks."""
+    act = getattr(hf_config, "activation_function", "gelu_new")
+    unsupported = []
+    if act not in ("gelu_new", "gelu_pytorch_tanh"):
+        unsupported.append(f"activation_function={act!r} (tinylm uses GELU tanh, 'gelu_new')")
+    n_inner = getattr(hf_config, "n_inner", None)
+    if n_inner not in (None, 4 * hf_config.n_embd):
+        unsupported.append(f"n_inner={n_inner} (tinylm uses 4·n_embd)")
+    if not getattr(hf_config, "scale_attn_weights", True):
+        unsupported.append("scale_attn_weights=False")
+    if getattr(hf_config, "scale_attn_by_inverse_layer_idx", False):
+        unsupported.append("scale_attn_by_inverse_layer_idx=True")
+    if unsupported:
+        raise ConfigError("this GPT-2 config uses features tinylm does not implement: "
+                          + "; ".join(unsupported))
+    return ModelConfig(
+        vocab_size=hf_config.vocab_size,
+        context_length=hf_config.n_positions,
+        n_layer=hf_config.n_layer,
+        n_head=hf_config.n_head,
+        n_embd=hf_config.n_embd,
+        dropout=0.0,
+        bias=True,
+        tie_embeddings=bool(getattr(hf_config, "tie_word_embeddings", True)),
+        layer_norm_eps=float(hf_config.layer_norm_epsilon),
+    )
+
+
+def _load_hf_folder(folder: Path):
+    """A GPT2LMHeadModel from a save_pretrained folder, without running pickled code."""
+    transformers = _require_transformers()
+    if not (folder / "config.json").is_file():
+        raise CheckpointError(f"{folder} has no config.json; pass a folder written by "
+                              f"save_pretrained (config.json + model.safetensors)")
+    try:
+        hf_config = transformers.GPT2Config.from_pretrained(str(folder))
+    except Exception as exc:
+        raise CheckpointError(f"{folder}/config.json is not a GPT-2 config: {exc}") from exc
+    if (folder / "model.safetensors").is_file():
+        from safetensors.torch import load_file
+
+        try:
+            state = load_file(str(folder / "model.safetensors"))
+        except Exception as exc:
+            raise CheckpointError(f"{folder}/model.safetensors is corrupt: {exc}") from exc
+    elif (folder / "pytorch_model.bin").is_file():
+        try:  # weights_only: tensors only, never code from a user's file
+            state = torch.load(folder / "pytorch_model.bin", map_location="cpu",
+                               weights_only=True)
+        except Exception as exc:
+            raise CheckpointError(f"{folder}/pytorch_model.bin cannot be loaded safely: {exc}") \
+                from exc
+    else:
+        raise CheckpointError(f"{folder} has neither model.safetensors nor pytorch_model.bin")
+    return hf_config, state
+
+
+def _hf_state_to_tinylm(state: dict[str, torch.Tensor], config: ModelConfig
+                        ) -> dict[str, torch.Tensor]:
+    # save_pretrained may drop the "transformer." prefix for the base model.
+    if not any(k.startswith("transformer.") for k in state):
+        state = {("lm_head.weight" if k == "lm_head.weight" else f"transformer.{k}"): v
+                 for k, v in state.items()}
+    out = {}
+    for hf_name, our_name, transpose in _expand(config.n_layer):
+        if hf_name == "lm_head.weight" and (config.tie_embeddings or hf_name not in state):
+            continue
+        if hf_name not in state:
+            raise CheckpointError(f"GPT-2 weights lack {hf_name}; the file is incomplete")
+        w = state[hf_name]
+        out[our_name] = w.t().contiguous() if transpose else w
+    return out
+
+
+def from_hf(model_or_folder: Any) -> GPT:
+    """A tinylm GPT equal to a Hugging Face GPT2LMHeadModel (or a save_pretrained folder)."""
+    if isinstance(model_or_folder, (str, os.PathLike)):
+        hf_config, state = _load_hf_folder(Path(model_or_folder))
+    else:
+        hf_config, state = model_or_folder.config, model_or_folder.state_dict()
+    config = config_from_hf(hf_config)
+    model = GPT(config)
+    ours = _hf_state_to_tinylm(state, config)
+    missing = set(model.state_dict()) - set(ours) - (
+        {"lm_head.weight"} if config.tie_embeddings else set())
+    if missing:
+        raise CheckpointError(f"GPT-2 weights lack {sorted(missing)[:3]}")
+    model.load_state_dict(ours, strict=False)
+    return model.eval()
+
+
+def to_hf(model: GPT):
+    """A transformers GPT2LMHeadModel with the same weights as ``model``."""
+    transformers = _require_transformers()
+    from tinylm.checkpoint import unwrap_model
+
+    model = unwrap_model(model)
+    c = model.config
+    if c.inner_dim != c.n_embd:
+        raise ConfigError(f"GPT-2 requires n_head·head_dim == n_embd, but this model has "
+                          f"{c.n_head}·{c.head_dim} != {c.n_embd}; it cannot be exported")
+    if any(type(m).__name__ == "LowRankLinear" for m in model.modules()):
+        raise ConfigError("a compressed (low-rank) model has no GPT-2 equivalent; export the "
+                          "model before 'tinylm compress'")
+    hf_config = transformers.GPT2Config(
+        vocab_size=c.vocab_size, n_positions=c.context_length, n_embd=c.n_embd,
+        n_layer=c.n_layer, n_head=c.n_head, layer_norm_epsilon=c.layer_norm_eps,
+        activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        tie_word_embeddings=c.tie_embeddings,
+    )
+    hf = transformers.GPT2LMHeadModel(hf_config)
+    ours = model.state_dict()
+    hf_state = {}
+    for hf_name, our_name, transpose in _expand(c.n_layer):
+        if our_name not in ours or ours[our_name] is None:
+            # bias=False models: GPT-2 always has biases, zeros are the same function.
+            continue
+        w = ours[our_name].detach().to("cpu", torch.float32)
+        hf_state[hf_name] = w.t().contiguous() if transpose else w.clone()
+    hf_sd = hf.state_dict()
+    for name, value in hf_sd.items():
+        if name in hf_state:
+            continue
+        if name.endswith(".bias") and not c.bias:
+            hf_state[name] = torch.zeros_like(value)
+    hf.load_state_dict(hf_state, strict=False)
+    if c.tie_embeddings:
+        hf.tie_weights()
+    return hf.eval()

@@ -1,0 +1,187 @@
+"""The Transformer language model (SEED-MATH.md section 5).
+
+    ids (B, C) --Embed--> (B, C, E) --N × Block--> (B, C, E) --Linear--> logits (B, C, V)
+
+Embed is a table lookup: token id 42 -> row 42 of the (V, E) matrix (mathematically the
+one-hot vector times that matrix), plus a learned positional embedding. Each Block is
+Attention + FFN with pre-norm residual connections, as in GPT-2; the shape (B, C, E) is
+kept, so blocks stack. The final Linear gives scores over the vocabulary; softmax of row
+t is the distribution of the token *after* position t given tokens 0..t, so training
+uses the cross-entropy of row t against token t+1.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from tinylm.attention import KVCache, MultiHeadAttention
+from tinylm.config import ModelConfig
+from tinylm.errors import ConfigError
+
+
+def _layer_norm(config: ModelConfig) -> nn.LayerNorm:
+    return nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=config.bias)
+
+
+class FeedForward(nn.Module):
+    """Position-wise FFN: E -> 4·E -> GELU (tanh approximation, as GPT-2) -> E."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.up = nn.Linear(config.n_embd, config.ffn_dim, bias=config.bias)
+        self.act = nn.GELU(approximate="tanh")
+        self.down = nn.Linear(config.ffn_dim, config.n_embd, bias=config.bias)
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.drop(self.down(self.act(self.up(x))))  # (B, C, E) -> (B, C, 4E) -> (B, C, E)
+
+
+class Block(nn.Module):
+    """One Transformer block: x + Attention(LN(x)), then x + FFN(LN(x))."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.ln1 = _layer_norm(config)
+        self.attn = MultiHeadAttention(
+            config.n_embd, config.n_head, config.head_dim, bias=config.bias,
+            dropout=config.dropout,
+        )
+        self.ln2 = _layer_norm(config)
+        self.ffn = FeedForward(config)
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, x: Tensor, cache: KVCache | None = None, layer: int = 0,
+                return_weights: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+        a = self.attn(self.ln1(x), cache, layer, return_weights=return_weights)
+        a, weights = a if return_weights else (a, None)
+        x = x + self.drop(a)
+        x = x + self.ffn(self.ln2(x))
+        return (x, weights) if return_weights else x
+
+
+class GPT(nn.Module):
+    """Decoder-only Transformer LM: ``GPT(config)(ids)`` -> logits (B, C, V).
+
+    The model has no side effects: no device or dtype baked in, no optimizer and no
+    hidden cache; a :class:`KVCache` is passed to :meth:`forward` for decoding.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_emb = nn.Embedding(config.vocab_size, config.n_embd)
+        self.pos_emb = nn.Embedding(config.context_length, config.n_embd)
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.final_norm = _layer_norm(config)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+        self.reset_parameters()
+
+    # -- init ----------------------------------------------------------------------------
+
+    def reset_parameters(self) -> None:
+        """GPT-2 init: N(0, 0.02) weights, zero biases, residual projections scaled by
+        1/√(2·n_layer) so the residual stream's variance does not grow with depth."""
+        std = 0.02
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+            elif isinstance(module, nn.LayerNorm):
+                nn.init.ones_(module.weight)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+        scaled = std / math.sqrt(2 * self.config.n_layer)
+        for block in self.blocks:
+            nn.init.normal_(block.attn.out.weight, mean=0.0, std=scaled)
+            nn.init.normal_(block.ffn.down.weight, mean=0.0, std=scaled)
+
+    # -- forward -------------------------------------------------------------------------
+
+    def _embed(self, ids: Tensor, start: int) -> Tensor:
+        B, C = ids.shape
+        if start + C > self.config.context_length:
+            raise ConfigError(
+                f"sequence of {start + C} tokens is longer than the model's context_length "
+                f"{self.config.context_length}; shorten the input or slide a window"
+            )
+        pos = torch.arange(start, start + C, device=ids.device)  # (C,)
+        return self.drop(self.tok_emb(ids) + self.pos_emb(pos))  # (B, C, E) + (C, E)
+
+    def hidden_states(self, ids: Tensor, cache: KVCache | None = None) -> Tensor:
+        """ids (B, C) -> final-normed hidden states (B, C, E)."""
+        start = cache.length if cache is not None else 0
+        x = self._embed(ids, start)
+        for i, block in enumerate(self.blocks):
+            x = block(x, cache, i)
+        if cache is not None:
+            cache.advance(ids.shape[1])
+        return self.final_norm(x)
+
+    def forward(self, ids: Tensor, cache: KVCache | None = None) -> Tensor:
+        """ids (B, C) int64 -> logits (B, C, V). Row t scores the token after position t.
+
+        With a cache, ``ids`` are the next C tokens after the cached ones; their
+        positions continue from ``cache.length``.
+        """
+        return self.lm_head(self.hidden_states(ids, cache))  # (B, C, E) -> (B, C, V)
+
+    def forward_with_attention(self, ids: Tensor) -> tuple[Tensor, Tensor]:
+        """Logits (B, C, V) and every attention map (L, B, H, C, C), via the explicit path."""
+        x = self._embed(ids, 0)
+        maps = []
+        for block in self.blocks:
+            x, w = block(x, return_weights=True)
+            maps.append(w)  # (B, H, C, C)
+        return self.lm_head(self.final_norm(x)), torch.stack(maps)  # maps -> (L, B, H, C, C)
+
+    def probabilities(self, ids: Tensor) -> Tensor:
+        """Softmax of the logits: one next-token distribution per position, (B, C, V)."""
+        return F.softmax(self(ids), dim=-1)
+
+    def loss(self, ids: Tensor, targets: Tensor) -> Tensor:
+        """Mean cross-entropy of row t against targets[:, t] (usually ids shifted by one)."""
+        return lm_loss(self(ids), targets)
+
+    # -- sizes ---------------------------------------------------------------------------
+
+    def num_parameters(self, exclude_embeddings: bool = False) -> int:
+        """Distinct parameters (a tied LM head counts once)."""
+        n = sum(p.numel() for p in self.parameters())
+        if exclude_embeddings:
+            n -= self.tok_emb.weight.numel() + self.pos_emb.weight.numel()
+        return n
+
+
+def lm_loss(logits: Tensor, targets: Tensor, ignore_index: int = -100) -> Tensor:
+    """Cross-entropy of logits (B, C, V) against targets (B, C), averaged over tokens."""
+    V = logits.shape[-1]
+    return F.cross_entropy(logits.reshape(-1, V).float(), targets.reshape(-1),
+                           ignore_index=ignore_index)  # (B·C, V) vs (B·C,)
+
+
+def parameter_count(config: ModelConfig) -> int:
+    """Closed-form number of parameters of ``GPT(config)``.
+
+    Per block: QKV E·3HD (+3HD), output HD·E (+E), FFN 2·E·4E (+4E +E), two LayerNorms
+    2·E (+2·E biases). Plus embeddings V·E + C·E, the final LayerNorm, and an untied
+    LM head V·E.
+    """
+    E, HD, F4, V = config.n_embd, config.inner_dim, config.ffn_dim, config.vocab_size
+    b = 1 if config.bias else 0
+    block = E * 3 * HD + HD * E + 2 * E * F4 + 2 * E
+    block += b * (3 * HD + E + F4 + E + 2 * E)
+    total = config.n_layer * block + V * E + config.context_length * E + E + b * E
+    if not config.tie_embeddings:
+        total += V * E
+    return total
