@@ -4,6 +4,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+from tinylm.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from tinylm.config import ModelConfig  # noqa: E402
 from tinylm.errors import CheckpointError, ConfigError, DataError, TinyLMError  # noqa: E402
 from tinylm.model import GPT  # noqa: E402
@@ -15,5 +16,7 @@ __all__ = [
     "DataError",
     "ModelConfig",
     "TinyLMError",
+    "load_checkpoint",
+    "save_checkpoint",
     "__version__",
 ]
