@@ -102,7 +102,9 @@ class ModelConfig(_JSONMixin):
         if not isinstance(self.tie_embeddings, bool):
             raise ConfigError(f"tie_embeddings must be true or false, got {self.tie_embeddings!r}")
         if not (isinstance(self.layer_norm_eps, (int, float)) and self.layer_norm_eps > 0):
-            raise ConfigError(f"layer_norm_eps must be a positive number, got {self.layer_norm_eps!r}")
+            raise ConfigError(
+                f"layer_norm_eps must be a positive number, got {self.layer_norm_eps!r}"
+            )
 
     @property
     def inner_dim(self) -> int:
