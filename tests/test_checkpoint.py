@@ -1,0 +1,100 @@
+"""Checkpoints: safetensors + JSON, atomic, identical logits after a round trip."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tinylm import GPT, CheckpointError, ModelConfig
+from tinylm.checkpoint import (
+    load_model,
+    load_train_state,
+    read_config,
+    save_checkpoint,
+    strip_wrapper_prefixes,
+)
+
+
+def small() -> GPT:
+    return GPT(ModelConfig(vocab_size=33, context_length=16, n_layer=2, n_head=2, n_embd=16))
+
+
+def test_round_trip_identical_logits(tmp_path) -> None:
+    model = small().eval()
+    save_checkpoint(tmp_path / "ck", model)
+    loaded = load_model(tmp_path / "ck")
+    ids = torch.randint(0, 33, (2, 16))
+    assert torch.equal(model(ids), loaded(ids))
+    assert loaded.lm_head.weight is loaded.tok_emb.weight
+    cfg = json.loads((tmp_path / "ck" / "config.json").read_text())
+    assert cfg["format"] == "tinylm" and cfg["model"]["n_embd"] == 16
+
+
+def test_untied_round_trip(tmp_path) -> None:
+    model = GPT(ModelConfig(vocab_size=33, context_length=8, n_layer=1, n_head=2, n_embd=8,
+                            tie_embeddings=False)).eval()
+    save_checkpoint(tmp_path / "ck", model)
+    ids = torch.randint(0, 33, (1, 8))
+    assert torch.equal(model(ids), load_model(tmp_path / "ck")(ids))
+
+
+def test_train_state_round_trip_and_overwrite_keeps_one_folder(tmp_path) -> None:
+    model = small()
+    save_checkpoint(tmp_path / "ck", model, train_tensors={"rng": torch.arange(5)},
+                    train_meta={"step": 3})
+    save_checkpoint(tmp_path / "ck", model, train_tensors={"rng": torch.arange(6)},
+                    train_meta={"step": 4})
+    tensors, meta = load_train_state(tmp_path / "ck")
+    assert meta["step"] == 4 and torch.equal(tensors["rng"], torch.arange(6))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]  # no temp folders left
+
+
+def test_compiled_and_ddp_prefixes_are_stripped() -> None:
+    state = {"_orig_mod.module.tok_emb.weight": 1, "module.blocks.0.ln1.bias": 2}
+    assert strip_wrapper_prefixes(state) == {"tok_emb.weight": 1, "blocks.0.ln1.bias": 2}
+
+
+def test_missing_folder(tmp_path) -> None:
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_model(tmp_path / "nope")
+
+
+def test_corrupt_weights(tmp_path) -> None:
+    save_checkpoint(tmp_path / "ck", small())
+    (tmp_path / "ck" / "model.safetensors").write_bytes(b"\x00garbage" * 10)
+    with pytest.raises(CheckpointError, match="corrupt"):
+        load_model(tmp_path / "ck")
+
+
+def test_corrupt_config(tmp_path) -> None:
+    save_checkpoint(tmp_path / "ck", small())
+    (tmp_path / "ck" / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="not valid JSON"):
+        read_config(tmp_path / "ck")
+
+
+def test_mismatched_config(tmp_path) -> None:
+    save_checkpoint(tmp_path / "ck", small())
+    cfg_path = tmp_path / "ck" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["model"]["n_embd"] = 32
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="shape"):
+        load_model(tmp_path / "ck")
+
+
+def test_failed_save_keeps_previous_checkpoint(tmp_path) -> None:
+    model = small().eval()
+    save_checkpoint(tmp_path / "ck", model)
+
+    class Broken:
+        def save(self, path):
+            raise OSError(28, "No space left on device")
+
+    with pytest.raises(CheckpointError, match="previous checkpoint"):
+        save_checkpoint(tmp_path / "ck", small(), tokenizer=Broken())
+    ids = torch.randint(0, 33, (1, 16))
+    assert torch.equal(load_model(tmp_path / "ck")(ids), model(ids))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
