@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import os
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any
 
 from tinylm.errors import ConfigError
@@ -115,6 +118,155 @@ class ModelConfig(_JSONMixin):
     def ffn_dim(self) -> int:
         """Hidden width of the feed-forward network (4·E, as in GPT-2)."""
         return 4 * self.n_embd
+
+
+#: Optimizers TrainConfig.optimizer accepts (built in tinylm.training.build_optimizer).
+OPTIMIZERS = ("adamw",)
+
+
+def _field(default: Any, help: str) -> Any:
+    """A dataclass field whose help text the CLI shows for its flag."""
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True)
+class TrainConfig(_JSONMixin):
+    """How to train: optimizer, schedule, batches, evaluation, checkpoints, device.
+
+    One optimizer step uses ``batch_size * grad_accum * world_size`` windows of C
+    tokens (``batch_size`` per process per micro-step). The learning rate warms up
+    linearly for ``warmup_steps``, then follows a cosine down to ``lr * min_lr_ratio``
+    at ``max_steps`` (or at the step where ``time_budget`` runs out, estimated from
+    the measured speed). Every field is a ``tinylm train`` flag (``--batch-size`` ...).
+    """
+
+    batch_size: int = _field(32, "sequences per micro-batch per process")
+    grad_accum: int = _field(1, "micro-batches accumulated into one optimizer step")
+    tokens_per_step: int | None = _field(
+        None, "target tokens per optimizer step; sets grad_accum from batch, context "
+              "length and world size (leave grad_accum at 1)")
+    lr: float = _field(1e-3, "peak learning rate")
+    min_lr_ratio: float = _field(0.1, "cosine floor as a fraction of the peak lr")
+    warmup_steps: int = _field(100, "linear warm-up steps (0 = none)")
+    max_steps: int = _field(2000, "optimizer steps to train")
+    time_budget: float | None = _field(
+        None, "stop after this many seconds of training; the cosine is stretched over it")
+    weight_decay: float = _field(0.1, "AdamW decoupled weight decay on weight matrices")
+    beta1: float = _field(0.9, "AdamW beta1")
+    beta2: float = _field(0.95, "AdamW beta2")
+    grad_clip: float = _field(1.0, "clip the global gradient norm to this (0 = off)")
+    optimizer: str = _field("adamw", f"optimizer: {', '.join(OPTIMIZERS)}")
+    eval_every: int = _field(250, "evaluate on the validation split every N steps")
+    eval_windows: int | None = _field(
+        64, "windows per periodic evaluation (the final one covers the whole split)")
+    save_every: int = _field(500, "write OUT/latest every N steps")
+    log_every: int = _field(10, "log train loss, lr, tokens/s every N steps")
+    seed: int = _field(1337, "seed for init, batches and dropout")
+    device: str = _field("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N or mps")
+    compile: bool = _field(False, "torch.compile the model (falls back with a warning)")
+    plot_log_scale: bool = _field(False, "draw loss.png with a log-scale loss axis")
+
+    def __post_init__(self) -> None:
+        _check_int("batch_size", self.batch_size)
+        _check_int("grad_accum", self.grad_accum)
+        if self.tokens_per_step is not None:
+            _check_int("tokens_per_step", self.tokens_per_step)
+            if self.grad_accum != 1:
+                raise ConfigError(f"set either tokens_per_step ({self.tokens_per_step}) or "
+                                  f"grad_accum ({self.grad_accum}), not both")
+        _check_positive("lr", self.lr)
+        _check_fraction("min_lr_ratio", self.min_lr_ratio, high_open=False)
+        _check_int("warmup_steps", self.warmup_steps, minimum=0)
+        _check_int("max_steps", self.max_steps)
+        if self.warmup_steps > self.max_steps:
+            raise ConfigError(f"warmup_steps={self.warmup_steps} exceeds max_steps="
+                              f"{self.max_steps}; lower --warmup-steps or raise --max-steps")
+        if self.time_budget is not None:
+            _check_positive("time_budget", self.time_budget)
+        _check_positive("weight_decay", self.weight_decay, allow_zero=True)
+        _check_fraction("beta1", self.beta1)
+        _check_fraction("beta2", self.beta2)
+        _check_positive("grad_clip", self.grad_clip, allow_zero=True)
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"unknown optimizer {self.optimizer!r}; choose one of "
+                              f"{', '.join(OPTIMIZERS)}")
+        _check_int("eval_every", self.eval_every)
+        if self.eval_windows is not None:
+            _check_int("eval_windows", self.eval_windows)
+        _check_int("save_every", self.save_every)
+        _check_int("log_every", self.log_every)
+        _check_int("seed", self.seed, minimum=0)
+        if not isinstance(self.device, str) or not self.device:
+            raise ConfigError(f"device must be a name such as auto, cpu, cuda or mps, "
+                              f"got {self.device!r}")
+        for name in ("compile", "plot_log_scale"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+
+
+def _check_positive(name: str, value: Any, *, allow_zero: bool = False) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    ok = ok and (value >= 0 if allow_zero else value > 0)
+    if not ok:
+        what = "a finite number >= 0" if allow_zero else "a finite number > 0"
+        raise ConfigError(f"{name} must be {what}, got {value!r}")
+
+
+def read_toml(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(model fields, train fields) of a run TOML file.
+
+    Keys may sit at the top level or under ``[model]`` / ``[train]`` tables; each top-level
+    key goes to the config that has a field of that name. Unknown keys are errors.
+    """
+    import tomllib
+
+    p = Path(path)
+    try:
+        data = tomllib.loads(p.read_text(encoding="utf-8"))
+    except FileNotFoundError as exc:
+        raise ConfigError(f"config file {p} does not exist; pass an existing --config "
+                          f"TOML file") from exc
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError, OSError) as exc:
+        raise ConfigError(f"config file {p} is not valid TOML: {exc}") from exc
+    names = {"model": {f.name for f in fields(ModelConfig)},
+             "train": {f.name for f in fields(TrainConfig)}}
+    out: dict[str, dict[str, Any]] = {"model": {}, "train": {}}
+    for key, value in data.items():
+        if key in out and isinstance(value, dict):
+            for sub_key, sub_value in value.items():
+                if sub_key not in names[key]:
+                    raise ConfigError(f"{p}: unknown [{key}] key {sub_key!r}; known keys "
+                                      f"are {', '.join(sorted(names[key]))}")
+                out[key][sub_key] = sub_value
+            continue
+        for section, known in names.items():
+            if key in known:
+                out[section][key] = value
+                break
+        else:
+            raise ConfigError(f"{p}: unknown key {key!r}; use ModelConfig or TrainConfig "
+                              f"field names (see tinylm train --help)")
+    return out["model"], out["train"]
+
+
+def to_toml(sections: dict[str, dict[str, Any]]) -> str:
+    """A TOML document of flat tables (str, int, float, bool values; None is omitted),
+    readable by :func:`read_toml`."""
+    lines: list[str] = []
+    for section, values in sections.items():
+        lines.append(f"[{section}]")
+        for key, value in values.items():
+            if value is None:
+                continue
+            if isinstance(value, bool):
+                text = "true" if value else "false"
+            elif isinstance(value, (int, float)):
+                text = repr(value)
+            else:
+                text = json.dumps(str(value))
+            lines.append(f"{key} = {text}")
+        lines.append("")
+    return "\n".join(lines)
 
 
 def resolve_device(name: str | None = "auto"):
