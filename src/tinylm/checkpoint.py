@@ -135,6 +135,10 @@ def save_checkpoint(
         base = unwrap_model(model)
         config = {"format": FORMAT, "version": VERSION, "model": base.config.to_dict()}
         config.update(extra_config or {})
+        from tinylm.lowrank import structure_of  # factorised layers (tinylm compress)
+
+        if structure_of(base):
+            config["lowrank"] = structure_of(base)
         _write_tensors(tmp / WEIGHTS_FILE, model_state(base))
         _write_json(tmp / CONFIG_FILE, config)
         if tokenizer is not None:
