@@ -10,7 +10,7 @@ import torch
 
 from tinylm.config import ModelConfig
 from tinylm.errors import ConfigError, DataError
-from tinylm.evaluation import bits_per_byte, eval_windows, evaluate
+from tinylm.evaluation import bits_per_byte, evaluate
 from tinylm.model import GPT, lm_loss
 
 
@@ -32,15 +32,28 @@ def test_own_training_window_gives_lm_loss(model: GPT) -> None:
     assert result.bits_per_byte is None
 
 
+def _manual_loss(model: GPT, tokens: torch.Tensor, C: int, S: int) -> float:
+    """Each target scored once, by the first window (starts 0, S, 2S, ..., and one
+    ending at the last token) that contains it, computed one window at a time."""
+    n = len(tokens)
+    starts = list(range(0, n - 1 - C + 1, S))
+    if starts[-1] + C < n - 1:
+        starts.append(n - 1 - C)
+    nll = torch.zeros(n)
+    seen = torch.zeros(n, dtype=torch.bool)
+    for b in starts:
+        logits = model(tokens[b:b + C][None])[0]  # (C, V)
+        for row, j in enumerate(range(b + 1, b + C + 1)):
+            if not seen[j]:
+                nll[j] = torch.nn.functional.cross_entropy(logits[row], tokens[j])
+                seen[j] = True
+    assert seen[1:].all()
+    return nll[1:].mean().item()
+
+
 def test_non_overlapping_windows_cover_every_target_once(model: GPT) -> None:
-    tokens = torch.randint(0, 37, (50,))  # 49 targets: windows of 16, 16, 16, 1
-    per_token = []
-    for b in range(0, 49, 16):
-        e = min(b + 16, 49)
-        logits = model(tokens[b:e][None])
-        per_token.append(torch.nn.functional.cross_entropy(
-            logits[0], tokens[b + 1:e + 1], reduction="none"))
-    expected = torch.cat(per_token).mean().item()
+    tokens = torch.randint(0, 37, (50,))  # 49 targets
+    expected = _manual_loss(model, tokens, 16, 16)
     for bs in (1, 2, 16):
         result = evaluate(model, tokens.numpy().astype(np.uint16), batch_size=bs)
         assert result.tokens == 49
@@ -49,38 +62,19 @@ def test_non_overlapping_windows_cover_every_target_once(model: GPT) -> None:
 
 def test_sliding_window_equals_manual_computation(model: GPT) -> None:
     tokens = torch.randint(0, 37, (40,))
-    C, S = 16, 4
-    # Manual: target j (1..39) is scored by the window of C inputs ending at j-1 that
-    # the HF scheme assigns; first window scores targets 1..16 from inputs 0..15.
-    nll = torch.zeros(40)
-    seen = torch.zeros(40, dtype=torch.bool)
-    b = 0
-    while True:
-        e = min(b + C, 39)
-        logits = model(tokens[b:e][None])[0]  # (e-b, V)
-        for row, j in enumerate(range(b + 1, e + 1)):
-            if not seen[j]:
-                nll[j] = torch.nn.functional.cross_entropy(logits[row], tokens[j])
-                seen[j] = True
-        if e == 39:
-            break
-        b += S
-    assert seen[1:].all()
-    expected = nll[1:].mean().item()
-    result = evaluate(model, tokens, stride=S, batch_size=3)
+    expected = _manual_loss(model, tokens, 16, 4)
+    result = evaluate(model, tokens, stride=4, batch_size=3)
     assert result.tokens == 39
     assert result.loss == pytest.approx(expected, rel=1e-5)
-    # Every target gets left context, so the loss differs from non-overlapping windows.
+    # Scored targets get more left context, so the loss differs from stride C.
     assert result.loss != pytest.approx(evaluate(model, tokens).loss, rel=1e-9)
 
 
-def test_windows_score_each_target_once() -> None:
-    for n, C, S in [(2, 4, None), (10, 4, None), (10, 4, 1), (33, 8, 3), (9, 8, 8)]:
-        ws = list(eval_windows(n, C, S))
-        assert sum(w.scored for w in ws) == n - 1
-        assert all(w.end - w.start <= C and 1 <= w.scored <= w.end - w.start for w in ws)
-        ends = [w.end for w in ws]
-        assert ends == sorted(ends) and ends[-1] == n - 1
+def test_short_sequence_is_one_window(model: GPT) -> None:
+    tokens = torch.randint(0, 37, (6,))
+    expected = lm_loss(model(tokens[:-1][None]), tokens[1:][None]).item()
+    for stride in (None, 3, 16):
+        assert evaluate(model, tokens, stride=stride).loss == pytest.approx(expected, rel=1e-6)
 
 
 def test_bits_per_byte_formula(model: GPT) -> None:

@@ -4,15 +4,16 @@ The model's row t predicts token t+1 (SEED-MATH.md section 5), so a sequence of 
 tokens has N - 1 targets. :func:`evaluate` scores every one of them exactly once and
 returns their mean cross-entropy:
 
-    windows   inputs tokens[b : e], targets tokens[b+1 : e+1], e = min(b + C, N - 1),
-              for b = 0, S, 2S, ... until e reaches N - 1
-    scored    only the rows whose target was not scored by an earlier window
-              (the last e - e_prev rows), so every target counts once
+    windows   C + 1 tokens each (inputs (C,), targets shifted by one), starting at
+              0, S, 2S, ...; the last one is moved back to end at the last token
+    scored    only the targets no earlier window scored (a suffix of each window),
+              so every target counts once
 
-With the default stride S = C the windows do not overlap and every row is scored
-(each target sees the tokens since its window's start). A smaller stride gives each
-target up to C - 1 tokens of left context (sliding-window evaluation), at the cost of
-about C / S times more compute. This is the scheme of the Hugging Face perplexity guide.
+The windows come from :func:`tinylm.data.iter_windows` (the one windowing routine).
+With the default stride S = C they do not overlap (each target sees the tokens since
+its window's start). A smaller stride gives each scored target at least C - S tokens
+of left context (sliding-window evaluation, the scheme of the Hugging Face perplexity
+guide) at the cost of about C / S times more compute.
 
     perplexity     = exp(loss)
     bits per byte  = loss · tokens / (ln 2 · bytes)   (comparable across tokenizers)
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tinylm.data import iter_windows
 from tinylm.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
@@ -74,39 +75,6 @@ def bits_per_byte(loss: float, tokens: int, num_bytes: int) -> float:
     return loss * tokens / (math.log(2) * num_bytes)
 
 
-@dataclass(frozen=True)
-class Window:
-    """One evaluation window: inputs tokens[start : end], targets tokens[start+1 : end+1];
-    only the last ``scored`` rows count (earlier targets belong to earlier windows)."""
-
-    start: int
-    end: int
-    scored: int
-
-
-def eval_windows(n_tokens: int, context_length: int, stride: int | None = None
-                 ) -> Iterator[Window]:
-    """The windows that score each of the n_tokens - 1 targets exactly once.
-
-    With stride None (= context_length) they are non-overlapping chunks of C inputs
-    (the last one shorter); with stride S < C each window after the first scores S new
-    targets with C - S tokens of extra left context.
-    """
-    C = context_length
-    S = C if stride is None else stride
-    if not 1 <= S <= C:
-        raise ConfigError(f"stride must be between 1 and the context length {C}, got {S}; "
-                          f"use --stride {C} (non-overlapping) or smaller for sliding windows")
-    last = n_tokens - 1  # the number of targets; inputs end at most here
-    prev_end = 0
-    begin = 0
-    while prev_end < last:
-        end = min(begin + C, last)
-        yield Window(begin, end, end - prev_end)
-        prev_end = end
-        begin += S
-
-
 def _as_numpy(tokens: Any) -> np.ndarray:
     if isinstance(tokens, torch.Tensor):
         tokens = tokens.detach().to("cpu").numpy()
@@ -116,19 +84,6 @@ def _as_numpy(tokens: Any) -> np.ndarray:
     if arr.size and not np.issubdtype(arr.dtype, np.integer):
         raise DataError(f"token ids must be integers, got dtype {arr.dtype}")
     return arr
-
-
-def _batches(windows: Sequence[Window], batch_size: int) -> Iterator[list[Window]]:
-    """Runs of up to batch_size windows of equal length (only the last may differ)."""
-    batch: list[Window] = []
-    for w in windows:
-        if batch and (len(batch) == batch_size
-                      or w.end - w.start != batch[0].end - batch[0].start):
-            yield batch
-            batch = []
-        batch.append(w)
-    if batch:
-        yield batch
 
 
 def evaluate(
@@ -174,61 +129,65 @@ def evaluate(
     if arr.size < 2:
         raise DataError(f"evaluation needs at least 2 tokens (one input and its next-token "
                         f"target), got {arr.size}; pass a longer text or split")
-    windows = list(eval_windows(arr.size, C, stride))
-    total_targets = arr.size - 1
-    if max_windows is not None:
-        windows = windows[:max_windows]
+    if stride is not None and not 1 <= stride <= C:
+        raise ConfigError(f"stride must be between 1 and the context length {C}, got "
+                          f"{stride}; use --stride {C} (non-overlapping) or smaller for "
+                          f"sliding windows")
+    if stride is not None:
+        stride = min(stride, arr.size - 1)  # a split shorter than C is one window anyway
 
     if device is not None:
         from tinylm.config import resolve_device
 
-        device = resolve_device(str(device))
-        model.to(device)
-    param = next(base.parameters())
-    device = param.device
+        model.to(resolve_device(str(device)))
+    device = next(base.parameters()).device
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" \
         else torch.autocast(device.type, enabled=False)
 
     V = config.vocab_size
-    total = 0.0  # sum of per-token nats, accumulated in float64
+    total = 0.0  # sum of per-target nats, accumulated in float64
     scored = 0
+    windows = 0
     was_training = model.training
     model.eval()
     try:
         with torch.inference_mode(), autocast:
-            for batch in _batches(windows, batch_size):
-                length = batch[0].end - batch[0].start
-                starts = np.array([w.start for w in batch], dtype=np.int64)
-                index = starts[:, None] + np.arange(length + 1)  # (B, L+1) positions
-                chunk = arr[index].astype(np.int64)  # (B, L+1) ids, gathered from a memmap
-                bad = (chunk < 0) | (chunk >= V)
-                if bad.any():
+            for x, y, mask in iter_windows(arr, C, batch_size, stride, device=device):
+                if max_windows is not None:  # x, y, mask: (b, C) inputs, targets, scored
+                    x, y, mask = x[:max_windows - windows], y[:max_windows - windows], \
+                        mask[:max_windows - windows]
+                ids = torch.cat([x[:, :1], y], dim=1)  # (b, C + 1): every token of the window
+                outside = (ids < 0) | (ids >= V)
+                if outside.any():
+                    bad = int(ids[outside][0])
                     raise DataError(
-                        f"token id {int(chunk[bad][0])} is outside the model's vocabulary "
-                        f"of {V}; the tokens were made with a different tokenizer than the "
-                        f"model's — prepare the data with the model's tokenizer")
-                ids = torch.from_numpy(chunk).to(device)
-                x, y = ids[:, :-1], ids[:, 1:]  # (B, L) inputs, (B, L) next-token targets
-                n = max(w.scored for w in batch)
-                # Only the last n rows can be scored: project just those onto the vocab.
-                h = base.hidden_states(x)[:, -n:]  # (B, L, E) -> (B, n, E)
-                logits = base.lm_head(h).float()  # (B, n, V)
-                nll = F.cross_entropy(logits.reshape(-1, V), y[:, -n:].reshape(-1),
-                                      reduction="none").view(len(batch), n)  # (B·n,) -> (B, n)
-                keep = torch.arange(n, device=device)[None, :] >= torch.tensor(
-                    [n - w.scored for w in batch], device=device)[:, None]  # (B, n)
+                        f"token id {bad} is outside the model's vocabulary of {V}; the "
+                        f"tokens were made with a different tokenizer than the model's — "
+                        f"prepare the data with the model's tokenizer")
+                # Scored targets are a suffix of each window: project only the columns
+                # from the first scored one onto the vocabulary.
+                first = int(mask.any(0).nonzero()[0])
+                h = base.hidden_states(x)[:, first:]  # (b, C, E) -> (b, n, E)
+                logits = base.lm_head(h).float()  # (b, n, V)
+                nll = F.cross_entropy(logits.reshape(-1, V), y[:, first:].reshape(-1),
+                                      reduction="none")  # (b·n, V) -> (b·n,)
+                keep = mask[:, first:].reshape(-1)  # (b, n) -> (b·n,)
                 total += float(nll[keep].double().sum())
                 scored += int(keep.sum())
+                windows += x.shape[0]
+                if max_windows is not None and windows >= max_windows:
+                    break
     finally:
         model.train(was_training)
 
+    total_targets = arr.size - 1
     loss = total / scored
     bpb = None
     if num_bytes is not None:
         covered = num_bytes * scored / total_targets
         bpb = bits_per_byte(loss, scored, covered) if covered > 0 else None
-    log.debug("evaluated %d targets in %d windows", scored, len(windows))
+    log.debug("evaluated %d targets in %d windows", scored, windows)
     return EvalResult(loss=loss, perplexity=perplexity(loss), bits_per_byte=bpb, tokens=scored)
 
 
-__all__ = ["EvalResult", "Window", "bits_per_byte", "eval_windows", "evaluate", "perplexity"]
+__all__ = ["EvalResult", "bits_per_byte", "evaluate", "perplexity"]
