@@ -169,6 +169,9 @@ def to_hf(model: GPT):
         n_layer=c.n_layer, n_head=c.n_head, layer_norm_epsilon=c.layer_norm_eps,
         activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
         tie_word_embeddings=c.tie_embeddings,
+        # GPT-2's default <|endoftext|> id 50256 does not exist in smaller vocabularies.
+        bos_token_id=50256 if c.vocab_size > 50256 else None,
+        eos_token_id=50256 if c.vocab_size > 50256 else None,
     )
     hf = transformers.GPT2LMHeadModel(hf_config)
     ours = model.state_dict()
@@ -189,3 +192,115 @@ def to_hf(model: GPT):
     if c.tie_embeddings:
         hf.tie_weights()
     return hf.eval()
+
+
+# --- Hugging Face folders on disk (tinylm convert) ----------------------------------------
+
+
+def _has_tokenizer_files(folder: Path) -> bool:
+    return (folder / "tokenizer.json").is_file() or (
+        (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file())
+
+
+def read_hf_folder(folder: str | os.PathLike) -> tuple[GPT, Any]:
+    """(model, tokenizer or None) from a Hugging Face GPT-2 folder on disk.
+
+    The weights come from model.safetensors, or pytorch_model.bin loaded with
+    ``weights_only=True``; the tokenizer from tokenizer.json or vocab.json + merges.txt
+    when the folder has them. Nothing is downloaded.
+    """
+    path = Path(folder)
+    if not path.is_dir():
+        raise CheckpointError(f"Hugging Face folder {path} does not exist; pass a folder "
+                              f"written by save_pretrained (config.json + model.safetensors)")
+    model = from_hf(path)
+    if not _has_tokenizer_files(path):
+        return model, None
+    from tinylm.tokenizers import load_tokenizer
+
+    tokenizer = load_tokenizer(path)
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise CheckpointError(f"{path}: the tokenizer has {tokenizer.vocab_size} tokens but the "
+                              f"model only {model.config.vocab_size} embedding rows; the folder "
+                              f"mixes files from different models")
+    return model, tokenizer
+
+
+def write_hf_folder(model: GPT, tokenizer: Any, folder: str | os.PathLike, *,
+                    weights_only: bool = False) -> Path:
+    """Write ``model`` (and its tokenizer) as a folder that
+    ``transformers.GPT2LMHeadModel.from_pretrained`` and ``AutoTokenizer.from_pretrained``
+    load: config.json, model.safetensors, and tokenizer.json + tokenizer_config.json
+    (plus GPT-2's vocab.json + merges.txt for byte-level BPE).
+
+    GPT-2 tokenizers are byte-level BPE, so a char tokenizer (one token per Unicode
+    character, e.g. one token for "日" instead of its three bytes) has no GPT-2
+    equivalent: that is an error unless ``weights_only``, which writes the model alone.
+    The folder is written under a temporary name and renamed when complete; an existing
+    non-empty folder is never overwritten.
+    """
+    import shutil
+    import tempfile
+
+    dest = Path(folder)
+    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+        raise ConfigError(f"{dest} already exists and is not an empty folder; choose a new "
+                          f"--to-hf folder (nothing was written)")
+    if tokenizer is None and not weights_only:
+        raise ConfigError("this checkpoint has no tokenizer.json, so no tokenizer can be "
+                          "exported; pass --weights-only to export the weights alone")
+    if not weights_only and tokenizer.kind == "char":
+        raise ConfigError("a char tokenizer cannot be exported as a GPT-2 tokenizer: GPT-2 "
+                          "tokenizers are byte-level BPE (vocab.json + merges.txt over UTF-8 "
+                          "bytes) and a char vocabulary has one token per Unicode character; "
+                          "pass --weights-only to export the weights alone, or train with "
+                          "'tinylm prepare --tokenizer bpe'")
+    hf_model = to_hf(model)
+    eos = tokenizer.eos_id if tokenizer is not None else None
+    for cfg in (hf_model.config, getattr(hf_model, "generation_config", None)):
+        if cfg is not None:  # GPT2Config defaults to id 50256, absent from small vocabularies
+            cfg.bos_token_id = cfg.eos_token_id = eos
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    except OSError as exc:
+        raise ConfigError(f"cannot write in {dest.parent}: {exc.strerror}; choose a writable "
+                          f"folder") from exc
+    progress = _require_transformers().utils.logging
+    bars = progress.is_progress_bar_enabled()
+    progress.disable_progress_bar()  # the CLI reports the result in one line
+    try:
+        hf_model.save_pretrained(str(tmp))
+        if not weights_only:
+            _write_hf_tokenizer(tokenizer, tmp, model.config.context_length)
+        if dest.exists():
+            dest.rmdir()  # checked empty above
+        os.replace(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        if bars:
+            progress.enable_progress_bar()
+    return dest
+
+
+def _write_hf_tokenizer(tokenizer: Any, folder: Path, context_length: int) -> None:
+    import json
+
+    tokenizer.save(folder / "tokenizer.json")
+    byte_level = getattr(tokenizer, "byte_level", False)
+    if byte_level:  # GPT-2's own files too, for the slow GPT2Tokenizer of transformers 4
+        tokenizer.hf.model.save(str(folder))
+    config: dict[str, Any] = {
+        "tokenizer_class": "GPT2Tokenizer" if byte_level else "PreTrainedTokenizerFast",
+        "model_max_length": context_length,
+        "add_prefix_space": False,
+        "clean_up_tokenization_spaces": False,
+    }
+    # Explicit nulls: GPT2Tokenizer would otherwise add "<|endoftext|>" to a vocabulary
+    # that lacks it, changing both the size and the encoding of that text.
+    eos = tokenizer.id_to_token(tokenizer.eos_id) if tokenizer.eos_id is not None else None
+    config.update(bos_token=eos, eos_token=eos, unk_token=eos)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n",
+                                                  encoding="utf-8")
