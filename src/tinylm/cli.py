@@ -205,9 +205,200 @@ def _cmd_compress(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_eval(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "eval",
+        help="mean loss, perplexity and bits per byte over a split or a text file",
+        description="Score every next-token target of a prepared split (--data) or a text "
+        "file (--text) exactly once: non-overlapping windows of the model's context "
+        "length, or sliding windows with --stride. Bits per byte divide the total loss "
+        "in bits by the UTF-8 size of the text, so they compare across tokenizers.",
+    )
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--data", metavar="DIR", help="a folder written by 'tinylm prepare'")
+    src.add_argument("--text", metavar="FILE", help="a UTF-8 text file")
+    p.add_argument("--model", required=True, metavar="DIR", help="a checkpoint folder")
+    p.add_argument("--split", choices=("val", "train"), default="val",
+                   help="which split of --data (default: val)")
+    p.add_argument("--stride", type=int, metavar="N",
+                   help="sliding-window step, 1..C; each scored token then sees at least "
+                   "C - N tokens of context (default: C, non-overlapping windows)")
+    p.add_argument("--batch-size", type=int, default=16, metavar="B",
+                   help="windows per forward pass (default: 16)")
+    p.add_argument("--max-windows", type=int, metavar="N",
+                   help="stop after N windows: a quick estimate instead of the exact value")
+    p.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, ...")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object: loss, perplexity, bits_per_byte, tokens")
+    p.set_defaults(func=_cmd_eval)
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from tinylm.checkpoint import load_checkpoint
+    from tinylm.config import resolve_device
+    from tinylm.errors import CheckpointError, DataError
+    from tinylm.evaluation import evaluate_split, evaluate_text
+
+    device = resolve_device(args.device)
+    model, tokenizer = load_checkpoint(args.model, device)
+    options = {"stride": args.stride, "batch_size": args.batch_size,
+               "max_windows": args.max_windows}
+    if args.text is not None:
+        if tokenizer is None:
+            raise CheckpointError(f"{args.model} has no tokenizer.json, so --text cannot be "
+                                  f"encoded; evaluate a prepared split with --data instead")
+        try:
+            text = Path(args.text).read_text(encoding="utf-8")
+        except FileNotFoundError as exc:
+            raise DataError(f"text file {args.text} does not exist; pass a UTF-8 text file "
+                            f"to --text") from exc
+        except (OSError, UnicodeDecodeError) as exc:
+            raise DataError(f"cannot read {args.text} as UTF-8 text ({exc}); convert it to "
+                            f"UTF-8") from exc
+        result = evaluate_text(model, tokenizer, text, **options)
+        what = f"{args.text}"
+    else:
+        result = evaluate_split(model, tokenizer, args.data, args.split, **options)
+        what = f"{args.data} ({args.split} split)"
+    if args.json:
+        print(json.dumps(result.to_dict()))
+        return 0
+    bpb = "unknown" if result.bits_per_byte is None else f"{result.bits_per_byte:.4f}"
+    print(f"model          {args.model}")
+    print(f"evaluated on   {what}: {result.tokens:,} tokens")
+    print(f"loss           {result.loss:.4f} nats/token")
+    print(f"perplexity     {result.perplexity:.3f}")
+    print(f"bits per byte  {bpb}")
+    return 0
+
+
+def _add_explain(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "explain",
+        help="next-token table per position, attention maps (PNG/HTML), embedding neighbours",
+        description="For each position t of the prompt, show the token at t and the top-k "
+        "candidates for the NEXT token with their probabilities (row t is the distribution "
+        "after tokens 0..t, as in the seed's 'This is a pen .' table). Optionally draw "
+        "every attention map (layers x heads) as a PNG, write an offline HTML explorer, "
+        "or list the tokens nearest to one token in embedding space.",
+    )
+    p.add_argument("--model", required=True, metavar="DIR", help="a checkpoint folder")
+    p.add_argument("--prompt", metavar="TEXT",
+                   help="the text to explain (at most the model's context length in tokens)")
+    p.add_argument("--top-k", type=int, default=5, metavar="K",
+                   help="candidates per row (default: 5)")
+    p.add_argument("--json", action="store_true",
+                   help="print JSON: a list of rows {token, id, position, candidates: "
+                   "[{token, id, prob}]} (with --neighbours, their list too)")
+    p.add_argument("--attention", metavar="FILE.png",
+                   help="draw all attention maps as a grid of heatmaps (needs matplotlib)")
+    p.add_argument("--html", metavar="FILE.html",
+                   help="write a self-contained offline page to explore the maps")
+    p.add_argument("--neighbours", metavar="TOKEN",
+                   help="list the tokens nearest to TOKEN by cosine similarity of embeddings")
+    p.add_argument("--count", type=int, default=10, metavar="N",
+                   help="how many neighbours (default: 10)")
+    p.add_argument("--device", default="cpu", help="cpu (default), cuda, mps or auto")
+    p.set_defaults(func=_cmd_explain)
+
+
+def _cmd_explain(args: argparse.Namespace) -> int:
+    import json
+
+    from tinylm import inspection
+    from tinylm.checkpoint import load_checkpoint
+    from tinylm.config import resolve_device
+    from tinylm.errors import CheckpointError, ConfigError
+
+    if args.prompt is None and args.neighbours is None:
+        raise ConfigError("nothing to explain; pass --prompt TEXT and/or --neighbours TOKEN")
+    if args.prompt is None and (args.attention or args.html):
+        raise ConfigError("--attention and --html draw the maps of a prompt; pass --prompt TEXT")
+    model, tokenizer = load_checkpoint(args.model, resolve_device(args.device))
+    if tokenizer is None:
+        raise CheckpointError(f"{args.model} has no tokenizer.json; explain needs the model's "
+                              f"tokenizer to show tokens")
+    out: dict[str, object] = {}
+    if args.prompt is not None:
+        explanation = inspection.explain(model, tokenizer, args.prompt, top_k=args.top_k)
+        out["rows"] = explanation.to_json()
+        if args.attention:
+            log.info("wrote %s", inspection.plot_attention(explanation, args.attention))
+        if args.html:
+            log.info("wrote %s", inspection.write_html(explanation, args.html))
+        if not args.json:
+            print(inspection.format_table(explanation))
+    if args.neighbours is not None:
+        neighbours = inspection.nearest_tokens(model, tokenizer, args.neighbours, args.count)
+        out["neighbours"] = [{"token": n.token, "id": n.id, "similarity": n.similarity}
+                             for n in neighbours]
+        if not args.json:
+            if args.prompt is not None:
+                print()
+            print(inspection.format_neighbours(args.neighbours, neighbours))
+    if args.json:
+        print(json.dumps(out if len(out) > 1 else next(iter(out.values())), ensure_ascii=False,
+                         indent=1))
+    return 0
+
+
+def _add_convert(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "convert",
+        help="Hugging Face GPT-2 folder <-> tinylm checkpoint",
+        description="--from-hf HF_DIR --out DIR: a Hugging Face GPT-2 folder on disk "
+        "(config.json, model.safetensors or pytorch_model.bin, tokenizer files when "
+        "present) -> a tinylm checkpoint. --model DIR --to-hf HF_DIR: a tinylm checkpoint "
+        "-> a folder that transformers' GPT2LMHeadModel and AutoTokenizer load. Nothing "
+        "is downloaded.",
+    )
+    p.add_argument("--from-hf", metavar="HF_DIR", help="a Hugging Face GPT-2 folder to import")
+    p.add_argument("--out", metavar="DIR", help="the tinylm checkpoint to write (--from-hf)")
+    p.add_argument("--model", metavar="DIR", help="a tinylm checkpoint to export")
+    p.add_argument("--to-hf", metavar="HF_DIR",
+                   help="the Hugging Face folder to write (--model); must not exist or be empty")
+    p.add_argument("--weights-only", action="store_true",
+                   help="--to-hf: export the model without its tokenizer (needed for char "
+                   "tokenizers, which have no GPT-2 equivalent)")
+    p.set_defaults(func=_cmd_convert)
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from tinylm.checkpoint import load_checkpoint, save_checkpoint
+    from tinylm.errors import ConfigError
+    from tinylm.hf import read_hf_folder, write_hf_folder
+
+    importing = args.from_hf is not None or args.out is not None
+    exporting = args.model is not None or args.to_hf is not None
+    if importing == exporting or (importing and not (args.from_hf and args.out)) or (
+            exporting and not (args.model and args.to_hf)):
+        raise ConfigError("use either --from-hf HF_DIR --out DIR (import) or --model DIR "
+                          "--to-hf HF_DIR (export)")
+    if importing:
+        if args.weights_only:
+            raise ConfigError("--weights-only applies to --to-hf only")
+        model, tokenizer = read_hf_folder(args.from_hf)
+        save_checkpoint(args.out, model, tokenizer)
+        tok = f"{tokenizer.kind} tokenizer" if tokenizer is not None else "no tokenizer files"
+        print(f"converted {args.from_hf} -> {args.out} ({model.num_parameters():,} parameters, "
+              f"{tok})")
+    else:
+        model, tokenizer = load_checkpoint(args.model)
+        write_hf_folder(model, tokenizer, args.to_hf, weights_only=args.weights_only)
+        what = "weights only" if args.weights_only else f"{tokenizer.kind} tokenizer"
+        print(f"exported {args.model} -> {args.to_hf} (Hugging Face GPT-2, {what})")
+    return 0
+
+
 COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_info,
     _add_compress,
+    _add_eval,
+    _add_explain,
+    _add_convert,
 ]
 
 
