@@ -51,6 +51,73 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_prepare(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "prepare",
+        help="text -> tokenizer.json + train.bin/val.bin token shards + meta.json",
+        description="Tokenize a file, a folder of files, standard input or a built-in "
+        "corpus (default: python-docs, no download) into --out: tokenizer.json, "
+        "train.bin and val.bin (uint16 when the vocabulary fits, else uint32) and "
+        "meta.json. Streams the input, so it scales to multi-GB corpora; writes "
+        "atomically, so an interrupted run leaves the folder as it was.",
+    )
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--input", action="append", metavar="FILE|DIR|-",
+                     help="text file, folder of text files, or - for stdin (repeatable)")
+    src.add_argument("--corpus", metavar="NAME",
+                     help="a built-in corpus (python-docs); the default without --input")
+    p.add_argument("--tokenizer", default="char", metavar="char|bpe|PATH",
+                   help="char (one token per character), bpe (byte-level BPE trained on "
+                   "the input), or an existing tokenizer.json / folder with vocab.json + "
+                   "merges.txt (default: char)")
+    p.add_argument("--vocab-size", type=int, default=4096, metavar="N",
+                   help="BPE vocabulary size, at least 256 + special tokens (default: 4096)")
+    p.add_argument("--val-fraction", type=float, default=0.1, metavar="F",
+                   help="fraction of tokens held out in val.bin (default: 0.1)")
+    p.add_argument("--context-length", type=int, default=256, metavar="C",
+                   help="context length the data is for: each split needs at least C + 1 "
+                   "tokens (default: 256)")
+    p.add_argument("--unknown", choices=("error", "replace"), default="error",
+                   help="char tokenizer, later text with unseen characters: error, or "
+                   "replace them with <unk> (default: error)")
+    p.add_argument("--errors", choices=("strict", "replace"), default="strict",
+                   help="invalid UTF-8 or binary input: stop (strict), or replace bad bytes "
+                   "with U+FFFD and go on (default: strict)")
+    p.add_argument("--special-token", action="append", default=[], metavar="TOKEN",
+                   dest="special_tokens",
+                   help="add a special token such as '<|endoftext|>' (repeatable)")
+    p.add_argument("--glob", default="*", metavar="PATTERN",
+                   help="files to take from an input folder (default: * = all non-hidden)")
+    p.add_argument("--out", required=True, metavar="DIR", help="output folder")
+    p.add_argument("--force", action="store_true",
+                   help="overwrite an output folder that holds a different dataset")
+    p.add_argument("--no-progress", action="store_true", help="never show a progress bar")
+    p.set_defaults(func=_cmd_prepare)
+
+
+def _cmd_prepare(args: argparse.Namespace) -> int:
+    import time
+
+    from tinylm.data import prepare
+
+    start = time.perf_counter()
+    data = prepare(
+        args.out, args.input, corpus=args.corpus, tokenizer=args.tokenizer,
+        vocab_size=args.vocab_size, val_fraction=args.val_fraction,
+        context_length=args.context_length, unknown=args.unknown, errors=args.errors,
+        special_tokens=args.special_tokens, glob=args.glob, force=args.force,
+        progress=False if args.no_progress else None,
+    )
+    seconds = time.perf_counter() - start
+    meta = data.meta
+    mb = meta["input_bytes"] / 1e6
+    print(f"prepared {data.dir}: {meta['train_tokens']:,} train + {meta['val_tokens']:,} val "
+          f"tokens ({meta['dtype']}), {data.tokenizer.kind} tokenizer with "
+          f"{data.vocab_size:,} tokens, from {meta['source']} ({mb:.2f} MB) in {seconds:.1f} s "
+          f"({mb / max(seconds, 1e-9):.1f} MB/s)")
+    return 0
+
+
 def _add_compress(sub: argparse._SubParsersAction) -> None:
     from tinylm.lowrank import DEFAULT_LAYERS
 
@@ -395,6 +462,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
 COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_info,
+    _add_prepare,
     _add_compress,
     _add_eval,
     _add_explain,
