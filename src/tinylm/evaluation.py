@@ -190,4 +190,80 @@ def evaluate(
     return EvalResult(loss=loss, perplexity=perplexity(loss), bits_per_byte=bpb, tokens=scored)
 
 
-__all__ = ["EvalResult", "bits_per_byte", "evaluate", "perplexity"]
+# --- texts and prepared splits ----------------------------------------------------------
+
+
+def decoded_bytes(tokenizer: Any, tokens: Any, chunk: int = 1 << 20) -> int:
+    """UTF-8 size of the text that ``tokens`` (N,) decode to, decoding ~chunk at a time.
+
+    A cut inside a multi-byte character would decode as U+FFFD on both sides, so a chunk
+    whose text ends in U+FFFD is extended by a few tokens until it ends cleanly.
+    """
+    arr = _as_numpy(tokens)
+    n, start, total = arr.size, 0, 0
+    while start < n:
+        end = min(start + chunk, n)
+        text = tokenizer.decode(arr[start:end])
+        for _ in range(8):
+            if end >= n or not text.endswith("\ufffd"):
+                break
+            end += 1
+            text = tokenizer.decode(arr[start:end])
+        total += len(text.encode("utf-8", errors="surrogatepass"))
+        start = end
+    return total
+
+
+def _identity(tokenizer: Any) -> str:
+    import json
+
+    doc = tokenizer.to_hf_json()
+    return json.dumps({"model": doc.get("model"), "added": doc.get("added_tokens"),
+                       "pre": doc.get("pre_tokenizer"), "norm": doc.get("normalizer")},
+                      sort_keys=True)
+
+
+def check_same_tokenizer(model_tokenizer: Any, data_tokenizer: Any, where: str) -> None:
+    """Raise a DataError unless both tokenizers map text to the same ids (same kind,
+    vocabulary, merges, special tokens and pre-tokenization)."""
+    if model_tokenizer is None or data_tokenizer is None:
+        return
+    if _identity(model_tokenizer) != _identity(data_tokenizer):
+        raise DataError(
+            f"{where} was prepared with a different tokenizer ({data_tokenizer.kind}, "
+            f"{data_tokenizer.vocab_size} tokens) than the model's ({model_tokenizer.kind}, "
+            f"{model_tokenizer.vocab_size} tokens); prepare the data with the model's "
+            f"tokenizer (tinylm prepare --tokenizer MODEL_DIR/tokenizer.json) or use --text")
+
+
+def evaluate_text(model: nn.Module, tokenizer: Any, text: str, **kwargs: Any) -> EvalResult:
+    """:func:`evaluate` on ``text`` encoded with ``tokenizer``; bits per byte use the
+    text's UTF-8 size. ``kwargs`` go to :func:`evaluate`."""
+    tokens = tokenizer.encode_array([text]) if hasattr(tokenizer, "encode_array") \
+        else tokenizer.encode(text)
+    return evaluate(model, tokens, num_bytes=len(text.encode("utf-8")), **kwargs)
+
+
+def evaluate_split(model: nn.Module, tokenizer: Any, data_dir: Any, split: str = "val",
+                   **kwargs: Any) -> EvalResult:
+    """:func:`evaluate` on one split of a ``tinylm prepare`` folder.
+
+    The split must have been made with the model's tokenizer (``tokenizer``, or None to
+    skip the check). Bits per byte use the UTF-8 size of the decoded split.
+    """
+    from tinylm.data import load_prepared
+
+    if split not in ("train", "val"):
+        raise ConfigError(f"split must be 'train' or 'val', got {split!r}")
+    data = load_prepared(data_dir)
+    check_same_tokenizer(tokenizer, data.tokenizer, str(data.dir))
+    tokens = data.val if split == "val" else data.train
+    if len(tokens) < 2:
+        raise DataError(f"the {split} split of {data.dir} has {len(tokens)} token(s); "
+                        f"evaluation needs at least 2, prepare more text or use --split train")
+    num_bytes = decoded_bytes(data.tokenizer, tokens)
+    return evaluate(model, tokens, num_bytes=num_bytes, **kwargs)
+
+
+__all__ = ["EvalResult", "bits_per_byte", "check_same_tokenizer", "decoded_bytes", "evaluate",
+           "evaluate_split", "evaluate_text", "perplexity"]
