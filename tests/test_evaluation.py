@@ -111,3 +111,123 @@ def test_bad_tokens(model: GPT) -> None:
         evaluate(model, [1, 2, 500, 3])
     with pytest.raises(DataError, match="at least 2 tokens"):
         evaluate(model, [1])
+
+
+# --- texts, prepared splits and `tinylm eval` ----------------------------------------------
+
+TEXT = "This is a pen. これはペンです。\n" * 30
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory):
+    """A prepared char dataset and a tiny random model saved with its tokenizer."""
+    from tinylm.checkpoint import save_checkpoint
+    from tinylm.data import prepare
+
+    root = tmp_path_factory.mktemp("eval")
+    (root / "corpus.txt").write_text(TEXT, encoding="utf-8")
+    data = prepare(root / "data", [root / "corpus.txt"], tokenizer="char", val_fraction=0.25,
+                   context_length=16, progress=False)
+    torch.manual_seed(0)
+    m = GPT(ModelConfig(vocab_size=data.tokenizer.vocab_size, context_length=16, n_layer=1,
+                        n_head=2, n_embd=16))
+    ckpt = save_checkpoint(root / "model", m, data.tokenizer)
+    return root, data, m, ckpt
+
+
+def test_decoded_bytes_counts_utf8(run) -> None:
+    from tinylm.evaluation import decoded_bytes
+
+    _root, data, _m, _ckpt = run
+    tok = data.tokenizer
+    ids = tok.encode(TEXT)
+    assert decoded_bytes(tok, ids, chunk=7) == len(TEXT.encode("utf-8"))
+    split = tok.decode(data.val)
+    assert decoded_bytes(tok, data.val) == len(split.encode("utf-8"))
+
+
+def test_decoded_bytes_never_splits_a_character() -> None:
+    from tinylm.evaluation import decoded_bytes
+    from tinylm.tokenizers import BPETokenizer
+
+    text = "日本語のテキスト。" * 20 + "naïve café"
+    tok = BPETokenizer.train([text], vocab_size=260)  # few merges: characters span tokens
+    ids = tok.encode(text)
+    for chunk in (1, 2, 3, 5):
+        assert decoded_bytes(tok, ids, chunk=chunk) == len(text.encode("utf-8"))
+
+
+def test_split_and_text_results(run) -> None:
+    from tinylm.evaluation import evaluate_split, evaluate_text
+
+    root, data, m, _ckpt = run
+    r = evaluate_split(m, data.tokenizer, root / "data", "val")
+    direct = evaluate(m, data.val)
+    assert r.loss == pytest.approx(direct.loss) and r.tokens == len(data.val) - 1
+    val_bytes = len(data.tokenizer.decode(data.val).encode("utf-8"))
+    assert r.bits_per_byte == pytest.approx(r.loss * r.tokens / (math.log(2) * val_bytes))
+    t = evaluate_text(m, data.tokenizer, TEXT)
+    assert t.tokens == len(TEXT) - 1
+    assert t.bits_per_byte == pytest.approx(t.loss * t.tokens
+                                            / (math.log(2) * len(TEXT.encode("utf-8"))))
+
+
+def test_cli_eval_text_and_json(run, capsys) -> None:
+    import json
+
+    from tinylm.cli import main
+    from tinylm.evaluation import evaluate_split
+
+    root, data, m, ckpt = run
+    assert main(["eval", "--model", str(ckpt), "--data", str(root / "data"), "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert set(got) == {"loss", "perplexity", "bits_per_byte", "tokens"}
+    expected = evaluate_split(m, data.tokenizer, root / "data")
+    assert got["loss"] == pytest.approx(expected.loss, rel=1e-6)
+    assert got["tokens"] == expected.tokens
+    assert main(["eval", "--model", str(ckpt), "--text", str(root / "corpus.txt"),
+                 "--stride", "4", "--split", "train"]) == 0
+    out = capsys.readouterr().out
+    assert "perplexity" in out and "bits per byte" in out and f"{len(TEXT) - 1:,}" in out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--stride", "0"], "stride"),
+    (["--stride", "17"], "stride"),
+    (["--batch-size", "0"], "batch size"),
+    (["--max-windows", "0"], "max_windows"),
+])
+def test_cli_eval_bad_flags(run, capsys, args: list[str], message: str) -> None:
+    from tinylm.cli import main
+
+    root, _data, _m, ckpt = run
+    assert main(["eval", "--model", str(ckpt), "--data", str(root / "data"), *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0]
+
+
+def test_cli_eval_bad_inputs(run, tmp_path, capsys) -> None:
+    from tinylm.checkpoint import save_checkpoint
+    from tinylm.cli import main
+    from tinylm.data import prepare
+
+    root, data, m, ckpt = run
+    # Data prepared with another tokenizer (a different alphabet).
+    (tmp_path / "other.txt").write_text("abcdefghij klmnop\n" * 40, encoding="utf-8")
+    prepare(tmp_path / "other", [tmp_path / "other.txt"], context_length=16, progress=False)
+    (tmp_path / "unknown.txt").write_text("zzz unknown characters", encoding="utf-8")
+    (tmp_path / "latin1.txt").write_bytes("café".encode("latin-1"))
+    no_tok = save_checkpoint(tmp_path / "no_tok", m)
+    cases = [
+        (["--model", str(ckpt), "--data", str(tmp_path / "other")], "different tokenizer"),
+        (["--model", str(ckpt), "--text", str(tmp_path / "unknown.txt")], "never saw"),
+        (["--model", str(ckpt), "--text", str(tmp_path / "latin1.txt")], "UTF-8"),
+        (["--model", str(ckpt), "--text", str(tmp_path / "nope.txt")], "does not exist"),
+        (["--model", str(ckpt), "--data", str(tmp_path / "nope")], "does not exist"),
+        (["--model", str(tmp_path / "nope"), "--data", str(root / "data")], "does not exist"),
+        (["--model", str(no_tok), "--text", str(root / "corpus.txt")], "no tokenizer"),
+    ]
+    for args, message in cases:
+        assert main(["eval", *args]) == 2, args
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0], (args, err)
