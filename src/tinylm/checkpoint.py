@@ -172,9 +172,24 @@ def save_checkpoint(
 # --- reading ------------------------------------------------------------------------------
 
 
-def read_config(path: str | os.PathLike) -> dict[str, Any]:
-    """config.json of a checkpoint folder, checked for format and version."""
+RUN_LATEST = "latest"  # a training run folder's newest checkpoint (tinylm train --out)
+
+
+def resolve_checkpoint_dir(path: str | os.PathLike) -> Path:
+    """The checkpoint folder ``path`` names: itself, or ``path/latest`` for a run folder.
+
+    ``tinylm train --out RUN`` writes RUN/latest and RUN/best; passing RUN wherever a
+    checkpoint is expected means RUN/latest. This is the one place that decides it.
+    """
     folder = Path(path)
+    if not (folder / CONFIG_FILE).is_file() and (folder / RUN_LATEST / CONFIG_FILE).is_file():
+        return folder / RUN_LATEST
+    return folder
+
+
+def read_config(path: str | os.PathLike) -> dict[str, Any]:
+    """config.json of a checkpoint folder (or run folder), checked for format and version."""
+    folder = resolve_checkpoint_dir(path)
     if not folder.is_dir():
         hint = " (it is a file; pass the folder that holds config.json)" if folder.exists() else ""
         raise CheckpointError(f"checkpoint folder {folder} does not exist{hint}; pass the --out "
@@ -228,9 +243,10 @@ def build_model(config: dict[str, Any]) -> GPT:
 
 def load_model(path: str | os.PathLike, device: torch.device | str = "cpu") -> GPT:
     """The model stored in a checkpoint folder, in eval mode, on ``device``."""
+    path = resolve_checkpoint_dir(path)
     config = read_config(path)
     model = build_model(config)
-    state = strip_wrapper_prefixes(read_tensors(Path(path) / WEIGHTS_FILE))
+    state = strip_wrapper_prefixes(read_tensors(path / WEIGHTS_FILE))
     if model.config.tie_embeddings:
         state.pop("lm_head.weight", None)
     expected = set(model_state(model))
@@ -253,7 +269,7 @@ def load_model(path: str | os.PathLike, device: torch.device | str = "cpu") -> G
 
 def load_tokenizer_of(path: str | os.PathLike):
     """The checkpoint's tokenizer, or None when the folder has none."""
-    tok_path = Path(path) / TOKENIZER_FILE
+    tok_path = resolve_checkpoint_dir(path) / TOKENIZER_FILE
     if not tok_path.is_file():
         return None
     from tinylm.tokenizers import load_tokenizer
@@ -284,3 +300,51 @@ def load_train_state(path: str | os.PathLike) -> tuple[dict[str, Tensor], dict[s
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{meta_path} is corrupt ({exc}); cannot resume from it") from exc
     return read_tensors(folder / STATE_TENSORS_FILE), meta
+
+
+# --- optimizer state without pickle -------------------------------------------------------
+
+_OPTIM_PREFIX = "optim."
+
+
+def optimizer_state(optimizer: torch.optim.Optimizer) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """Split ``optimizer.state_dict()`` into tensors (moments, step counts) and JSON.
+
+    Tensors are named ``optim.<param index>.<key>``; scalar per-parameter state and the
+    param groups (lr, betas, ...) go to the JSON part. Round-trips exactly through
+    :func:`load_optimizer_state`.
+    """
+    sd = optimizer.state_dict()
+    tensors: dict[str, Tensor] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    for idx, per_param in sd["state"].items():
+        for key, value in per_param.items():
+            if isinstance(value, Tensor):
+                tensors[f"{_OPTIM_PREFIX}{idx}.{key}"] = value
+            else:
+                scalars.setdefault(str(idx), {})[key] = value
+    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, tensors: dict[str, Tensor],
+                         meta: dict[str, Any]) -> None:
+    """Restore what :func:`optimizer_state` saved into an optimizer over the same params."""
+    state: dict[int, dict[str, Any]] = {}
+    for name, value in tensors.items():
+        if not name.startswith(_OPTIM_PREFIX):
+            continue
+        idx, key = name[len(_OPTIM_PREFIX):].split(".", 1)
+        state.setdefault(int(idx), {})[key] = value
+    for idx, values in meta.get("scalars", {}).items():
+        state.setdefault(int(idx), {}).update(values)
+    groups = meta["param_groups"]
+    own = optimizer.state_dict()["param_groups"]
+    if [len(g["params"]) for g in groups] != [len(g["params"]) for g in own]:
+        raise CheckpointError("the saved optimizer state does not match the model's "
+                              "parameters (different structure); start a new run instead "
+                              "of --resume")
+    try:
+        optimizer.load_state_dict({"state": state, "param_groups": groups})
+    except (ValueError, KeyError, RuntimeError) as exc:
+        raise CheckpointError(f"cannot restore the optimizer state ({exc}); start a new "
+                              f"run instead of --resume") from exc

@@ -272,6 +272,134 @@ def _cmd_compress(args: argparse.Namespace) -> int:
     return 0
 
 
+_MODEL_FLAG_HELP = {
+    "vocab_size": None,  # always the prepared data's tokenizer size
+    "context_length": "C, tokens per training window and the model's longest input",
+    "n_layer": "number of Transformer blocks",
+    "n_head": "H, attention heads per block",
+    "n_embd": "E, embedding width",
+    "head_dim": "D per head (default n_embd // n_head)",
+    "dropout": "dropout probability while training",
+    "bias": "biases in Linear layers and LayerNorms",
+    "tie_embeddings": "share the token embedding with the LM head",
+    "layer_norm_eps": "LayerNorm epsilon",
+}
+
+
+def _config_flags(group: argparse._ArgumentGroup, cls: type, helps: dict[str, str | None]
+                  ) -> None:
+    """One flag per dataclass field (--n-layer for n_layer); default None = not given."""
+    import dataclasses
+
+    types = {"int": int, "float": float, "str": str}
+    for f in dataclasses.fields(cls):
+        help_text = helps.get(f.name, f.metadata.get("help", ""))
+        if help_text is None:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        kind = str(f.type).replace(" | None", "")
+        default = f.default if f.default is not dataclasses.MISSING else None
+        if default is not None:
+            help_text = f"{help_text} (default {default})"
+        if kind == "bool":
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
+                               help=help_text)
+        else:
+            group.add_argument(flag, type=types[kind], default=None, metavar=kind.upper(),
+                               help=help_text)
+
+
+def _add_train(sub: argparse._SubParsersAction) -> None:
+    from tinylm.config import ModelConfig, TrainConfig
+
+    p = sub.add_parser(
+        "train",
+        help="train a model on prepared data; writes checkpoints, metrics.jsonl, loss.png",
+        description="Train a GPT on a folder written by 'tinylm prepare'. The run folder "
+        "--out gets latest/ (resumable checkpoint), best/ (lowest val loss), metrics.jsonl, "
+        "loss.png and run.toml. Values come from the defaults, then the saved run (with "
+        "--resume), then --config, then flags. Under torchrun every process runs this.",
+    )
+    p.add_argument("--data", required=True, metavar="DIR", help="prepared data folder")
+    p.add_argument("--out", required=True, metavar="DIR", help="run folder to write")
+    p.add_argument("--config", metavar="TOML", help="run config file ([model]/[train] "
+                   "tables or top-level keys); flags override it")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from OUT/latest (starts fresh if there is none)")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="force the progress bar on/off (default: on a terminal)")
+    _config_flags(p.add_argument_group("model"), ModelConfig, _MODEL_FLAG_HELP)
+    _config_flags(p.add_argument_group("training"), TrainConfig, {})
+    p.set_defaults(func=_cmd_train)
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    import dataclasses
+    from pathlib import Path
+
+    from tinylm.checkpoint import CONFIG_FILE, RUN_LATEST, read_config
+    from tinylm.config import ModelConfig, TrainConfig, read_toml
+    from tinylm.training import train
+
+    model_kw: dict = {}
+    train_kw: dict = {}
+    latest = Path(args.out) / RUN_LATEST
+    if args.resume and (latest / CONFIG_FILE).is_file():
+        saved = read_config(latest)
+        model_kw.update(saved["model"])
+        train_kw.update(saved.get("train", {}))
+    if args.config:
+        m, t = read_toml(args.config)
+        model_kw.update(m)
+        train_kw.update(t)
+    for cls, kw in ((ModelConfig, model_kw), (TrainConfig, train_kw)):
+        for f in dataclasses.fields(cls):
+            value = getattr(args, f.name, None)
+            if value is not None:
+                kw[f.name] = value
+    model_kw.pop("vocab_size", None)  # taken from the data's tokenizer by train()
+    result = train(ModelConfig.from_dict(model_kw), TrainConfig.from_dict(train_kw),
+                   args.data, args.out, resume=args.resume, progress=args.progress)
+    if result.rank != 0:
+        return 0
+    mins, secs = divmod(int(result.elapsed), 60)
+    if result.interrupted:
+        print(f"interrupted at step {result.steps}; checkpoint saved to {result.checkpoint}; "
+              f"continue with: tinylm train --data {args.data} --out {args.out} --resume",
+              file=sys.stderr)
+        return 130
+    print(f"trained {result.steps} steps in {mins}m{secs:02d}s "
+          f"({result.tokens_per_s:,.0f} tokens/s), stopped by {result.stop_reason}")
+    if result.final_val_loss is not None:
+        print(f"val loss {result.final_val_loss:.4f} (perplexity "
+              f"{result.final_val_perplexity:.2f}) over the whole validation split; "
+              f"best {result.best_val_loss:.4f}")
+    print(f"checkpoint: {result.checkpoint}  (best: {result.out_dir / 'best'})")
+    print(f"loss curve: {result.out_dir / 'loss.png'}")
+    return 0
+
+
+def _add_plot(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "plot",
+        help="draw the loss curves of one or more training runs into one PNG",
+        description="Read RUN_DIR/metrics.jsonl of each run and draw train loss (lines) "
+        "and validation loss (dots) against step, one colour per run.",
+    )
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run folders (tinylm train --out)")
+    p.add_argument("--out", default="loss-comparison.png", metavar="FILE.png",
+                   help="the PNG to write (default loss-comparison.png)")
+    p.add_argument("--log-scale", action="store_true", help="log-scale loss axis")
+    p.set_defaults(func=_cmd_plot)
+
+
+def _cmd_plot(args: argparse.Namespace) -> int:
+    from tinylm.training import plot_runs
+
+    print(f"wrote {plot_runs(args.runs, args.out, log_scale=args.log_scale)}")
+    return 0
+
+
 def _add_eval(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "eval",
@@ -464,6 +592,8 @@ COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_info,
     _add_prepare,
     _add_compress,
+    _add_train,
+    _add_plot,
     _add_eval,
     _add_explain,
     _add_convert,

@@ -1,0 +1,380 @@
+"""Training: config validation, schedule, exact resume after SIGKILL, DDP equality,
+faults (NaN, SIGINT, bad config/data/output), metrics and plots."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tinylm.checkpoint import load_checkpoint, load_train_state, read_config
+from tinylm.cli import main
+from tinylm.config import ModelConfig, TrainConfig, read_toml
+from tinylm.errors import CheckpointError, ConfigError, DataError
+from tinylm.model import GPT
+from tinylm.training import NonFiniteLossError, decay_groups, lr_at, read_metrics, train
+
+MODEL = dict(n_layer=2, n_head=2, n_embd=32, context_length=32, dropout=0.1)
+TRAIN = dict(batch_size=4, grad_accum=2, lr=3e-3, warmup_steps=3, max_steps=24, eval_every=8,
+             eval_windows=4, save_every=5, log_every=1, seed=7, device="cpu")
+# Values that depend on the clock, not on the computation.
+TIMING_KEYS = ("tokens_per_s", "elapsed")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """One intra-op thread here and in subprocesses (OMP_NUM_THREADS=1): the bitwise
+    comparisons need the same reduction order, and a busy 2-core machine is faster so."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    from tinylm.corpora import load_corpus
+    from tinylm.data import prepare
+
+    root = tmp_path_factory.mktemp("train-data")
+    text = root / "text.txt"
+    text.write_text(load_corpus("python-docs")[:40_000], encoding="utf-8")
+    prepare(root / "prepared", [text], tokenizer="char", context_length=32, progress=False)
+    return root / "prepared"
+
+
+def _run(data_dir: Path, out: Path, model: dict | None = None, **train_changes):
+    cfg = TrainConfig(**{**TRAIN, **train_changes})
+    return train(ModelConfig(**(model or MODEL)), cfg, data_dir, out, progress=False)
+
+
+def _weights(run: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(run / "latest" / "model.safetensors"))
+
+
+def _loss_log(run: Path) -> list[dict]:
+    return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in read_metrics(run)]
+
+
+@pytest.fixture(scope="module")
+def reference_run(data_dir, tmp_path_factory) -> Path:
+    """One uninterrupted run that several tests compare against."""
+    out = tmp_path_factory.mktemp("ref") / "run"
+    _run(data_dir, out)
+    return out
+
+
+# --- config and math ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("changes, field", [
+    ({"lr": 0}, "lr"), ({"lr": float("nan")}, "lr"), ({"batch_size": 0}, "batch_size"),
+    ({"grad_accum": 1.5}, "grad_accum"), ({"warmup_steps": 50, "max_steps": 10}, "warmup_steps"),
+    ({"min_lr_ratio": 1.5}, "min_lr_ratio"), ({"beta2": 1.0}, "beta2"),
+    ({"optimizer": "sgd"}, "optimizer"), ({"grad_clip": -1}, "grad_clip"),
+    ({"time_budget": 0}, "time_budget"), ({"compile": "yes"}, "compile"),
+    ({"tokens_per_step": 4096, "grad_accum": 2}, "tokens_per_step"),
+])
+def test_train_config_rejects_bad_values(changes, field) -> None:
+    with pytest.raises(ConfigError, match=field):
+        TrainConfig(**changes)
+
+
+def test_train_config_json_round_trip_and_unknown_key() -> None:
+    cfg = TrainConfig(lr=2e-3, time_budget=30.0)
+    assert TrainConfig.from_dict(json.loads(cfg.to_json())) == cfg
+    with pytest.raises(ConfigError, match="learning_rate"):
+        TrainConfig.from_dict({"learning_rate": 1e-3})
+
+
+def test_lr_schedule_warmup_cosine_floor() -> None:
+    kw = dict(lr=1.0, warmup_steps=10, total_steps=110, min_lr_ratio=0.1)
+    assert lr_at(0, **kw) == pytest.approx(0.1)  # (0 + 1) / 10
+    assert lr_at(4, **kw) == pytest.approx(0.5)
+    assert lr_at(9, **kw) == pytest.approx(1.0)  # warm-up ends at the peak
+    assert lr_at(10, **kw) == pytest.approx(1.0)  # cosine starts at the peak
+    assert lr_at(60, **kw) == pytest.approx(0.55)  # halfway: (peak + floor) / 2
+    assert lr_at(35, **kw) == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi / 4)))
+    assert lr_at(110, **kw) == pytest.approx(0.1)
+    assert lr_at(500, **kw) == pytest.approx(0.1)  # held at the floor
+    values = [lr_at(s, **kw) for s in range(10, 111)]
+    assert all(a >= b for a, b in zip(values, values[1:], strict=False))  # monotone decay
+    assert lr_at(0, lr=1.0, warmup_steps=0, total_steps=100, min_lr_ratio=0.0) == 1.0
+
+
+def test_weight_decay_only_on_matrices() -> None:
+    model = GPT(ModelConfig(vocab_size=50, n_layer=2, n_head=2, n_embd=16, context_length=8))
+    decay, no_decay = decay_groups(model, 0.1)
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    ids = {id(p) for p in decay["params"]}
+    named = dict(model.named_parameters())
+    assert id(named["blocks.0.attn.qkv.weight"]) in ids
+    assert id(named["blocks.1.ffn.down.weight"]) in ids
+    for name in ("tok_emb.weight", "pos_emb.weight", "blocks.0.ln1.weight",
+                 "blocks.0.attn.qkv.bias", "final_norm.bias"):
+        assert id(named[name]) not in ids
+    # Every parameter exactly once (the tied LM head is the token embedding).
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+
+
+def test_read_toml_routes_keys_and_rejects_unknown(tmp_path) -> None:
+    f = tmp_path / "run.toml"
+    f.write_text("lr = 0.002\nn_layer = 3\n[train]\nbatch_size = 8\n[model]\nn_embd = 48\n")
+    model, train_kw = read_toml(f)
+    assert model == {"n_layer": 3, "n_embd": 48}
+    assert train_kw == {"lr": 0.002, "batch_size": 8}
+    f.write_text("learning_rate = 1\n")
+    with pytest.raises(ConfigError, match="learning_rate"):
+        read_toml(f)
+
+
+# --- a run and its files -----------------------------------------------------------------
+
+
+def test_run_folder_metrics_and_checkpoints(reference_run, data_dir) -> None:
+    records = read_metrics(reference_run)
+    train_records = [r for r in records if "train_loss" in r]
+    assert [r["step"] for r in train_records] == list(range(1, 25))
+    for r in train_records:
+        assert set(r) >= {"step", "train_loss", "lr", "grad_norm", "tokens_per_s", "elapsed"}
+        assert math.isfinite(r["train_loss"]) and r["grad_norm"] > 0 and r["tokens_per_s"] > 0
+    assert train_records[0]["lr"] == pytest.approx(1e-3)  # warm-up step 1 of 3
+    assert train_records[0]["train_loss"] > train_records[-1]["train_loss"]
+    val_steps = [r["step"] for r in records if "val_loss" in r]
+    assert val_steps == [8, 16, 24]  # periodic, then the final whole-split evaluation
+    assert records[-1]["final"] is True
+    assert records[-1]["val_ppl"] == pytest.approx(math.exp(records[-1]["val_loss"]))
+    # The final val loss is the exact mean over the whole validation split.
+    from tinylm.data import load_prepared
+    from tinylm.evaluation import evaluate
+
+    model, tok = load_checkpoint(reference_run)  # a run folder resolves to latest/
+    assert tok is not None and tok.vocab_size == model.config.vocab_size
+    exact = evaluate(model, load_prepared(data_dir).val).loss
+    assert records[-1]["val_loss"] == pytest.approx(exact, rel=1e-6)
+    _tensors, meta = load_train_state(reference_run / "latest")
+    assert meta["step"] == 24 and meta["best_val_loss"] == pytest.approx(
+        min(r["val_loss"] for r in records if "val_loss" in r))
+    best = read_config(reference_run / "best")
+    assert best["best"]["val_loss"] == pytest.approx(meta["best_val_loss"])
+    assert read_config(reference_run)["train"]["lr"] == TRAIN["lr"]
+    model_kw, train_kw = read_toml(reference_run / "run.toml")  # effective config, reusable
+    assert model_kw["n_embd"] == 32 and train_kw["max_steps"] == 24
+    assert (reference_run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_kill_and_resume_is_bitwise_exact(reference_run, data_dir, tmp_path) -> None:
+    """SIGKILL at step 13 (checkpoint at 10), resume: same weights and loss log."""
+    out = tmp_path / "run"
+    script = textwrap.dedent("""
+        import json, os, signal, sys
+        from tinylm.config import ModelConfig, TrainConfig
+        from tinylm.training import train
+
+        def on_step(step):
+            if step == 13:  # mid-way between the checkpoints at 10 and 15
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        train(ModelConfig(**json.loads(sys.argv[1])), TrainConfig(**json.loads(sys.argv[2])),
+              sys.argv[3], sys.argv[4], progress=False, on_step=on_step)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script, json.dumps(MODEL), json.dumps(TRAIN),
+                           str(data_dir), str(out)], capture_output=True, text=True, timeout=120,
+                          env=ENV)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert load_train_state(out / "latest")[1]["step"] == 10
+    assert max(r["step"] for r in read_metrics(out)) == 12  # logged past the checkpoint
+    with pytest.raises(CheckpointError, match="--resume"):
+        _run(data_dir, out)  # an existing run is never overwritten
+    result = train(ModelConfig(**MODEL), TrainConfig(**TRAIN), data_dir, out, resume=True,
+                   progress=False)
+    assert result.steps == 24 and result.stop_reason == "max_steps"
+    ref, got = _weights(reference_run), _weights(out)
+    assert ref.keys() == got.keys()
+    for name in ref:
+        assert torch.equal(ref[name], got[name]), name
+    assert _loss_log(out) == _loss_log(reference_run)
+
+
+def test_ddp_two_ranks_equal_one_process(data_dir, tmp_path) -> None:
+    """torchrun with 2 gloo ranks of batch 2 == one process of batch 4."""
+    model = {**MODEL, "dropout": 0.0}
+    cfg = dict(TRAIN, max_steps=6, eval_every=100, save_every=100, log_every=2)
+    single = tmp_path / "single"
+    train(ModelConfig(**model), TrainConfig(**cfg), data_dir, single, progress=False)
+    flags = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--context-length", "32",
+             "--dropout", "0", "--batch-size", "2", "--grad-accum", "2", "--lr", "3e-3",
+             "--warmup-steps", "3", "--max-steps", "6", "--eval-every", "100",
+             "--eval-windows", "4", "--save-every", "100", "--log-every", "2",
+             "--seed", "7", "--device", "cpu"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         "-m", "tinylm", "train", "--data", str(data_dir), "--out", str(tmp_path / "ddp"),
+         *flags], capture_output=True, text=True, timeout=180, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("trained 6 steps") == 1  # only rank 0 reports
+    a, b = _weights(single), _weights(tmp_path / "ddp")
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-5)
+    ddp_log, one_log = read_metrics(tmp_path / "ddp"), read_metrics(single)
+    assert [r["step"] for r in ddp_log] == [r["step"] for r in one_log]
+    for x, y in zip(ddp_log, one_log, strict=True):
+        if "train_loss" in x:  # rank 0's loss is over its half of the batch
+            assert x["lr"] == pytest.approx(y["lr"])
+
+
+# --- faults --------------------------------------------------------------------------------
+
+
+def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(data_dir, tmp_path) -> None:
+    out = tmp_path / "run"
+    holder: dict = {}
+
+    def poison(step: int) -> None:
+        if step == 12:  # checkpoint at 10 exists; step 13's loss will be NaN
+            with torch.no_grad():
+                holder["model"].final_norm.weight.fill_(float("nan"))
+
+    import tinylm.training as training
+
+    original = training.build_optimizer
+
+    def capture(model, config, device):
+        holder["model"] = model
+        return original(model, config, device)
+
+    training.build_optimizer = capture
+    try:
+        with pytest.raises(NonFiniteLossError, match="step 13") as info:
+            train(ModelConfig(**MODEL), TrainConfig(**TRAIN), data_dir, out, progress=False,
+                  on_step=poison)
+    finally:
+        training.build_optimizer = original
+    assert "step 10" in str(info.value) and "--lr" in str(info.value)
+    assert load_train_state(out / "latest")[1]["step"] == 10
+    for t in _weights(out).values():
+        assert torch.isfinite(t).all()
+
+
+def test_sigint_saves_a_checkpoint_and_exits_cleanly(data_dir, tmp_path) -> None:
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "tinylm", "train", "--data", str(data_dir), "--out", str(out),
+           "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--context-length", "32",
+           "--batch-size", "4", "--max-steps", "100000", "--warmup-steps", "0",
+           "--log-every", "1", "--eval-every", "100000", "--save-every", "100000",
+           "--device", "cpu", "--no-progress"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=ENV)
+    deadline = time.monotonic() + 60
+    metrics = out / "metrics.jsonl"
+    while time.monotonic() < deadline and not (metrics.is_file() and metrics.stat().st_size):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr and "--resume" in stderr
+    step = load_train_state(out / "latest")[1]["step"]
+    assert 1 <= step < 100000
+    assert max(r["step"] for r in read_metrics(out)) == step
+
+
+def _cli(capsys, *argv: str) -> tuple[int, str]:
+    code = main(list(argv))
+    return code, capsys.readouterr().err
+
+
+def test_cli_errors_are_one_line_exit_2(data_dir, tmp_path, capsys) -> None:
+    out = str(tmp_path / "run")
+    base = ["train", "--data", str(data_dir), "--out", out, "--device", "cpu"]
+    code, err = _cli(capsys, *base, "--lr", "-1")
+    assert code == 2 and "lr must be" in err and len(err.strip().splitlines()) == 1
+    code, err = _cli(capsys, *base, "--n-embd", "30", "--n-head", "4")
+    assert code == 2 and "n_embd=30" in err
+    bad_toml = tmp_path / "bad.toml"
+    bad_toml.write_text("[train]\nbatchsize = 3\n")
+    code, err = _cli(capsys, *base, "--config", str(bad_toml))
+    assert code == 2 and "batchsize" in err
+    code, err = _cli(capsys, "train", "--data", str(tmp_path / "nope"), "--out", out)
+    assert code == 2 and "does not exist" in err and "tinylm prepare" in err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    code, err = _cli(capsys, "train", "--data", str(empty), "--out", out)
+    assert code == 2 and "meta.json" in err
+    code, err = _cli(capsys, *base, "--context-length", "100000")
+    assert code == 2 and "context_length" in err
+    assert not Path(out, "latest").exists()
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    code, err = _cli(capsys, "train", "--data", str(data_dir), "--out", str(blocker / "run"),
+                     "--device", "cpu", "--context-length", "32", "--n-layer", "1")
+    assert code == 2 and "not writable" in err
+
+
+def test_insufficient_disk_fails_before_training(data_dir, tmp_path, monkeypatch) -> None:
+    import shutil
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**6, 10**6 - 1000, 1000))
+    with pytest.raises(CheckpointError, match="free"):
+        _run(data_dir, tmp_path / "run")
+    assert not (tmp_path / "run" / "latest").exists()
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_time_budget_and_compile_fallback(data_dir, tmp_path, monkeypatch, caplog) -> None:
+    def broken_compile(*args, **kwargs):
+        raise RuntimeError("no compiler in this test")
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    result = _run(data_dir, tmp_path / "run", max_steps=100000, warmup_steps=0,
+                  time_budget=1.0, compile=True, log_every=5, eval_every=100000,
+                  save_every=100000)
+    assert result.stop_reason == "time_budget" and 0 < result.steps < 100000
+    assert "torch.compile is not usable" in caplog.text
+    assert result.final_val_loss is not None
+    lrs = [r["lr"] for r in read_metrics(tmp_path / "run") if "train_loss" in r]
+    assert lrs[-1] < TRAIN["lr"]  # the cosine was stretched over the budget
+
+
+def test_resume_via_cli_extends_a_finished_run(reference_run, data_dir, tmp_path,
+                                               capsys) -> None:
+    import shutil
+
+    out = tmp_path / "run"
+    shutil.copytree(reference_run, out)
+    code = main(["train", "--data", str(data_dir), "--out", str(out), "--resume",
+                 "--max-steps", "26", "--no-progress"])
+    assert code == 0, capsys.readouterr().err
+    assert load_train_state(out / "latest")[1]["step"] == 26
+    assert read_config(out)["train"]["max_steps"] == 26  # the effective config is saved
+    code, err = _cli(capsys, "train", "--data", str(data_dir), "--out", str(out), "--resume",
+                     "--n-embd", "64")
+    assert code == 2 and "n_embd" in err
+
+
+def test_plot_command_writes_png(reference_run, tmp_path, capsys) -> None:
+    png = tmp_path / "cmp.png"
+    assert main(["plot", str(reference_run), str(reference_run), "--out", str(png),
+                 "--log-scale"]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    code, err = _cli(capsys, "plot", str(tmp_path / "missing"), "--out", str(png))
+    assert code == 2 and "metrics.jsonl" in err
+
+
+def test_bad_data_errors(tmp_path) -> None:
+    with pytest.raises(DataError):
+        _run(tmp_path / "missing", tmp_path / "run")
