@@ -147,6 +147,12 @@ def from_hf(model_or_folder: Any) -> GPT:
         {"lm_head.weight"} if config.tie_embeddings else set())
     if missing:
         raise CheckpointError(f"GPT-2 weights lack {sorted(missing)[:3]}")
+    own = model.state_dict()
+    for name, value in ours.items():
+        if own[name].shape != value.shape:
+            raise CheckpointError(f"GPT-2 weight for {name} has shape {tuple(value.shape)} but "
+                                  f"config.json implies {tuple(own[name].shape)}; the folder "
+                                  f"mixes files from different models")
     model.load_state_dict(ours, strict=False)
     return model.eval()
 

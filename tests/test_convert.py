@@ -1,0 +1,134 @@
+"""`tinylm convert`: Hugging Face GPT-2 folder <-> tinylm checkpoint, tokenizers included."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from tinylm.checkpoint import load_checkpoint, save_checkpoint
+from tinylm.cli import main
+from tinylm.config import ModelConfig
+from tinylm.model import GPT
+from tinylm.tokenizers import BPETokenizer, CharTokenizer
+
+TEXT = "This is a pen. That is a book.\nこれはペンです。 naïve café " * 20
+SAMPLE = "This is a book. これは本です。 <|endoftext|> x\n  y"
+
+
+@pytest.fixture(scope="module")
+def bpe() -> BPETokenizer:
+    return BPETokenizer.train([TEXT], vocab_size=320, special_tokens=["<|endoftext|>"])
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory: pytest.TempPathFactory, bpe: BPETokenizer) -> Path:
+    """A tiny random GPT-2 saved with save_pretrained, plus GPT-2 style tokenizer files."""
+    folder = tmp_path_factory.mktemp("hf") / "gpt2-tiny"
+    cfg = transformers.GPT2Config(vocab_size=bpe.vocab_size, n_positions=32, n_embd=24,
+                                  n_layer=2, n_head=3, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    with torch.no_grad():  # non-trivial LayerNorms and biases
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "ln_" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(folder)
+    bpe.hf.model.save(str(folder))  # vocab.json + merges.txt, as GPT-2 ships them
+    return folder
+
+
+def _logits(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        out = model(ids)
+    return out.logits if hasattr(out, "logits") else out
+
+
+def test_round_trip_hf_tinylm_hf(hf_dir: Path, bpe: BPETokenizer, tmp_path: Path,
+                                 capsys) -> None:
+    ours, back = tmp_path / "tinylm", tmp_path / "hf-again"
+    assert main(["convert", "--from-hf", str(hf_dir), "--out", str(ours)]) == 0
+    assert main(["convert", "--model", str(ours), "--to-hf", str(back)]) == 0
+    assert "exported" in capsys.readouterr().out
+    original = transformers.GPT2LMHeadModel.from_pretrained(hf_dir).eval()
+    model, tok = load_checkpoint(ours)
+    again = transformers.GPT2LMHeadModel.from_pretrained(back).eval()
+    ids = torch.tensor([bpe.encode(SAMPLE)[:32]])
+    expected = _logits(original, ids)
+    torch.testing.assert_close(_logits(model, ids), expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(_logits(again, ids), expected, atol=0, rtol=0)
+    # The tokenizer travelled with the weights; AutoTokenizer reads the exported one.
+    assert tok is not None and tok.encode(SAMPLE) == bpe.encode(SAMPLE)
+    auto = transformers.AutoTokenizer.from_pretrained(back)
+    assert auto(SAMPLE)["input_ids"] == bpe.encode(SAMPLE)
+    assert auto.decode(bpe.encode(SAMPLE)) == SAMPLE
+    assert len(auto) == bpe.vocab_size and auto.eos_token == "<|endoftext|>"
+
+
+def test_pytorch_model_bin_is_read_with_weights_only(hf_dir: Path, tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    legacy = tmp_path / "legacy"
+    shutil.copytree(hf_dir, legacy)
+    state = load_file(legacy / "model.safetensors")
+    (legacy / "model.safetensors").unlink()
+    torch.save(state, legacy / "pytorch_model.bin")
+    assert main(["convert", "--from-hf", str(legacy), "--out", str(tmp_path / "t")]) == 0
+    model, _ = load_checkpoint(tmp_path / "t")
+    original = transformers.GPT2LMHeadModel.from_pretrained(hf_dir).eval()
+    ids = torch.randint(0, model.config.vocab_size, (2, 9))
+    torch.testing.assert_close(_logits(model, ids), _logits(original, ids), atol=1e-5, rtol=0)
+
+
+def test_char_tokenizer_is_refused_unless_weights_only(tmp_path: Path, capsys) -> None:
+    tok = CharTokenizer("abc 日本")
+    model = GPT(ModelConfig(vocab_size=tok.vocab_size, context_length=8, n_layer=1, n_head=2,
+                            n_embd=8))
+    ckpt = save_checkpoint(tmp_path / "char", model, tok)
+    assert main(["convert", "--model", str(ckpt), "--to-hf", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "byte-level BPE" in err[0] and "--weights-only" in err[0]
+    assert not (tmp_path / "out").exists()
+    assert main(["convert", "--model", str(ckpt), "--to-hf", str(tmp_path / "out"),
+                 "--weights-only"]) == 0
+    hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "out").eval()
+    ids = torch.tensor([[0, 1, 2, 3]])
+    torch.testing.assert_close(_logits(hf, ids), _logits(model.eval(), ids), atol=1e-5, rtol=0)
+    assert not (tmp_path / "out" / "tokenizer.json").exists()
+
+
+def test_bad_inputs(hf_dir: Path, tmp_path: Path, capsys) -> None:
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(hf_dir, corrupt)
+    (corrupt / "model.safetensors").write_bytes(b"\x00" * 20)
+    mismatched = tmp_path / "mismatched"
+    shutil.copytree(hf_dir, mismatched)
+    cfg = json.loads((mismatched / "config.json").read_text())
+    cfg["n_embd"] = 48
+    (mismatched / "config.json").write_text(json.dumps(cfg))
+    occupied = tmp_path / "occupied"
+    occupied.mkdir()
+    (occupied / "keep.txt").write_text("mine")
+    ours = tmp_path / "ours"
+    assert main(["convert", "--from-hf", str(hf_dir), "--out", str(ours)]) == 0
+    capsys.readouterr()
+    cases = [
+        ["--from-hf", str(tmp_path / "missing"), "--out", str(tmp_path / "x")],
+        ["--from-hf", str(corrupt), "--out", str(tmp_path / "x")],
+        ["--from-hf", str(mismatched), "--out", str(tmp_path / "x")],
+        ["--model", str(tmp_path / "missing"), "--to-hf", str(tmp_path / "x")],
+        ["--model", str(ours), "--to-hf", str(occupied)],
+        ["--from-hf", str(hf_dir)],
+        ["--model", str(ours), "--out", str(tmp_path / "x")],
+        [],
+    ]
+    for args in cases:
+        assert main(["convert", *args]) == 2, args
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("tinylm convert: error:"), (args, err)
+    assert not (tmp_path / "x").exists()
+    assert (occupied / "keep.txt").read_text() == "mine"
