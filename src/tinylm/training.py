@@ -567,7 +567,7 @@ def train(
         def run_eval(max_windows: int | None) -> tuple[float, float]:
             nonlocal best_val
             check_finite()
-            r = evaluate(raw, data.val, context_length=C, batch_size=B,
+            r = evaluate(raw, data.val, context_length=C, batch_size=2 * B,
                          max_windows=max_windows)
             raw.train()
             if r.loss < best_val:
@@ -613,7 +613,7 @@ def train(
         lr = cfg.lr
         stop_reason = "max_steps"
         clip = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
-        with stop.installed():
+        with stop.installed(), contextlib.closing(metrics), contextlib.closing(bar):
             while step < cfg.max_steps:
                 lr = lr_at(step, lr=cfg.lr, warmup_steps=cfg.warmup_steps,
                            total_steps=total_steps, min_lr_ratio=cfg.min_lr_ratio)
@@ -709,7 +709,6 @@ def train(
                     _redraw(out, metrics.records, cfg.plot_log_scale)
             save_latest()
             distributed.barrier(ctx)
-        metrics.close()
         trained = step - (saved_step if resuming else 0)
         if ctx.is_main and stop_reason == "interrupted":
             log.warning("interrupted at step %d; saved %s (continue with --resume)", step,
