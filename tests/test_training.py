@@ -209,31 +209,40 @@ def test_kill_and_resume_is_bitwise_exact(reference_run, data_dir, tmp_path) -> 
     assert _loss_log(out) == _loss_log(reference_run)
 
 
-def test_ddp_two_ranks_equal_one_process(data_dir, tmp_path) -> None:
-    """torchrun with 2 gloo ranks of batch 2 == one process of batch 4."""
+def test_ddp_two_ranks_equal_one_process_and_resume(data_dir, tmp_path) -> None:
+    """torchrun with 2 gloo ranks of batch 2 == one process of batch 4, also when the
+    2-rank run stops at step 4 and is resumed to step 6 (constant lr after warm-up, so
+    the schedule does not depend on max_steps)."""
     model = {**MODEL, "dropout": 0.0}
-    cfg = dict(TRAIN, max_steps=6, eval_every=100, save_every=100, log_every=2)
+    cfg = dict(TRAIN, max_steps=6, min_lr_ratio=1.0, eval_every=100, save_every=100,
+               log_every=2)
     single = tmp_path / "single"
     train(ModelConfig(**model), TrainConfig(**cfg), data_dir, single, progress=False)
     flags = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--context-length", "32",
              "--dropout", "0", "--batch-size", "2", "--grad-accum", "2", "--lr", "3e-3",
-             "--warmup-steps", "3", "--max-steps", "6", "--eval-every", "100",
+             "--min-lr-ratio", "1", "--warmup-steps", "3", "--eval-every", "100",
              "--eval-windows", "4", "--save-every", "100", "--log-every", "2",
              "--seed", "7", "--device", "cpu"]
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         "-m", "tinylm", "train", "--data", str(data_dir), "--out", str(tmp_path / "ddp"),
-         *flags], capture_output=True, text=True, timeout=180, env=ENV)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("trained 6 steps") == 1  # only rank 0 reports
-    a, b = _weights(single), _weights(tmp_path / "ddp")
+    ddp = tmp_path / "ddp"
+
+    def torchrun(*extra: str) -> subprocess.CompletedProcess:
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone",
+             "--nproc_per_node", "2", "-m", "tinylm", "train", "--data", str(data_dir),
+             "--out", str(ddp), *flags, *extra],
+            capture_output=True, text=True, timeout=180, env=ENV)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc
+
+    first = torchrun("--max-steps", "4")
+    assert first.stdout.count("trained 4 steps") == 1  # only rank 0 reports
+    assert load_train_state(ddp / "latest")[1]["world_size"] == 2
+    torchrun("--max-steps", "6", "--resume")
+    a, b = _weights(single), _weights(ddp)
     for name in a:
         torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-5)
-    ddp_log, one_log = read_metrics(tmp_path / "ddp"), read_metrics(single)
-    assert [r["step"] for r in ddp_log] == [r["step"] for r in one_log]
-    for x, y in zip(ddp_log, one_log, strict=True):
-        if "train_loss" in x:  # rank 0's loss is over its half of the batch
-            assert x["lr"] == pytest.approx(y["lr"])
+    steps = [r["step"] for r in read_metrics(ddp) if "train_loss" in r]
+    assert steps == [2, 4, 6]
 
 
 # --- faults --------------------------------------------------------------------------------
