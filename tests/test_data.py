@@ -1,0 +1,264 @@
+"""prepare(): shards equal a one-shot encoding, streaming in flat memory, atomic writes,
+bad input; get_batch/iter_windows: shifted targets, exact resume, exact coverage."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import tinylm.data as data_mod
+from tinylm.corpora import load_corpus
+from tinylm.data import (
+    dtype_for_vocab,
+    get_batch,
+    iter_windows,
+    load_prepared,
+    prepare,
+)
+from tinylm.errors import DataError
+from tinylm.tokenizers import CharTokenizer, load_tokenizer
+
+JAPANESE = "言語モデルは次のトークンを予測する。注意機構🌤️\n"
+
+
+def _all_tokens(d) -> np.ndarray:
+    return np.concatenate([np.asarray(d.train), np.asarray(d.val)])
+
+
+def _snapshot(folder) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+# --- prepare -------------------------------------------------------------------------------
+
+
+def test_prepare_builtin_corpus_matches_one_shot_char_encoding(tmp_path) -> None:
+    d = prepare(tmp_path / "py", progress=False)
+    text = load_corpus("python-docs")
+    assert isinstance(d.tokenizer, CharTokenizer)
+    assert _all_tokens(d).tolist() == d.tokenizer.encode(text)
+    assert d.train.dtype == np.uint16 and isinstance(d.train, np.memmap)
+    meta = json.loads((tmp_path / "py" / "meta.json").read_text())
+    assert meta["source"] == "corpus:python-docs" and meta["tokenizer"]["kind"] == "char"
+    assert meta["train_tokens"] + meta["val_tokens"] == len(text)
+    assert meta["val_tokens"] == round(len(text) * 0.1)
+    assert meta["sha256"] == hashlib.sha256(
+        hashlib.sha256(text.encode()).hexdigest().encode()).hexdigest()
+    assert sorted(p.name for p in (tmp_path / "py").iterdir()) == sorted(data_mod.OUTPUT_NAMES)
+
+
+def test_bpe_streaming_in_small_pieces_equals_one_shot(tmp_path, monkeypatch) -> None:
+    # Whitespace runs, CRLF, tabs, contractions and Japanese at every kind of boundary.
+    parts = load_corpus("python-docs")[:150_000].split("\n")
+    text = "".join(p + ("\r\n" if i % 7 == 0 else "\n  \n" if i % 5 == 0 else "\n")
+                   + (JAPANESE if i % 11 == 0 else "") for i, p in enumerate(parts))
+    src = tmp_path / "in.txt"
+    src.write_text(text, encoding="utf-8", newline="")
+    monkeypatch.setattr(data_mod, "PIECE_CHARS", 997)
+    monkeypatch.setattr(data_mod, "BATCH_PIECES", 5)
+    d = prepare(tmp_path / "out", [src], tokenizer="bpe", vocab_size=400, chunk_bytes=4099,
+                progress=False)
+    assert d.tokenizer.kind == "bpe" and d.vocab_size == 400
+    assert _all_tokens(d).tolist() == d.tokenizer.encode(text)  # one call, whole text
+    assert d.tokenizer.decode(_all_tokens(d)) == text
+    # An existing tokenizer (by path) gives the same shards.
+    again = prepare(tmp_path / "again", [src], tokenizer=tmp_path / "out" / "tokenizer.json",
+                    progress=False)
+    assert again.tokenizer.kind == "bpe"
+    assert np.array_equal(_all_tokens(again), _all_tokens(d))
+
+
+def test_shard_dtype_follows_vocab_size(tmp_path) -> None:
+    assert dtype_for_vocab(256) == np.uint16 and dtype_for_vocab(65536) == np.uint16
+    assert dtype_for_vocab(65537) == np.uint32
+    # 70,000 distinct CJK code points: a char vocabulary that needs uint32.
+    chars = "".join(map(chr, range(0x20000, 0x20000 + 70_000)))
+    src = tmp_path / "cjk.txt"
+    src.write_text(chars + chars[::-1], encoding="utf-8")
+    d = prepare(tmp_path / "out", [src], progress=False)
+    assert d.vocab_size == 70_000 and d.train.dtype == np.uint32
+    assert _all_tokens(d).tolist() == list(range(70_000)) + list(range(69_999, -1, -1))
+
+
+def test_folder_input_sorted_with_newlines_between_files(tmp_path) -> None:
+    (tmp_path / "in" / "sub").mkdir(parents=True)
+    (tmp_path / "in" / "b.txt").write_text("second file" * 40)
+    (tmp_path / "in" / "a.txt").write_text("first file\n" * 40)
+    (tmp_path / "in" / "sub" / "c.md").write_text("third 日本" * 40)
+    (tmp_path / "in" / ".hidden").write_text("\x00binary")
+    d = prepare(tmp_path / "out", [tmp_path / "in"], context_length=8, progress=False)
+    expected = "first file\n" * 40 + "second file" * 40 + "\n" + "third 日本" * 40
+    assert d.tokenizer.decode(_all_tokens(d)) == expected
+    assert [i["name"].split("/")[-1] for i in d.meta["inputs"]] == ["a.txt", "b.txt", "c.md"]
+    only_md = prepare(tmp_path / "md", [tmp_path / "in"], glob="*.md", context_length=8,
+                      progress=False)
+    assert only_md.tokenizer.decode(_all_tokens(only_md)) == "third 日本" * 40
+
+
+def test_non_utf8_names_file_and_offset_across_chunks(tmp_path) -> None:
+    good = ("ab日本" * 2000).encode()  # 3-byte characters straddle the 1000-byte chunks
+    src = tmp_path / "bad.txt"
+    src.write_bytes(good + b"\xff tail")
+    with pytest.raises(DataError) as info:
+        prepare(tmp_path / "out", [src], chunk_bytes=1000, progress=False)
+    assert f"{src} is not UTF-8 text: byte 0xff at byte offset {len(good)}" in str(info.value)
+    assert not (tmp_path / "out").exists()
+    d = prepare(tmp_path / "out", [src], errors="replace", chunk_bytes=1000, progress=False)
+    assert d.tokenizer.decode(_all_tokens(d)) == good.decode() + "\ufffd tail"
+
+
+def test_nul_byte_is_binary(tmp_path) -> None:
+    src = tmp_path / "x.bin"
+    src.write_bytes(b"hello world " * 100 + b"\x00\x01\x02")
+    with pytest.raises(DataError, match=r"looks binary: NUL byte at byte offset 1200"):
+        prepare(tmp_path / "out", [src], progress=False)
+
+
+def test_failed_or_interrupted_run_leaves_folder_untouched(tmp_path, monkeypatch) -> None:
+    out = tmp_path / "out"
+    prepare(out, progress=False)
+    before = _snapshot(out)
+    short = tmp_path / "short.txt"
+    short.write_text("too short")
+    with pytest.raises(DataError, match="too short"):
+        prepare(out, [short], force=True, progress=False)
+    assert _snapshot(out) == before
+
+    def interrupted(path):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(data_mod, "_fsync", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(out, tokenizer="bpe", vocab_size=300, force=True, progress=False)
+    assert _snapshot(out) == before  # no temporary files left either
+    load_prepared(out)
+
+
+def test_load_prepared_rejects_missing_incomplete_corrupt(tmp_path) -> None:
+    with pytest.raises(DataError, match="does not exist"):
+        load_prepared(tmp_path / "nope")
+    out = tmp_path / "out"
+    prepare(out, progress=False)
+    train = (out / "train.bin").read_bytes()
+    (out / "train.bin").write_bytes(train[:-2])
+    with pytest.raises(DataError, match="train.bin has"):
+        load_prepared(out)
+    (out / "train.bin").write_bytes(train)
+    (out / "meta.json").write_text("{broken")
+    with pytest.raises(DataError, match="unreadable meta.json"):
+        load_prepared(out)
+    (out / "meta.json").unlink()
+    with pytest.raises(DataError, match="no meta.json"):
+        load_prepared(out)
+
+
+@pytest.mark.slow
+def test_streaming_200mb_flat_memory_and_equal_to_in_memory(tmp_path) -> None:
+    block = (load_corpus("python-docs")[:300_000] + JAPANESE * 50).encode()
+    copies = 200_000_000 // len(block) + 1
+    src = tmp_path / "big.txt"
+    sha = hashlib.sha256()
+    with open(src, "wb") as f:
+        for _ in range(copies):
+            f.write(block)
+            sha.update(block)
+    script = textwrap.dedent(f"""
+        import json, resource
+        from tinylm.data import prepare
+        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        prepare({str(tmp_path / "out")!r}, [{str(src)!r}], progress=False)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        print(json.dumps({{"base_mb": base / 1024, "peak_mb": peak / 1024}}))
+    """)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         check=True)
+    rss = json.loads(run.stdout.strip().splitlines()[-1])
+    assert rss["peak_mb"] < 500, rss
+    assert rss["peak_mb"] - rss["base_mb"] < 150, rss  # prepare itself stays small
+
+    d = load_prepared(tmp_path / "out")
+    assert d.meta["sha256"] == hashlib.sha256(sha.hexdigest().encode()).hexdigest()
+    expected = d.tokenizer.encode_array(block.decode())  # the in-memory encoding
+    assert d.vocab_size == len(set(block.decode()))
+    n = expected.size
+    assert len(d.train) + len(d.val) == n * copies
+    for k in range(copies):
+        lo, hi = k * n, (k + 1) * n
+        t = len(d.train)
+        got = np.concatenate([d.train[min(lo, t):min(hi, t)], d.val[max(lo - t, 0):max(hi - t, 0)]])
+        assert np.array_equal(got, expected), k
+
+
+# --- batches -------------------------------------------------------------------------------
+
+
+def test_get_batch_targets_are_inputs_shifted_and_resume_is_exact() -> None:
+    tokens = np.arange(1000, dtype=np.uint16)
+    g = torch.Generator().manual_seed(3)
+    state = g.get_state()
+    x, y = get_batch(tokens, 8, 16, g)
+    assert x.shape == y.shape == (8, 16) and x.dtype == y.dtype == torch.int64
+    assert torch.equal(y[:, :-1], x[:, 1:])
+    assert torch.equal(y, x + 1)  # arange: each row is a contiguous window
+    assert int(x.min()) >= 0 and int(y.max()) <= 999
+    x2, _ = get_batch(tokens, 8, 16, g)
+    g.set_state(state)
+    assert torch.equal(get_batch(tokens, 8, 16, g)[0], x)
+    assert torch.equal(get_batch(tokens, 8, 16, g)[0], x2)
+    with pytest.raises(DataError, match="fewer than context length"):
+        get_batch(tokens[:16], 2, 16, g)
+
+
+def test_get_batch_reaches_the_last_token() -> None:
+    tokens = np.arange(20, dtype=np.uint32)
+    g = torch.Generator().manual_seed(0)
+    _, y = get_batch(tokens, 500, 18, g)
+    assert int(y.max()) == 19 and int(y.min()) == 1
+
+
+@settings(max_examples=80, deadline=None)
+@given(n=st.integers(2, 300), c=st.integers(1, 40), b=st.integers(1, 7),
+       stride_frac=st.none() | st.floats(0.01, 1.0))
+def test_iter_windows_scores_every_target_exactly_once(n, c, b, stride_frac) -> None:
+    tokens = np.arange(n, dtype=np.uint16) * 3
+    c_eff = min(c, n - 1)
+    stride = None if stride_frac is None else max(1, int(stride_frac * c_eff))
+    counted = np.zeros(n, dtype=int)
+    first = True
+    for x, y, mask in iter_windows(tokens, c, b, stride=stride):
+        assert x.shape == y.shape == mask.shape and x.shape[1] == c_eff and x.shape[0] <= b
+        assert torch.equal(y, x + 3)  # targets are the inputs shifted by one
+        targets = (y // 3).numpy()
+        np.add.at(counted, targets[mask.numpy()], 1)
+        for row in mask:  # marked targets are always the tail of a window
+            k = int(row.sum())
+            assert row[c_eff - k:].all()
+            if not first and stride is not None:
+                assert k <= stride
+            first = False
+    assert counted[0] == 0 and (counted[1:] == 1).all()
+
+
+def test_iter_windows_default_is_non_overlapping() -> None:
+    tokens = np.arange(101, dtype=np.uint16)
+    batches = list(iter_windows(tokens, 10, 4))
+    xs = torch.cat([x for x, _, _ in batches])
+    assert xs[:, 0].tolist() == list(range(0, 100, 10))
+    assert all(bool(m.all()) for _, _, m in batches)
+
+
+def test_prepared_data_feeds_batches(tmp_path) -> None:
+    d = prepare(tmp_path / "py", progress=False)
+    x, y = get_batch(d.train, 4, 32, torch.Generator().manual_seed(0))
+    text = d.tokenizer.decode(x[0].tolist() + y[0, -1:].tolist())
+    assert text in load_corpus("python-docs")
+    assert load_tokenizer(tmp_path / "py").vocab_size == d.vocab_size
