@@ -7,7 +7,8 @@ Japanese lines, :func:`tinylm.corpora.write_synthetic`) unless ``--input`` names
 file, then times, each in a fresh subprocess that also reports its peak RSS:
 
 1. char prepare (scan pass for the alphabet + encode pass), median of ``--repeats``;
-2. bpe prepare (train byte-level BPE, vocab 4096, + encode pass), median of repeats;
+2. bpe prepare (train byte-level BPE, vocab 4096, on the default 32 MB sample spread
+   over the input, + encode pass), median of repeats; once more training on everything;
 3. bpe prepare with the tokenizer from 2 (encode pass only), median of repeats;
 4. for comparison, the plain single call on the whole text in memory: Hugging Face
    ``tokenizers.Tokenizer.encode(text)`` with the same BPE, and for char both
@@ -35,10 +36,11 @@ from report import write_section  # noqa: E402
 CHILD = textwrap.dedent("""
     import json, resource, sys, time
     from tinylm.data import prepare
-    out, src, tok = sys.argv[1:4]
+    out, src, tok, train_mb = sys.argv[1:5]
+    train_mb = None if train_mb == "all" else float(train_mb)
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     t0 = time.perf_counter()
-    d = prepare(out, [src], tokenizer=tok, force=True, progress=False)
+    d = prepare(out, [src], tokenizer=tok, force=True, progress=False, bpe_train_mb=train_mb)
     seconds = time.perf_counter() - t0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     print(json.dumps({"seconds": seconds, "rss_mb": (peak - base) / 1024,
@@ -95,11 +97,13 @@ def main() -> None:
 
     rows = []
 
-    def prepared(label: str, tok: str, out: str) -> None:
-        runs = [child(CHILD, str(work / out), str(src), tok) for _ in range(args.repeats)]
+    def prepared(label: str, tok: str, out: str, train_mb: str = "32", repeats: int = 0) -> None:
+        runs = [child(CHILD, str(work / out), str(src), tok, train_mb)
+                for _ in range(repeats or args.repeats)]
         sec = statistics.median(r["seconds"] for r in runs)
         rss = max(r["rss_mb"] for r in runs)
-        rows.append((label, f"median of {len(runs)}", sec, runs[0]["tokens"], rss))
+        runs_text = f"median of {len(runs)}" if len(runs) > 1 else "1 run"
+        rows.append((label, runs_text, sec, runs[0]["tokens"], rss))
         each = ", ".join(f"{r['seconds']:.2f}" for r in runs)
         print(f"{label}: {mb / sec:.2f} MB/s ({sec:.2f} s, runs {each})", flush=True)
 
@@ -109,7 +113,10 @@ def main() -> None:
         print(f"{label}: {mb / r['seconds']:.2f} MB/s ({r['seconds']:.2f} s)", flush=True)
 
     prepared("char: `tinylm prepare --tokenizer char`", "char", "char")
-    prepared("bpe: `tinylm prepare --tokenizer bpe` (train 4096 + encode)", "bpe", "bpe")
+    prepared("bpe: `tinylm prepare --tokenizer bpe` (train 4096 on a 32 MB sample + encode)",
+             "bpe", "bpe")
+    prepared("bpe: same with `--bpe-train-mb all` (train on everything + encode)", "bpe",
+             "bpe-all", train_mb="all", repeats=1)
     prepared("bpe: `tinylm prepare --tokenizer tokenizer.json` (encode only)",
              str(work / "bpe" / "tokenizer.json"), "bpe-encode")
     single("bpe: HF `Tokenizer.encode(text)`, one call on the whole text", "bpe", "hf")

@@ -102,6 +102,11 @@ def test_folder_input_sorted_with_newlines_between_files(tmp_path) -> None:
     only_md = prepare(tmp_path / "md", [tmp_path / "in"], glob="*.md", context_length=8,
                       progress=False)
     assert only_md.tokenizer.decode(_all_tokens(only_md)) == "third 日本" * 40
+    # An output folder inside the input folder is never read back as input.
+    for _ in range(2):
+        inside = prepare(tmp_path / "in" / "out", [tmp_path / "in"], context_length=8,
+                         progress=False)
+        assert inside.tokenizer.decode(_all_tokens(inside)) == expected
 
 
 def test_non_utf8_names_file_and_offset_across_chunks(tmp_path) -> None:
@@ -262,3 +267,14 @@ def test_prepared_data_feeds_batches(tmp_path) -> None:
     text = d.tokenizer.decode(x[0].tolist() + y[0, -1:].tolist())
     assert text in load_corpus("python-docs")
     assert load_tokenizer(tmp_path / "py").vocab_size == d.vocab_size
+
+
+def test_bpe_trains_on_a_bounded_even_sample(tmp_path) -> None:
+    text = load_corpus("python-docs")[:200_000]
+    src = tmp_path / "in.txt"
+    src.write_text(text, encoding="utf-8")
+    d = prepare(tmp_path / "out", [src], tokenizer="bpe", vocab_size=300, bpe_train_mb=0.05,
+                chunk_bytes=10_000, progress=False)
+    trained = d.meta["tokenizer"]["trained_on_bytes"]
+    assert 50_000 <= trained <= 60_000  # about 1 chunk in 4, spread over the input
+    assert _all_tokens(d).tolist() == d.tokenizer.encode(text)  # every byte still encoded

@@ -83,6 +83,9 @@ def _add_prepare(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--errors", choices=("strict", "replace"), default="strict",
                    help="invalid UTF-8 or binary input: stop (strict), or replace bad bytes "
                    "with U+FFFD and go on (default: strict)")
+    p.add_argument("--bpe-train-mb", type=_mb_or_all, default=32.0, metavar="MB|all",
+                   help="train BPE on at most this many MB taken evenly along the input, "
+                   "or all of it; bounds time and memory on huge corpora (default: 32)")
     p.add_argument("--special-token", action="append", default=[], metavar="TOKEN",
                    dest="special_tokens",
                    help="add a special token such as '<|endoftext|>' (repeatable)")
@@ -93,6 +96,16 @@ def _add_prepare(sub: argparse._SubParsersAction) -> None:
                    help="overwrite an output folder that holds a different dataset")
     p.add_argument("--no-progress", action="store_true", help="never show a progress bar")
     p.set_defaults(func=_cmd_prepare)
+
+
+def _mb_or_all(value: str) -> float | None:
+    if value == "all":
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a number of MB or 'all', got {value!r}") from None
 
 
 def _cmd_prepare(args: argparse.Namespace) -> int:
@@ -106,7 +119,7 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
         vocab_size=args.vocab_size, val_fraction=args.val_fraction,
         context_length=args.context_length, unknown=args.unknown, errors=args.errors,
         special_tokens=args.special_tokens, glob=args.glob, force=args.force,
-        progress=False if args.no_progress else None,
+        bpe_train_mb=args.bpe_train_mb, progress=False if args.no_progress else None,
     )
     seconds = time.perf_counter() - start
     meta = data.meta
@@ -254,8 +267,7 @@ def _cmd_compress(args: argparse.Namespace) -> int:
             warmup_steps=min(20, args.finetune // 10), eval_every=args.finetune,
             save_every=args.finetune, device=str(device))
         with tempfile.TemporaryDirectory(prefix=f".{out.name}.finetune-", dir=out.parent) as run:
-            result = train(model.config, train_config, args.data, run, model=model)
-        model = getattr(result, "model", None) or model
+            train(model.config, train_config, args.data, run, model=model)  # in place
         tuned = val_loss(model)
         print(f"after fine-tuning {args.finetune} steps: val loss {tuned.loss:.4f} "
               f"(perplexity {tuned.perplexity:.3f}, {100 * (tuned.loss / before.loss - 1):+.1f} % "

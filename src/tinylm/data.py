@@ -76,10 +76,15 @@ class Source:
         return io.BytesIO(self.data) if self.data is not None else open(self.path, "rb")  # type: ignore[arg-type]
 
 
-def _resolve_inputs(inputs: Sequence[str | Path], glob: str) -> list[Source]:
+def _resolve_inputs(inputs: Sequence[str | Path], glob: str, out: Path) -> list[Source]:
+    """Files to read, in order; a folder's files sorted, hidden ones and --out skipped."""
     sources: list[Source] = []
+    out = out.resolve()
     for raw in inputs:
         if str(raw) == "-":
+            if sys.stdin is None or sys.stdin.isatty():
+                raise DataError("--input - reads standard input, but nothing is piped in; "
+                                "use e.g. cat file.txt | tinylm prepare --input - --out DIR")
             sources.append(Source("<stdin>"))
             continue
         path = Path(raw)
@@ -90,6 +95,7 @@ def _resolve_inputs(inputs: Sequence[str | Path], glob: str) -> list[Source]:
                 p for p in path.glob(glob if glob.startswith("**") else f"**/{glob}")
                 if p.is_file()
                 and not any(part.startswith(".") for part in p.relative_to(path).parts)
+                and out not in p.resolve().parents
             )
             if not found:
                 raise DataError(f"input folder {path} has no files matching {glob!r}; "
@@ -442,6 +448,7 @@ def prepare(
     glob: str = "*",
     force: bool = False,
     progress: bool | None = None,
+    bpe_train_mb: float | None = 32.0,
     chunk_bytes: int = CHUNK_BYTES,
 ) -> PreparedData:
     """Tokenize text into ``out_dir`` (tokenizer.json, train.bin, val.bin, meta.json).
@@ -457,6 +464,9 @@ def prepare(
     unknown         char tokenizer policy for unseen characters later ("replace" adds <unk>)
     errors          "strict" stops at invalid UTF-8 or NUL bytes; "replace" substitutes U+FFFD
     force           overwrite a folder that holds a different dataset or other files
+    bpe_train_mb    train BPE on at most this many MB, taken evenly along the input
+                    (None: all of it). Merges for a few thousand tokens settle after a
+                    few MB; the cap bounds training time and memory on huge corpora
 
     Nothing in ``out_dir`` changes unless the whole run succeeds.
     """
@@ -465,6 +475,10 @@ def prepare(
     special_tokens = list(dict.fromkeys(special_tokens))
     _check_args(tok_spec, vocab_size, val_fraction, context_length, unknown, errors,
                 special_tokens)
+    if bpe_train_mb is not None and not (isinstance(bpe_train_mb, (int, float))
+                                         and bpe_train_mb > 0):
+        raise DataError(f"BPE training size must be a positive number of MB, got "
+                        f"{bpe_train_mb!r}")
     if inputs and corpus:
         raise DataError("pass either inputs or a corpus, not both")
     if not inputs:
@@ -479,14 +493,15 @@ def prepare(
     if tok_spec == "char":
         tok_settings = {"kind": "char", "unknown": unknown, "special_tokens": special_tokens}
     elif tok_spec == "bpe":
-        tok_settings = {"kind": "bpe", "vocab_size": vocab_size, "special_tokens": special_tokens}
+        tok_settings = {"kind": "bpe", "vocab_size": vocab_size, "special_tokens": special_tokens,
+                        "train_mb": bpe_train_mb}
     else:
         given = load_tokenizer(tok_spec)
         tok_settings = {"kind": given.kind, "path": str(Path(tok_spec).resolve()),
                         "sha256": hashlib.sha256(
                             json.dumps(given.to_hf_json(), sort_keys=True).encode()).hexdigest()}
 
-    sources = _resolve_inputs(inputs, glob) if inputs else []
+    sources = _resolve_inputs(inputs, glob, out) if inputs else []
     source_desc = (f"corpus:{corpus}" if corpus else
                    ", ".join(str(Path(x).resolve()) if str(x) != "-" else "-" for x in inputs))
     settings = {"source": source_desc, "tokenizer": tok_settings,
@@ -515,6 +530,7 @@ def prepare(
         hashes = [hashlib.sha256() for _ in sources]
         bar = _Bar(total_bytes, "scan" if tok_spec != "bpe" else "train bpe", progress)
         n_chars = 0
+        trained_on = None
         try:
             if tok_spec == "char":
                 seen = np.zeros(0x110000, dtype=bool)
@@ -523,16 +539,29 @@ def prepare(
                     CharTokenizer.seen_code_points(text, seen)
                 tok: Tokenizer = CharTokenizer.from_code_points(seen, unknown, special_tokens)
             elif tok_spec == "bpe":
-                counted = [0]
+                # Train on at most bpe_train_mb, taken evenly along the input, so memory
+                # stays bounded on huge corpora; every byte is still hashed and encoded.
+                budget = total_bytes if bpe_train_mb is None else int(bpe_train_mb * 1e6)
+                share = min(1.0, max(budget, 1) / total_bytes)
+                counts = {"chars": 0, "read": 0, "fed": 0}
+
+                def on_bytes(n: int) -> None:
+                    bar(n)
+                    counts["read"] += n
 
                 def training_text() -> Iterator[str]:
                     # Cut points do not matter here: they only split a few word counts.
-                    for text in _iter_text(sources, errors, chunk_bytes, bar, hashes):
-                        counted[0] += len(text)
-                        yield text
+                    last = 0
+                    for text in _iter_text(sources, errors, chunk_bytes, on_bytes, hashes):
+                        counts["chars"] += len(text)
+                        new, last = counts["read"] - last, counts["read"]
+                        if counts["fed"] < counts["read"] * share:
+                            counts["fed"] += new
+                            yield text
 
                 tok = BPETokenizer.train(training_text(), vocab_size, special_tokens)
-                n_chars = counted[0]
+                n_chars = counts["chars"]
+                trained_on = counts["fed"]
             else:
                 assert given is not None
                 tok = given
@@ -607,7 +636,8 @@ def prepare(
             "input_bytes": total_bytes,
             "input_chars": n_chars,
             "tokenizer": {"kind": tok.kind, "vocab_size": tok.vocab_size,
-                          "special_tokens": list(tok.special_tokens), "eos_id": tok.eos_id},
+                          "special_tokens": list(tok.special_tokens), "eos_id": tok.eos_id,
+                          "trained_on_bytes": trained_on},
             "vocab_size": tok.vocab_size,
             "dtype": dtype.name,
             "train_tokens": n_train,
