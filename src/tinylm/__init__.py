@@ -8,6 +8,7 @@ from tinylm.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from tinylm.config import ModelConfig  # noqa: E402
 from tinylm.errors import CheckpointError, ConfigError, DataError, TinyLMError  # noqa: E402
 from tinylm.model import GPT  # noqa: E402
+from tinylm.sampling import generate, generate_stream  # noqa: E402
 
 __all__ = [
     "GPT",
@@ -19,4 +20,6 @@ __all__ = [
     "load_checkpoint",
     "save_checkpoint",
     "__version__",
+    "generate",
+    "generate_stream",
 ]

@@ -601,6 +601,112 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_sample(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "sample",
+        help="generate text from a checkpoint (KV cache, temperature/top-k/top-p, streaming)",
+        description="Continue a prompt with a trained model. The prompt goes through the "
+        "model in one pass, then one token per step through the KV cache; text is "
+        "streamed to stdout as it becomes decodable (whole characters only). Without a "
+        "prompt, generation starts from the end-of-text token. Past the context length "
+        "the window slides. A sample ends at the end-of-text token, a --stop string, or "
+        "after --max-new-tokens.",
+    )
+    p.add_argument("--model", required=True, metavar="DIR", help="a checkpoint folder")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", metavar="TEXT", help="the text to continue")
+    src.add_argument("--prompt-file", metavar="FILE",
+                     help="read the prompt from a UTF-8 file ('-' = stdin), used as is")
+    p.add_argument("--max-new-tokens", type=int, default=200, metavar="N",
+                   help="tokens to generate per sample (default: 200)")
+    p.add_argument("--temperature", type=float, default=1.0, metavar="T",
+                   help="0 = greedy; <1 sharper, >1 more random (default: 1.0)")
+    p.add_argument("--top-k", type=int, metavar="K", help="sample among the K most likely")
+    p.add_argument("--top-p", type=float, metavar="P",
+                   help="sample among the smallest set of tokens whose probability reaches P "
+                   "(0 < P <= 1)")
+    p.add_argument("--seed", type=int, metavar="S", help="random seed: same seed, same text")
+    p.add_argument("--num-samples", type=int, default=1, metavar="N",
+                   help="samples generated together in one batch, printed one after another")
+    p.add_argument("--stop", action="append", default=[], metavar="STRING",
+                   help="end a sample before this string (repeatable; escapes like \\n work)")
+    p.add_argument("--no-echo", action="store_true", help="print only the continuation")
+    p.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, ...")
+    p.set_defaults(func=_cmd_sample)
+
+
+def _read_prompt(args: argparse.Namespace) -> str:
+    from pathlib import Path
+
+    from tinylm.errors import DataError
+
+    if args.prompt_file is None:
+        return args.prompt or ""
+    if args.prompt_file == "-":
+        if sys.stdin is None or sys.stdin.isatty():
+            raise DataError("--prompt-file - reads the prompt from stdin, but stdin is a "
+                            "terminal; pipe text in or use --prompt")
+        try:
+            return sys.stdin.read()
+        except UnicodeDecodeError as exc:
+            raise DataError(f"stdin is not UTF-8 text ({exc}); convert it to UTF-8") from exc
+    try:
+        return Path(args.prompt_file).read_text(encoding="utf-8")
+    except FileNotFoundError as exc:
+        raise DataError(f"prompt file {args.prompt_file} does not exist; pass a UTF-8 text "
+                        f"file to --prompt-file") from exc
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DataError(f"cannot read {args.prompt_file} as UTF-8 text ({exc}); convert it "
+                        f"to UTF-8") from exc
+
+
+def _cmd_sample(args: argparse.Namespace) -> int:
+    import re
+
+    from tinylm.checkpoint import load_checkpoint
+    from tinylm.config import resolve_device
+    from tinylm.errors import CheckpointError, ConfigError
+    from tinylm.sampling import SamplingConfig, generate_text
+
+    SamplingConfig(args.temperature, args.top_k, args.top_p)  # check flags before loading
+    if args.max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.num_samples < 1:
+        raise ConfigError(f"--num-samples must be >= 1, got {args.num_samples}")
+    escapes = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
+    stop = [re.sub(r"\\([ntr\\])", lambda m: escapes[m.group(1)], s) for s in args.stop]
+    if any(not s for s in stop):
+        raise ConfigError("--stop needs a non-empty string")
+    prompt = _read_prompt(args)
+    model, tokenizer = load_checkpoint(args.model, resolve_device(args.device))
+    if tokenizer is None:
+        raise CheckpointError(f"{args.model} has no tokenizer.json; sample needs the model's "
+                              f"tokenizer to turn text into ids")
+    pieces = generate_text(model, tokenizer, prompt, args.max_new_tokens,
+                           num_samples=args.num_samples, stop=stop,
+                           temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                           seed=args.seed)
+    echo = "" if args.no_echo else prompt
+    out = sys.stdout
+    if args.num_samples == 1:
+        out.write(echo)
+        out.flush()
+        for _, piece in pieces:
+            out.write(piece)
+            out.flush()
+        out.write("\n")
+        return 0
+    texts = [""] * args.num_samples
+    for i, piece in pieces:
+        texts[i] += piece
+    for i, text in enumerate(texts):
+        if i:
+            out.write("\n")
+        out.write(f"--- sample {i + 1} ---\n{echo}{text}\n")
+    out.flush()
+    return 0
+
+
 COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_info,
     _add_prepare,
@@ -610,6 +716,7 @@ COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_eval,
     _add_explain,
     _add_convert,
+    _add_sample,
 ]
 
 

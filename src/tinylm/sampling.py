@@ -1,0 +1,458 @@
+"""Sampling: logit filters as pure functions, and generation with the KV cache.
+
+Shapes (letters as in attention.py): B samples generated side by side, T prompt
+length, C the model's context length, V the vocabulary.
+
+Filters map logits (..., V) to logits (..., V) with removed tokens set to -inf, so a
+softmax afterwards is the renormalised distribution over the kept tokens:
+
+    temperature   logits / t  (t -> 0 is greedy, t = 1 leaves them alone)
+    top-k         keep the k largest logits of each row
+    top-p         keep the smallest set of most likely tokens whose probability
+                  reaches p (nucleus sampling)
+
+:func:`generate_stream` runs the prompt through the model in one forward pass, filling
+a preallocated :class:`~tinylm.attention.KVCache`, then feeds one token per step: each
+step reads every weight once and attends to the cached keys and values, so its cost
+does not grow with the sequence. When the sequence outgrows the context length C, the
+window slides: the cache is reset and refilled with the last C − 1 tokens (absolute
+positional embeddings cannot be shifted in place), which is logged once.
+:func:`generate` collects the stream into one tensor. :class:`TextStream` turns
+generated ids into printable text pieces (never half a UTF-8 character, cut at stop
+strings) for the CLI.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from tinylm.attention import KVCache
+from tinylm.errors import ConfigError, DataError
+from tinylm.model import GPT
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "SamplingConfig",
+    "TextStream",
+    "apply_temperature",
+    "encode_prompt",
+    "filter_logits",
+    "generate",
+    "generate_stream",
+    "generate_text",
+    "next_token_probs",
+    "sample_next",
+    "top_k_filter",
+    "top_p_filter",
+]
+
+
+# --- the filters, as pure functions --------------------------------------------------------
+
+
+def apply_temperature(logits: Tensor, temperature: float) -> Tensor:
+    """logits / temperature, (..., V) -> (..., V). Below 1 sharpens, above 1 flattens.
+
+    Temperature 0 means greedy decoding, which :func:`sample_next` handles by argmax
+    (dividing by 0 is not defined), so here it must be > 0.
+    """
+    if not temperature > 0:
+        raise ConfigError(f"apply_temperature needs temperature > 0, got {temperature!r}; "
+                          f"use temperature 0 only through sample_next (greedy)")
+    return logits if temperature == 1.0 else logits / temperature
+
+
+def top_k_filter(logits: Tensor, k: int) -> Tensor:
+    """Keep the k largest logits of each row, set the rest to -inf; (..., V) -> (..., V).
+
+    Tokens tied with the k-th largest logit are kept too (so ties never make the
+    choice depend on sort order); k >= V keeps everything.
+    """
+    if k >= logits.shape[-1]:
+        return logits
+    kth = torch.topk(logits, k, dim=-1).values[..., -1:]  # (..., 1), the k-th largest
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def top_p_filter(logits: Tensor, p: float) -> Tensor:
+    """Nucleus filter: keep the smallest set of most likely tokens whose probability
+    reaches p, set the rest to -inf; (..., V) -> (..., V).
+
+    Sorted by probability, token i is kept when the probability of the tokens before it
+    is still below p, so the most likely token is always kept and p = 1 keeps all.
+    """
+    if p >= 1.0:
+        return logits
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # (..., V) each
+    probs = F.softmax(sorted_logits.float(), dim=-1)
+    before = torch.cumsum(probs, dim=-1) - probs  # probability of the tokens ranked above
+    drop_sorted = before >= p
+    drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)  # back to id order
+    return logits.masked_fill(drop, float("-inf"))
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How the next token is chosen from the logits, validated on construction.
+
+    temperature  0 = greedy (argmax); otherwise logits are divided by it before softmax
+    top_k        keep only the k most likely tokens (None = all)
+    top_p        keep the smallest set of tokens whose probability reaches p (None = all)
+    """
+
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+
+    def __post_init__(self) -> None:
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t >= 0 \
+                or t == float("inf"):
+            raise ConfigError(f"temperature must be a number >= 0 (0 = greedy), got {t!r}; "
+                              f"try --temperature 0.8")
+        k = self.top_k
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+            raise ConfigError(f"top_k must be an integer >= 1, got {k!r}; try --top-k 40, "
+                              f"or leave it out to keep every token")
+        p = self.top_p
+        if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float))
+                              or not 0 < p <= 1):
+            raise ConfigError(f"top_p must be a number in (0, 1], got {p!r}; try --top-p 0.9,"
+                              f" or leave it out to keep every token")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def filter_logits(logits: Tensor, config: SamplingConfig) -> Tensor:
+    """Temperature, then top-k, then top-p (the usual order); (..., V) -> (..., V).
+
+    Not for greedy configs (temperature 0): greedy takes the argmax of the raw logits.
+    """
+    logits = apply_temperature(logits, config.temperature)
+    if config.top_k is not None:
+        logits = top_k_filter(logits, config.top_k)
+    if config.top_p is not None:
+        logits = top_p_filter(logits, config.top_p)
+    return logits
+
+
+def next_token_probs(logits: Tensor, config: SamplingConfig) -> Tensor:
+    """The distribution the next token is drawn from, (..., V), each row summing to 1.
+
+    Greedy configs give a one-hot row on the argmax; otherwise it is the softmax of the
+    filtered logits, i.e. the kept tokens' probabilities renormalised.
+    """
+    if config.greedy:
+        return F.one_hot(logits.argmax(-1), logits.shape[-1]).to(torch.float32)
+    return F.softmax(filter_logits(logits.float(), config), dim=-1)
+
+
+def sample_next(logits: Tensor, config: SamplingConfig,
+                generator: torch.Generator | None = None) -> Tensor:
+    """One token id per row: logits (B, V) -> ids (B,), on the logits' device (no sync)."""
+    if config.greedy:
+        return logits.argmax(-1)
+    probs = next_token_probs(logits, config)  # (B, V)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # (B, 1) -> (B,)
+
+
+# --- generation -------------------------------------------------------------------------------
+
+
+def _as_batch(ids: Tensor | Sequence[int] | Sequence[Sequence[int]], device) -> Tensor:
+    """Prompt ids as a (B, T) int64 tensor on ``device``; a 1-D prompt becomes B = 1."""
+    t = ids if isinstance(ids, Tensor) else torch.as_tensor(ids)
+    if t.dim() == 1:
+        t = t.unsqueeze(0)  # (T,) -> (1, T)
+    if t.dim() != 2 or t.dtype in (torch.bool,) or t.is_floating_point():
+        raise ConfigError(f"prompt ids must be integers of shape (T,) or (B, T), got "
+                          f"{tuple(t.shape)} {t.dtype}")
+    if t.shape[1] == 0:
+        raise ConfigError("the prompt is empty; give at least one token (e.g. the "
+                          "tokenizer's end-of-text id) to start from")
+    return t.to(device=device, dtype=torch.long)
+
+
+def _last_logits(model: GPT, ids: Tensor, cache: KVCache) -> Tensor:
+    """Feed ids (B, C) through the cache; logits of the last position only, (B, V).
+
+    Only the last row goes through the LM head: after a long prompt that saves a
+    (B, C, V) matmul nobody reads.
+    """
+    h = model.hidden_states(ids, cache)  # (B, C, E)
+    return model.lm_head(h[:, -1])  # (B, E) -> (B, V)
+
+
+def generate_stream(
+    model: GPT,
+    ids: Tensor | Sequence[int] | Sequence[Sequence[int]],
+    max_new_tokens: int,
+    *,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    stop_ids: Sequence[int] | None = None,
+    vocab_size: int | None = None,
+) -> Iterator[Tensor]:
+    """Yield the next token of every row, (B,) int64, one step at a time.
+
+    ``ids`` is the prompt, (T,) or (B, T) (all rows the same length; repeat one prompt
+    B times to draw B samples in one batch). The prompt goes through the model in one
+    forward pass; each further step feeds one token per row through the KV cache.
+    ``seed`` makes the draw reproducible (same seed, same tokens); without it torch's
+    global generator is used. A row that emits one of ``stop_ids`` is finished: it
+    keeps yielding that id, and the stream ends when every row is finished or after
+    ``max_new_tokens`` steps. ``vocab_size`` restricts sampling to ids below it (a
+    tokenizer smaller than the model's embedding). Beyond the context length the
+    window slides (see the module docstring). Runs under ``torch.inference_mode``, so
+    break out of the loop at any time.
+    """
+    config = SamplingConfig(temperature, top_k, top_p)
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
+            or max_new_tokens < 1:
+        raise ConfigError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    param = next(model.parameters())
+    device = param.device
+    prompt = _as_batch(ids, device)  # (B, T)
+    B, T = prompt.shape
+    V = model.config.vocab_size
+    if vocab_size is not None and not 1 <= vocab_size <= V:
+        raise ConfigError(f"vocab_size must be in [1, {V}] (the model's vocabulary), got "
+                          f"{vocab_size!r}")
+    if int(prompt.min()) < 0 or int(prompt.max()) >= V:
+        raise DataError(f"prompt ids must be in [0, {V}) for this model, got "
+                        f"{int(prompt.min())}..{int(prompt.max())}; the prompt was encoded "
+                        f"with a different tokenizer")
+    generator = None
+    if seed is not None:
+        generator = torch.Generator(device=device).manual_seed(int(seed))
+    stops = None
+    if stop_ids:
+        stops = torch.as_tensor(list(stop_ids), dtype=torch.long, device=device)
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
+                else torch.autocast("cpu", enabled=False))
+    return _run(model, prompt, max_new_tokens, config, generator, stops, vocab_size, autocast)
+
+
+def _run(model: GPT, prompt: Tensor, max_new_tokens: int, config: SamplingConfig,
+         generator: torch.Generator | None, stops: Tensor | None, vocab_size: int | None,
+         autocast: Any) -> Iterator[Tensor]:
+    """:func:`_decode` in eval and inference mode, restoring the model's mode after."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.inference_mode(), autocast:
+            yield from _decode(model, prompt, max_new_tokens, config, generator, stops,
+                               vocab_size)
+    finally:
+        model.train(was_training)
+
+
+def _decode(model: GPT, prompt: Tensor, max_new_tokens: int, config: SamplingConfig,
+            generator: torch.Generator | None, stops: Tensor | None,
+            vocab_size: int | None) -> Iterator[Tensor]:
+    """The loop of :func:`generate_stream` (already in inference mode)."""
+    B, T = prompt.shape
+    C = model.config.context_length
+    seq = torch.empty(B, T + max_new_tokens, dtype=torch.long, device=prompt.device)
+    seq[:, :T] = prompt
+    n = T  # tokens in seq so far
+    cache = KVCache.for_model(model, B, max_len=C)
+    warned = False
+    start = 0
+    if T > C:  # the prompt alone overflows: keep its last C - 1 tokens
+        start = n - (C - 1)
+        log.info("prompt of %d tokens is longer than the context length %d; using its "
+                 "last %d tokens", T, C, C - 1)
+        warned = True
+    logits = _last_logits(model, seq[:, start:n], cache)  # (B, V)
+    done = torch.zeros(B, dtype=torch.bool, device=prompt.device) if stops is not None else None
+    for step in range(max_new_tokens):
+        if vocab_size is not None:
+            logits = logits[:, :vocab_size]  # (B, V) -> (B, V'), a view
+        nxt = sample_next(logits.float(), config, generator)  # (B,)
+        if done is not None:
+            nxt = torch.where(done, seq[:, n - 1], nxt)  # finished rows repeat their stop id
+            done |= torch.isin(nxt, stops)
+        seq[:, n] = nxt
+        n += 1
+        yield nxt
+        if step == max_new_tokens - 1 or (done is not None and bool(done.all())):
+            return
+        if cache.length < C:
+            logits = model(nxt.unsqueeze(1), cache)[:, -1]  # (B, 1) -> (B, 1, V) -> (B, V)
+        else:  # the window is full: restart the cache on the last C - 1 tokens
+            if not warned:
+                log.info("sequence reached the context length %d; sliding the window "
+                         "(each further token re-reads the last %d tokens)", C, C - 1)
+                warned = True
+            cache.reset()
+            start = n - (C - 1)
+            logits = _last_logits(model, seq[:, start:n], cache)
+
+
+def generate(
+    model: GPT,
+    ids: Tensor | Sequence[int] | Sequence[Sequence[int]],
+    max_new_tokens: int,
+    *,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    stop_ids: Sequence[int] | None = None,
+    vocab_size: int | None = None,
+) -> Tensor:
+    """Prompt plus generated tokens, (B, T + N) with N <= max_new_tokens.
+
+    Same arguments as :func:`generate_stream` (temperature 0 = greedy). N is smaller
+    than ``max_new_tokens`` only when every row hit one of ``stop_ids``; rows that
+    stopped earlier are padded with their stop id.
+    """
+    prompt = _as_batch(ids, next(model.parameters()).device)
+    steps = list(generate_stream(model, prompt, max_new_tokens, temperature=temperature,
+                                 top_k=top_k, top_p=top_p, seed=seed, stop_ids=stop_ids,
+                                 vocab_size=vocab_size))
+    return torch.cat([prompt, torch.stack(steps, dim=1)], dim=1)  # (B, T) + (B, N)
+
+
+# --- text out ---------------------------------------------------------------------------------
+
+
+class TextStream:
+    """Generated ids of one sample -> text pieces that are safe to print as they come.
+
+    :meth:`push` returns the new text (possibly empty) after one more token. Text is
+    held back while it ends in U+FFFD (a byte-level token that ends inside a multi-byte
+    character) and while its end could be the start of a stop string; at a stop string
+    the text is cut just before it and :attr:`stopped` becomes True. :meth:`finish`
+    returns whatever was held back. ``"".join(pieces) + finish() == text``.
+    """
+
+    def __init__(self, tokenizer: Any, stop: Sequence[str] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.stop = tuple(s for s in stop if s)
+        self.ids: list[int] = []
+        self.emitted = ""
+        self.stopped = False
+        self._full = ""
+
+    @property
+    def text(self) -> str:
+        """All text so far (emitted plus held back), cut at a stop string."""
+        return self._full
+
+    def push(self, token_id: int) -> str:
+        if self.stopped:
+            return ""
+        self.ids.append(int(token_id))
+        full = self.tokenizer.decode(self.ids)
+        cut = min((i for i in (full.find(s) for s in self.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            self._full, self.stopped = full[:cut], True
+            return self._emit(self._full)
+        self._full = full
+        if full.endswith("\ufffd"):
+            return ""  # an incomplete UTF-8 character: wait for its remaining bytes
+        hold = max((k for s in self.stop for k in range(len(s) - 1, 0, -1)
+                    if full.endswith(s[:k])), default=0)
+        return self._emit(full[:len(full) - hold])
+
+    def finish(self) -> str:
+        """The held-back rest of the text (call once, after the last token)."""
+        return self._emit(self._full)
+
+    def _emit(self, safe: str) -> str:
+        piece = safe[len(self.emitted):]
+        self.emitted = safe
+        return piece
+
+
+def encode_prompt(tokenizer: Any, text: str) -> list[int]:
+    """Prompt ids for ``text``; an empty prompt starts from the end-of-text token.
+
+    A char tokenizer raises its DataError naming characters it never saw. An empty
+    prompt with a tokenizer that has no end-of-text token has nothing to condition on,
+    which is a DataError too.
+    """
+    if text:
+        return list(tokenizer.encode(text))
+    eos = tokenizer.eos_id
+    if eos is None:
+        raise DataError(f"the prompt is empty and this {tokenizer.kind} tokenizer has no "
+                        f"end-of-text token to start from; pass --prompt with some text")
+    return [eos]
+
+
+def generate_text(
+    model: GPT,
+    tokenizer: Any,
+    prompt: str,
+    max_new_tokens: int,
+    *,
+    num_samples: int = 1,
+    stop: Sequence[str] = (),
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+) -> Iterator[tuple[int, str]]:
+    """Yield (sample index, text piece) as text becomes printable; text in, text out.
+
+    ``num_samples`` continuations of ``prompt`` are generated in one batch. Each piece
+    is new text of one sample: whole characters only, cut before the first of the
+    ``stop`` strings; a sample also ends at the tokenizer's end-of-text token (not
+    printed). Generation ends when every sample has ended or after ``max_new_tokens``.
+    Joining the pieces of sample i gives its full continuation (without the prompt).
+    """
+    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
+        raise ConfigError(f"num_samples must be an integer >= 1, got {num_samples!r}")
+    ids = encode_prompt(tokenizer, prompt)
+    eos = tokenizer.eos_id
+    V = model.config.vocab_size
+    if tokenizer.vocab_size > V:
+        raise DataError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
+                        f"{V}; the checkpoint mixes a tokenizer and a model that do not match")
+    batch = torch.tensor([ids] * num_samples, dtype=torch.long)  # (B, T)
+    steps = generate_stream(model, batch, max_new_tokens, temperature=temperature,
+                            top_k=top_k, top_p=top_p, seed=seed,
+                            stop_ids=None if eos is None else [eos],
+                            vocab_size=tokenizer.vocab_size)
+    return _text_pieces(steps, [TextStream(tokenizer, stop) for _ in range(num_samples)], eos)
+
+
+def _text_pieces(steps: Iterator[Tensor], streams: list[TextStream],
+                 eos: int | None) -> Iterator[tuple[int, str]]:
+    """The loop of :func:`generate_text`: token ids of every row -> (row, text piece)."""
+    ended = [False] * len(streams)
+    try:
+        for nxt in steps:
+            for i, token in enumerate(nxt.tolist()):
+                if ended[i]:
+                    continue
+                if token == eos:
+                    ended[i] = True
+                    continue
+                piece = streams[i].push(token)
+                ended[i] = streams[i].stopped
+                if piece:
+                    yield i, piece
+            if all(ended):
+                break
+    finally:
+        steps.close()
+    for i, stream in enumerate(streams):
+        piece = stream.finish()
+        if piece:
+            yield i, piece
