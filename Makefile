@@ -22,8 +22,14 @@ $(STAMP): pyproject.toml constraints.txt
 
 install: $(STAMP)
 
+# data/ and runs/ are gitignored. The run is replaced on each `make demo`.
 demo: $(STAMP)
-	$(PY) -m tinylm demo
+	$(PY) -m tinylm prepare --corpus python-docs --out data/python-docs
+	rm -rf runs/demo
+	$(PY) -m tinylm train --data data/python-docs --out runs/demo --config configs/demo.toml
+	$(PY) -m tinylm sample --model runs/demo --prompt "The " --num-samples 3 \
+		--max-new-tokens 300 --temperature 0.8 --seed 0
+	@echo "loss curve: runs/demo/loss.png"
 
 test: $(STAMP)
 	$(PY) -m ruff check src tests benchmarks
