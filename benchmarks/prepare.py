@@ -38,12 +38,14 @@ CHILD = textwrap.dedent("""
     from tinylm.data import prepare
     out, src, tok, train_mb = sys.argv[1:5]
     train_mb = None if train_mb == "all" else float(train_mb)
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    use = resource.getrusage(resource.RUSAGE_SELF)
+    base, cpu0 = use.ru_maxrss, use.ru_utime + use.ru_stime
     t0 = time.perf_counter()
     d = prepare(out, [src], tokenizer=tok, force=True, progress=False, bpe_train_mb=train_mb)
     seconds = time.perf_counter() - t0
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(json.dumps({"seconds": seconds, "rss_mb": (peak - base) / 1024,
+    use = resource.getrusage(resource.RUSAGE_SELF)
+    peak, cpu = use.ru_maxrss, use.ru_utime + use.ru_stime - cpu0
+    print(json.dumps({"seconds": seconds, "cpu": cpu, "rss_mb": (peak - base) / 1024,
                       "tokens": len(d.train) + len(d.val), "vocab": d.vocab_size}))
 """)
 
@@ -53,6 +55,8 @@ SINGLE = textwrap.dedent("""
     src, tok_path, how = sys.argv[1:4]
     text = open(src, encoding="utf-8").read()
     tok = load_tokenizer(tok_path)
+    use = resource.getrusage(resource.RUSAGE_SELF)
+    cpu0 = use.ru_utime + use.ru_stime
     t0 = time.perf_counter()
     if how == "hf":
         n = len(tok.hf.encode(text, add_special_tokens=False).ids)
@@ -62,8 +66,10 @@ SINGLE = textwrap.dedent("""
         stoi = {c: i for i, c in enumerate(tok.chars)}
         n = len([stoi[c] for c in text])
     seconds = time.perf_counter() - t0
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(json.dumps({"seconds": seconds, "rss_mb": peak / 1024, "tokens": n}))
+    use = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = use.ru_utime + use.ru_stime - cpu0
+    print(json.dumps({"seconds": seconds, "cpu": cpu, "rss_mb": use.ru_maxrss / 1024,
+                      "tokens": n}))
 """)
 
 
@@ -103,13 +109,14 @@ def main() -> None:
         sec = statistics.median(r["seconds"] for r in runs)
         rss = max(r["rss_mb"] for r in runs)
         runs_text = f"median of {len(runs)}" if len(runs) > 1 else "1 run"
-        rows.append((label, runs_text, sec, runs[0]["tokens"], rss))
+        cpu = statistics.median(r["cpu"] for r in runs)
+        rows.append((label, runs_text, sec, cpu, runs[0]["tokens"], rss))
         each = ", ".join(f"{r['seconds']:.2f}" for r in runs)
         print(f"{label}: {mb / sec:.2f} MB/s ({sec:.2f} s, runs {each})", flush=True)
 
     def single(label: str, tok_dir: str, how: str) -> None:
         r = child(SINGLE, str(src), str(work / tok_dir), how)
-        rows.append((label, "1 run", r["seconds"], r["tokens"], r["rss_mb"]))
+        rows.append((label, "1 run", r["seconds"], r["cpu"], r["tokens"], r["rss_mb"]))
         print(f"{label}: {mb / r['seconds']:.2f} MB/s ({r['seconds']:.2f} s)", flush=True)
 
     prepared("char: `tinylm prepare --tokenizer char`", "char", "char")
@@ -133,13 +140,16 @@ def main() -> None:
         f"{platform.python_version()}, tokenizers {tokenizers.__version__}; load average "
         f"{load:.2f} at the start. Prepare rows run the library call `prepare()` in a fresh "
         f"process; peak RSS is the growth over the process after imports (prepare rows) or "
-        f"the whole process holding the text (single-call rows).",
+        f"the whole process holding the text (single-call rows). CPU seconds (user + system "
+        f"of that process) against wall seconds show how much of the 2 cores it got: other "
+        f"jobs shared this machine, so wall-clock MB/s is a lower bound.",
         "",
-        "| what | runs | seconds | MB/s | tokens | peak RSS MB |",
-        "| --- | --- | ---: | ---: | ---: | ---: |",
+        "| what | runs | seconds | MB/s | CPU seconds | tokens | peak RSS MB |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for label, runs, sec, tokens, rss in rows:
-        body.append(f"| {label} | {runs} | {sec:.2f} | {mb / sec:.2f} | {tokens:,} | {rss:.0f} |")
+    for label, runs, sec, cpu, tokens, rss in rows:
+        body.append(f"| {label} | {runs} | {sec:.2f} | **{mb / sec:.2f}** | {cpu:.1f} | "
+                    f"{tokens:,} | {rss:.0f} |")
     body += [
         "",
         f"Command: `python benchmarks/prepare.py --size-mb {args.size_mb:g} "
