@@ -278,3 +278,15 @@ def test_bpe_trains_on_a_bounded_even_sample(tmp_path) -> None:
     trained = d.meta["tokenizer"]["trained_on_bytes"]
     assert 50_000 <= trained <= 60_000  # about 1 chunk in 4, spread over the input
     assert _all_tokens(d).tolist() == d.tokenizer.encode(text)  # every byte still encoded
+
+
+def test_given_tokenizer_object_and_its_unknown_characters(tmp_path) -> None:
+    src = tmp_path / "in.txt"
+    src.write_text("abc cab\n" * 100)
+    d = prepare(tmp_path / "ok", [src], tokenizer=CharTokenizer("abc \n"), context_length=8,
+                progress=False)
+    assert d.tokenizer.decode(_all_tokens(d)) == "abc cab\n" * 100
+    src.write_text("abc cab\n" * 100 + "naïve")
+    with pytest.raises(DataError, match=r"'ï' \(U\+00EF\)"):
+        prepare(tmp_path / "bad", [src], tokenizer=CharTokenizer("abc \n"), progress=False)
+    assert not (tmp_path / "bad").exists()

@@ -438,7 +438,7 @@ def prepare(
     inputs: Sequence[str | Path] | None = None,
     *,
     corpus: str | None = None,
-    tokenizer: str | Path = "char",
+    tokenizer: str | Path | Tokenizer = "char",
     vocab_size: int = 4096,
     val_fraction: float = 0.1,
     context_length: int = 256,
@@ -456,9 +456,9 @@ def prepare(
     inputs          files, folders (every non-hidden file matching ``glob``, sorted) or
                     "-" for standard input; with neither inputs nor ``corpus`` the
                     built-in corpus python-docs is used
-    tokenizer       "char" (alphabet from the input), "bpe" (trained, ``vocab_size``)
-                    or a path to an existing tokenizer (tokenizer.json, a folder, or
-                    GPT-2's vocab.json + merges.txt)
+    tokenizer       "char" (alphabet from the input), "bpe" (trained, ``vocab_size``),
+                    a path to an existing tokenizer (tokenizer.json, a folder, or
+                    GPT-2's vocab.json + merges.txt), or a Tokenizer object
     val_fraction    the last fraction of the token stream goes to val.bin
     context_length  C the data is meant for: each split must hold at least C + 1 tokens
     unknown         char tokenizer policy for unseen characters later ("replace" adds <unk>)
@@ -471,7 +471,7 @@ def prepare(
     Nothing in ``out_dir`` changes unless the whole run succeeds.
     """
     t0 = time.perf_counter()
-    tok_spec = str(tokenizer)
+    tok_spec = "given" if isinstance(tokenizer, Tokenizer) else str(tokenizer)
     special_tokens = list(dict.fromkeys(special_tokens))
     _check_args(tok_spec, vocab_size, val_fraction, context_length, unknown, errors,
                 special_tokens)
@@ -496,8 +496,9 @@ def prepare(
         tok_settings = {"kind": "bpe", "vocab_size": vocab_size, "special_tokens": special_tokens,
                         "train_mb": bpe_train_mb}
     else:
-        given = load_tokenizer(tok_spec)
-        tok_settings = {"kind": given.kind, "path": str(Path(tok_spec).resolve()),
+        given = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tok_spec)
+        where = "object" if tok_spec == "given" else str(Path(tok_spec).resolve())
+        tok_settings = {"kind": given.kind, "path": where,
                         "sha256": hashlib.sha256(
                             json.dumps(given.to_hf_json(), sort_keys=True).encode()).hexdigest()}
 
