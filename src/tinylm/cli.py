@@ -267,8 +267,7 @@ def _cmd_compress(args: argparse.Namespace) -> int:
             warmup_steps=min(20, args.finetune // 10), eval_every=args.finetune,
             save_every=args.finetune, device=str(device))
         with tempfile.TemporaryDirectory(prefix=f".{out.name}.finetune-", dir=out.parent) as run:
-            result = train(model.config, train_config, args.data, run, model=model)
-        model = getattr(result, "model", None) or model
+            train(model.config, train_config, args.data, run, model=model)  # in place
         tuned = val_loss(model)
         print(f"after fine-tuning {args.finetune} steps: val loss {tuned.loss:.4f} "
               f"(perplexity {tuned.perplexity:.3f}, {100 * (tuned.loss / before.loss - 1):+.1f} % "
