@@ -563,6 +563,9 @@ def prepare(
                 tok = BPETokenizer.train(training_text(), vocab_size, special_tokens)
                 n_chars = counts["chars"]
                 trained_on = counts["fed"]
+                if tok.vocab_size < vocab_size:
+                    log.warning("BPE stopped at %d tokens (asked for %d): the training text "
+                                "has no more pairs to merge", tok.vocab_size, vocab_size)
             else:
                 assert given is not None
                 tok = given
