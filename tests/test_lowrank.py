@@ -132,6 +132,7 @@ def test_budget_ranks_follow_relative_energy_per_parameter() -> None:
     assert ranks_for_budget([a, b, c], 220) == [2, 1, 4]
     with pytest.raises(ConfigError, match="budget cannot be met"):
         ranks_for_budget([a, b, c], 79)
+    assert ranks_for_budget([a, b, c], 500) == [None, None, None]  # all fit as they are
 
 
 def test_budget_leaves_a_layer_as_is_when_its_rank_would_not_save() -> None:

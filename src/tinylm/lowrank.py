@@ -134,13 +134,16 @@ class LayerSpectrum:
 def ranks_for_budget(layers: Sequence[LayerSpectrum], budget: float) -> list[int | None]:
     """Per-layer ranks whose weights fit in ``budget`` parameters (None: leave as is).
 
-    Every factorised layer keeps σ_1 (cost E + F); further singular values of all layers
+    When the layers fit as they are, none is factorised. Otherwise every factorised
+    layer keeps σ_1 (cost E + F); further singular values of all layers
     are taken greedily in decreasing σ_i²/‖W‖_F²/(E + F) (relative energy per parameter)
     while the total fits. A layer whose rank reaches the point where factorising stops
     saving parameters is left as is (its current cost is at most that of the rank), and
     the pass is repeated with the remaining layers and budget. Raises ConfigError when
     even rank 1 everywhere does not fit.
     """
+    if budget >= sum(layer.params for layer in layers):
+        return [None] * len(layers)  # everything fits as it is: approximate nothing
     keep: set[int] = set()  # indices left as they are
     while True:
         active = [i for i in range(len(layers)) if i not in keep]
