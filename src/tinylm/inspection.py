@@ -292,6 +292,7 @@ def plot_attention(explanation: Explanation, path: str | os.PathLike, *,
     labels = [display_token(t) for t in explanation.tokens]
     show = C <= max_labels
     cell = max(2.0, min(6.0, 0.22 * C + 1.2))
+    cell = min(cell, 48.0 / max(L, H))  # keep big grids (GPT-2: 12 × 12) under ~5,000 px
     fig = Figure(figsize=(cell * H + 1.2, cell * L + 0.6), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(L, H, squeeze=False)
@@ -418,6 +419,11 @@ def render_html(explanation: Explanation, *, title: str = "tinylm explain") -> s
 
     CSS, JavaScript and data are inline; the page references no URL of any kind.
     """
+    L, H, C, _ = explanation.attention.shape
+    if L * H * C * (C + 1) // 2 > 5_000_000:
+        log.warning("the page holds %d attention weights (%d layers × %d heads × %d tokens); "
+                    "it may be slow to open; a shorter prompt keeps it small",
+                    L * H * C * (C + 1) // 2, L, H, C)
     data = json.dumps(_html_data(explanation), ensure_ascii=False, separators=(",", ":"))
     data = data.replace("</", "<\\/")  # a token "</script>" must not end the data block
     prompt = html.escape("".join(explanation.tokens))
