@@ -144,6 +144,9 @@ def test_neighbours(model: GPT, tokenizer: CharTokenizer) -> None:
     assert ns[1].similarity == pytest.approx(float(expected), abs=1e-6)
     with pytest.raises(DataError, match="not a single token"):
         nearest_tokens(model, tokenizer, "pen")
+    # Tokens as the table spells them: ␣ for a space, \n for a newline.
+    assert nearest_tokens(model, tokenizer, "␣", count=1)[0].token == " "
+    assert nearest_tokens(model, tokenizer, "\\n", count=1)[0].token == "\n"
     with pytest.raises(DataError, match="never saw"):
         nearest_tokens(model, tokenizer, "z")
 

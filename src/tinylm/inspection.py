@@ -173,10 +173,13 @@ class Neighbour:
 
 
 def token_id_of(tokenizer: Any, token: str) -> int:
-    """The id of one token given as it is displayed (or as text encoding to one token)."""
-    found = tokenizer.token_to_id(token)
-    if found is not None:
-        return int(found)
+    """The id of one token: its text, its spelling in the table (``␣`` for a space,
+    ``\\n`` for a newline, as :func:`display_token` shows it), or text encoding to one token."""
+    undisplayed = token.replace("\\n", "\n").replace("\\t", "\t").replace("\\r", "\r")
+    for spelling in dict.fromkeys([token, undisplayed.replace("␣", " ")]):
+        found = tokenizer.token_to_id(spelling)
+        if found is not None:
+            return int(found)
     ids = tokenizer.encode(token) if token else []
     if len(ids) == 1:
         return int(ids[0])
