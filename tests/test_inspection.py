@@ -235,3 +235,13 @@ def test_cli_bad_model_folders(checkpoint: Path, tmp_path: Path, capsys) -> None
     assert main(["explain", "--model", str(mismatched), "--prompt", "a"]) == 2
     errs = capsys.readouterr().err.strip().splitlines()
     assert len(errs) == 3 and all(e.startswith("tinylm explain: error:") for e in errs)
+
+
+def test_spare_embedding_rows_are_shown_as_unused(tokenizer: CharTokenizer) -> None:
+    cfg = ModelConfig(vocab_size=tokenizer.vocab_size + 4, context_length=8, n_layer=1,
+                      n_head=1, n_embd=8)
+    wide = GPT(cfg).eval()
+    e = explain(wide, tokenizer, "a pen", top_k=cfg.vocab_size)
+    shown = {c.token for c in e.rows[0].candidates}
+    assert f"<unused {tokenizer.vocab_size}>" in shown and len(shown) == cfg.vocab_size
+    assert len(nearest_tokens(wide, tokenizer, "a", count=cfg.vocab_size)) == cfg.vocab_size

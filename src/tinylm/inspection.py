@@ -104,11 +104,17 @@ def next_token_rows(probs: Tensor, ids: Sequence[int], tokenizer: Any, top_k: in
     rows = []
     for t, token_id in enumerate(ids):
         cands = tuple(
-            Candidate(tokenizer.id_to_token(int(i)), int(i), float(p))
+            Candidate(token_text(tokenizer, i), int(i), float(p))
             for p, i in zip(top.values[t].tolist(), top.indices[t].tolist(), strict=True)
         )
-        rows.append(Row(t, tokenizer.id_to_token(int(token_id)), int(token_id), cands))
+        rows.append(Row(t, token_text(tokenizer, token_id), int(token_id), cands))
     return tuple(rows)
+
+
+def token_text(tokenizer: Any, i: int) -> str:
+    """The tokenizer's display text for id i; ids past its vocabulary (a model whose
+    embedding has spare rows) show as ``<unused i>``."""
+    return tokenizer.id_to_token(int(i)) if int(i) < tokenizer.vocab_size else f"<unused {i}>"
 
 
 def encode_prompt(tokenizer: Any, prompt: str | Sequence[int], context_length: int
@@ -207,7 +213,7 @@ def nearest_tokens(model: nn.Module, tokenizer: Any, token: str, count: int = 10
         sims = F.cosine_similarity(emb, emb[query][None, :], dim=-1)  # (V, E) vs (1, E) -> (V,)
         sims[query] = 1.0  # exactly, whatever the rounding
     order = sorted(range(emb.shape[0]), key=lambda i: (-float(sims[i]), i != query, i))
-    return [Neighbour(tokenizer.id_to_token(i), i, float(sims[i]))
+    return [Neighbour(token_text(tokenizer, i), i, float(sims[i]))
             for i in order[:min(count, emb.shape[0])]]
 
 
@@ -476,5 +482,6 @@ __all__ = [
     "plot_attention",
     "render_html",
     "token_id_of",
+    "token_text",
     "write_html",
 ]
