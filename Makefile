@@ -24,11 +24,12 @@ install: $(STAMP)
 
 # data/ and runs/ are gitignored. The run is replaced on each `make demo`.
 demo: $(STAMP)
-	$(PY) -m tinylm prepare --corpus python-docs --out data/python-docs
+	$(PY) -m tinylm prepare --corpus python-docs --tokenizer bpe --vocab-size 1024 \
+		--out data/python-docs-bpe
 	rm -rf runs/demo
-	$(PY) -m tinylm train --data data/python-docs --out runs/demo --config configs/demo.toml
+	$(PY) -m tinylm train --data data/python-docs-bpe --out runs/demo --config configs/demo.toml
 	$(PY) -m tinylm sample --model runs/demo --prompt "The " --num-samples 3 \
-		--max-new-tokens 300 --temperature 0.8 --seed 0
+		--max-new-tokens 150 --temperature 0.8 --seed 0
 	@echo "loss curve: runs/demo/loss.png"
 
 test: $(STAMP)
