@@ -236,3 +236,15 @@ def test_bad_arguments_raise_config_errors(kwargs, match) -> None:
         compress(model, **kwargs)
     assert "\n" not in str(info.value)
     assert structure_of(model) == {} and torch.equal(model(ids), reference)  # untouched
+
+
+def test_lowrank_depends_only_on_torch_config_and_errors() -> None:
+    import ast
+    from pathlib import Path
+
+    import tinylm.lowrank
+
+    tree = ast.parse(Path(tinylm.lowrank.__file__).read_text(encoding="utf-8"))
+    ours = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+            and n.module and n.module.startswith("tinylm")}
+    assert ours <= {"tinylm.config", "tinylm.errors"}, ours
