@@ -121,7 +121,7 @@ class ModelConfig(_JSONMixin):
 
 
 #: Optimizers TrainConfig.optimizer accepts (built in tinylm.training.build_optimizer).
-OPTIMIZERS = ("adamw",)
+OPTIMIZERS = ("adamw", "muon")
 
 
 def _field(default: Any, help: str) -> Any:

@@ -1,0 +1,174 @@
+"""Time to quality: wall-clock seconds until the validation loss first reaches a target.
+
+    python benchmarks/speedrun.py --input /path/to/tinyshakespeare/input.txt \\
+        [--target 1.886] [--runs 3] [--no-write]
+
+The text is prepared with the char tokenizer, the last 10 % as validation (as nanoGPT's
+shakespeare_char baseline). The clock starts before the model is built and stops when an
+evaluation first reports a validation loss <= target; it includes every evaluation.
+Each evaluation is exact: the mean next-token loss over the WHOLE validation split in
+non-overlapping windows of C tokens (``tinylm.evaluation.evaluate``). Evaluations start
+once the smoothed training loss is below the target + 0.1 (the val/train gap here is
+~0.1), every ``--eval-every`` steps, and every half of that once a val loss is within
+0.03 of the target.
+
+The loop is tinylm's pieces, not ``tinylm.training.train``: the model, ``get_batch``, the
+optimizer builder (``optimizer="muon"``), the warm-up + cosine ``lr_at`` and
+``evaluate``. ``train()`` has no stop-at-target and writes checkpoints, metrics and a
+plot at every evaluation, which would be timed here; the step itself is the same.
+Prints a table, writes benchmarks/speedrun.png and the BENCHMARKS.md section
+between ``<!-- bench:speedrun -->`` markers; median over ``--runs`` (seeds 0, 1, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import write_section  # noqa: E402
+from tinylm.config import ModelConfig, TrainConfig  # noqa: E402
+from tinylm.data import get_batch, load_prepared, prepare  # noqa: E402
+from tinylm.evaluation import evaluate  # noqa: E402
+from tinylm.model import GPT  # noqa: E402
+from tinylm.training import build_optimizer, lr_at  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+# The best settings found for this 2-core CPU (see BENCHMARKS.md for the search).
+MODEL = dict(n_layer=4, n_head=4, n_embd=128, context_length=64, dropout=0.0)
+TRAIN = dict(optimizer="muon", lr=3e-3, batch_size=12, warmup_steps=100, max_steps=800,
+             min_lr_ratio=0.1, weight_decay=0.1, beta1=0.9, beta2=0.95, grad_clip=1.0)
+
+
+def run_once(data, target: float, seed: int, eval_every: int, threads: int) -> dict:
+    """One timed run; returns the time to target and the loss history."""
+    torch.set_num_threads(threads)
+    cfg = TrainConfig(**TRAIN, seed=seed)
+    t0 = time.perf_counter()
+    torch.manual_seed(seed)
+    model = GPT(ModelConfig(vocab_size=data.vocab_size, **MODEL)).train()
+    optimizer = build_optimizer(model, cfg, torch.device("cpu"))
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    gen = torch.Generator().manual_seed(seed)
+    B, C = cfg.batch_size, model.config.context_length
+    ema, last_val, eval_s = None, float("inf"), 0.0
+    train_curve, val_curve, reached = [], [], None
+    for step in range(cfg.max_steps):
+        lr = lr_at(step, lr=cfg.lr, warmup_steps=cfg.warmup_steps,
+                   total_steps=cfg.max_steps, min_lr_ratio=cfg.min_lr_ratio)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        x, y = get_batch(data.train, B, C, gen)  # (B, C), (B, C)
+        loss = model.loss(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        value = loss.item()
+        ema = value if ema is None else 0.95 * ema + 0.05 * value
+        train_curve.append((step + 1, time.perf_counter() - t0, value))
+        every = eval_every // 2 if last_val < target + 0.03 else eval_every
+        if ema < target + 0.1 and (step + 1) % every == 0:
+            te = time.perf_counter()
+            last_val = evaluate(model, data.val, context_length=C, batch_size=64).loss
+            eval_s += time.perf_counter() - te
+            val_curve.append((step + 1, time.perf_counter() - t0, last_val))
+            if last_val <= target:
+                reached = time.perf_counter() - t0
+                break
+    return {"seed": seed, "seconds": reached, "steps": step + 1, "val_loss": last_val,
+            "eval_seconds": eval_s, "evaluations": len(val_curve),
+            "train": train_curve, "val": val_curve}
+
+
+def plot(runs: list[dict], target: float, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for r in runs:
+        t = [p[1] for p in r["train"]]
+        v = [p[2] for p in r["train"]]
+        k = 25  # running mean over k steps for a readable train curve
+        smooth = [sum(v[max(0, i - k + 1):i + 1]) / len(v[max(0, i - k + 1):i + 1])
+                  for i in range(len(v))]
+        line, = ax.plot(t, smooth, lw=1, alpha=0.7, label=f"train (seed {r['seed']})")
+        ax.plot([p[1] for p in r["val"]], [p[2] for p in r["val"]], "o-",
+                color=line.get_color(), ms=3, label=f"val, whole split (seed {r['seed']})")
+    ax.axhline(target, color="k", ls="--", lw=1, label=f"target {target}")
+    ax.set(xlabel="wall-clock seconds (model build, training, evaluations)", ylabel="loss",
+           ylim=(1.4, 3.0), title="tinylm speedrun: tiny Shakespeare (char)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def render(runs: list[dict], target: float, args: argparse.Namespace, median: float | None,
+           vocab: int, n_train: int, n_val: int) -> str:
+    m = MODEL
+    lines = [
+        f"Char tokenizer (V={vocab}), {n_train:,} train / {n_val:,} val tokens (last 10 %). "
+        f"Model {m['n_layer']} layers, {m['n_head']} heads, E={m['n_embd']}, "
+        f"C={m['context_length']}; optimizer `{TRAIN['optimizer']}` (Muon for weight "
+        f"matrices at 10× the lr, AdamW for the rest), lr {TRAIN['lr']:g}, batch "
+        f"{TRAIN['batch_size']}, warm-up {TRAIN['warmup_steps']} + cosine over "
+        f"{TRAIN['max_steps']} steps, grad clip {TRAIN['grad_clip']}, fp32, "
+        f"{args.threads} threads. Validation: exact mean over the whole split.",
+        "",
+        "| run (seed) | seconds to ≤ target | steps | val loss | evaluations (s) |",
+        "|---|---|---|---|---|",
+    ]
+    for r in runs:
+        sec = f"{r['seconds']:.1f}" if r["seconds"] is not None else "not reached"
+        lines.append(f"| {r['seed']} | {sec} | {r['steps']} | {r['val_loss']:.4f} | "
+                     f"{r['evaluations']} ({r['eval_seconds']:.1f}) |")
+    med = f"**{median:.1f} s**" if median is not None else "**not reached**"
+    lines += ["", f"Median time to validation loss ≤ {target}: {med} (baseline: nanoGPT's "
+              f"4×128 shakespeare_char config, 2000 steps at batch 12, ~130 s here).", "",
+              "![speedrun loss curves](benchmarks/speedrun.png)", "",
+              f"Command: `python benchmarks/speedrun.py --input "
+              f"data/tinyshakespeare/input.txt --target {target} --runs {len(runs)}`"]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--input", required=True, help="text file, e.g. tiny Shakespeare")
+    parser.add_argument("--target", type=float, default=1.886)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--eval-every", type=int, default=50)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--no-write", action="store_true", help="print only")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        prepare(tmp, [args.input], tokenizer="char", val_fraction=0.1,
+                context_length=MODEL["context_length"], force=True, progress=False)
+        data = load_prepared(tmp)
+        runs = []
+        for seed in range(args.runs):
+            runs.append(run_once(data, args.target, seed, args.eval_every, args.threads))
+            r = runs[-1]
+            print(json.dumps({k: r[k] for k in ("seed", "seconds", "steps", "val_loss",
+                                                "eval_seconds")}), file=sys.stderr)
+        times = [r["seconds"] for r in runs]
+        median = statistics.median(times) if all(t is not None for t in times) else None
+        table = render(runs, args.target, args, median, data.vocab_size, len(data.train),
+                       len(data.val))
+    print(table)
+    if not args.no_write:
+        plot(runs, args.target, HERE / "speedrun.png")
+        write_section("speedrun", f"Speedrun: tiny Shakespeare to {args.target}", table)
+
+
+if __name__ == "__main__":
+    main()

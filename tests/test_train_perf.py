@@ -1,0 +1,63 @@
+"""The training-speed pieces: the Muon option and the memory-lean FFN backward."""
+
+from __future__ import annotations
+
+import torch
+
+from tinylm.config import ModelConfig, TrainConfig
+from tinylm.model import GPT
+from tinylm.training import MuonAdamW, build_optimizer, newton_schulz
+
+
+def _tiny() -> GPT:
+    return GPT(ModelConfig(vocab_size=17, context_length=16, n_layer=2, n_head=2, n_embd=32))
+
+
+def test_newton_schulz_orthogonalises() -> None:
+    G = torch.randn(48, 16)
+    X = newton_schulz(G, steps=10)
+    assert X.shape == G.shape
+    s = torch.linalg.svdvals(X)
+    assert s.min() > 0.5 and s.max() < 1.5  # the quintic's band around 1, not exact 1
+    U, _, Vh = torch.linalg.svd(G, full_matrices=False)
+    assert torch.nn.functional.cosine_similarity(X.flatten(), (U @ Vh).flatten(), dim=0) > 0.95
+
+
+def test_muon_option_trains_and_round_trips_state() -> None:
+    model = _tiny()
+    opt = build_optimizer(model, TrainConfig(optimizer="muon", lr=3e-3), torch.device("cpu"))
+    assert isinstance(opt, MuonAdamW)
+    muon = [p for g in opt.param_groups if g["muon"] for p in g["params"]]
+    assert muon and all(p.dim() == 2 for p in muon)
+    assert all(p is not model.tok_emb.weight for p in muon)  # tied embedding stays on AdamW
+    ids = torch.randint(0, 17, (8, 17), generator=torch.Generator().manual_seed(0))
+    x, y = ids[:, :-1], ids[:, 1:]
+    first = None
+    for _ in range(30):
+        loss = model.loss(x, y)
+        first = first if first is not None else loss.item()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    assert model.loss(x, y).item() < 0.5 * first
+    state = opt.state_dict()
+    assert "momentum_buffer" in state["state"][state["param_groups"][0]["params"][0]]
+    twin = build_optimizer(model, TrainConfig(optimizer="muon", lr=3e-3), torch.device("cpu"))
+    twin.load_state_dict(state)
+    assert twin.state_dict()["param_groups"] == state["param_groups"]
+
+
+def test_ffn_recomputed_gelu_matches_plain_autograd() -> None:
+    model = _tiny().double()
+    ffn = model.blocks[0].ffn
+    x = torch.randn(3, 5, 32, dtype=torch.float64, requires_grad=True)
+    y = ffn(x)  # the recomputing path (grad enabled, nn.Linear down)
+    plain = ffn.down(ffn.act(ffn.up(x)))  # plain autograd through the same modules
+    assert torch.equal(y, plain)
+    g = torch.randn_like(y)
+    params = [x, ffn.up.weight, ffn.up.bias, ffn.down.weight, ffn.down.bias]
+    ours = torch.autograd.grad(y, params, g)
+    ref = torch.autograd.grad(plain, params, g)
+    for a, b in zip(ours, ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    torch.autograd.gradcheck(lambda h: ffn.drop(ffn(h)), (x[:1, :2].detach().requires_grad_(),))
