@@ -71,7 +71,8 @@ def test_stdin_and_rerun_of_same_dataset(text_file, tmp_path) -> None:
                                                      "val.bin"]
 
 
-@pytest.mark.parametrize("case", ["missing", "empty", "short", "non_utf8", "binary",
+@pytest.mark.parametrize("case", ["missing", "empty", "short", "non_utf8", "non_utf8_bpe",
+                                  "binary",
                                   "vocab_small", "bad_val_fraction", "unknown_corpus",
                                   "different_dataset", "different_text", "missing_tokenizer"])
 def test_bad_input_one_line_exit_2_nothing_overwritten(case, prepared, text_file, tmp_path,
@@ -90,6 +91,7 @@ def test_bad_input_one_line_exit_2_nothing_overwritten(case, prepared, text_file
         "empty": ["--input", str(empty)],
         "short": ["--input", str(short)],
         "non_utf8": ["--input", str(bad)],
+        "non_utf8_bpe": ["--input", str(bad), "--tokenizer", "bpe"],  # raised inside training
         "binary": ["--input", str(binary)],
         "vocab_small": ["--tokenizer", "bpe", "--vocab-size", "200"],
         "bad_val_fraction": ["--val-fraction", "1.5"],
@@ -103,6 +105,7 @@ def test_bad_input_one_line_exit_2_nothing_overwritten(case, prepared, text_file
         "empty": "input is empty",
         "short": "input is too short: 6 tokens",
         "non_utf8": f"{bad} is not UTF-8 text: byte 0xef at byte offset 602",
+        "non_utf8_bpe": f"{bad} is not UTF-8 text: byte 0xef at byte offset 602",
         "binary": f"{binary} is not UTF-8 text: byte 0x89 at byte offset 0",
         "vocab_small": "too small for byte-level BPE",
         "bad_val_fraction": "val fraction must be between 0 and 1",
