@@ -44,11 +44,15 @@ def gelu_tanh(x: Tensor) -> Tensor:
 
 
 def gelu_tanh_backward(grad: Tensor, x: Tensor) -> Tensor:
-    """grad · d gelu_tanh(x) / dx, with s = sigmoid(2u):  s · (1 + x·(1 - s)·d(2u)/dx)."""
+    """grad · d gelu_tanh(x) / dx, with s = sigmoid(2u):  s · (1 + x·(1 - s)·d(2u)/dx).
+
+    Two temporaries only (fresh large CPU tensors cost page faults); ``grad`` is kept.
+    """
     x2 = x * x
     s = x2.mul(_GELU_KC).add_(_GELU_K).mul_(x).sigmoid_()  # sigmoid(2u)
     t = x2.mul_(3.0 * _GELU_KC).add_(_GELU_K).mul_(x)  # x · d(2u)/dx = x·(K + 3·KC·x²)
-    return t.mul_(torch.rsub(s, 1.0)).add_(1.0).mul_(s).mul_(grad)
+    t.addcmul_(t, s, value=-1.0)  # t·(1 - s)
+    return t.add_(1.0).mul_(s).mul_(grad)
 
 
 class _GeluDown(torch.autograd.Function):
