@@ -113,7 +113,9 @@ def flops_per_token(model: GPT) -> float:
     return 6 * n + 12 * c.n_layer * c.context_length * c.inner_dim
 
 
-def throughput(shape: str, B: int, repeats: int, steps: int) -> dict:
+def throughput(shape: str, B: int, repeats: int, steps: int, block_s: float = 0.6) -> dict:
+    """Median step time of both models, in alternating blocks of up to ``steps`` steps
+    (fewer when HF's step is long, so one block lasts about ``block_s`` seconds)."""
     config = model_config(shape)
     ours, step_ours = build("tinylm", config)
     hf, step_hf = build("hf", config, same_as=ours)
@@ -124,7 +126,9 @@ def throughput(shape: str, B: int, repeats: int, steps: int) -> dict:
     times: dict[str, list[float]] = {"tinylm": [], "hf": []}
     for _ in range(2):  # warm-up
         step_ours(x, y)
+        t = time.perf_counter()
         step_hf(x, y)
+    steps = max(1, min(steps, round(block_s / (time.perf_counter() - t))))
     for _ in range(repeats):
         for name, step in (("tinylm", step_ours), ("hf", step_hf)):
             t = time.perf_counter()
@@ -217,8 +221,8 @@ def render(rate: float, rows: list[dict], mem: list[dict], threads: int) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=5, help="timed blocks per model")
-    parser.add_argument("--steps", type=int, default=3, help="steps per timed block")
+    parser.add_argument("--repeats", type=int, default=7, help="timed blocks per model")
+    parser.add_argument("--steps", type=int, default=10, help="most steps per timed block")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--no-write", action="store_true", help="print only")
     parser.add_argument("--skip-memory", action="store_true")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -75,3 +76,30 @@ def test_sigmoid_form_gelu_equals_gpt2_gelu_and_its_gradient() -> None:
     x32 = x.detach().float()  # fp32, as trained: within a few ulps of torch's kernel
     torch.testing.assert_close(gelu_tanh(x32), F.gelu(x32, approximate="tanh"),
                                rtol=1e-6, atol=1e-6)
+
+
+def test_train_with_muon_saves_and_resumes_exactly(tmp_path) -> None:
+    from tinylm.corpora import load_corpus
+    from tinylm.data import prepare
+    from tinylm.training import train
+
+    text = tmp_path / "text.txt"
+    text.write_text(load_corpus("python-docs")[:20_000], encoding="utf-8")
+    prepare(tmp_path / "data", [text], tokenizer="char", context_length=16, progress=False)
+    model = dict(n_layer=1, n_head=2, n_embd=16, context_length=16)
+    common = dict(optimizer="muon", batch_size=4, lr=3e-3, warmup_steps=2, eval_every=4,
+                  eval_windows=2, log_every=1, seed=3, device="cpu")
+    whole = train(ModelConfig(**model), TrainConfig(**common, max_steps=8, save_every=8),
+                  tmp_path / "data", tmp_path / "whole", progress=False)
+
+    def crash(step: int) -> None:  # dies after step 5; OUT/latest holds step 4
+        if step == 5:
+            raise RuntimeError("simulated crash")
+
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        train(ModelConfig(**model), TrainConfig(**common, max_steps=8, save_every=4),
+              tmp_path / "data", tmp_path / "split", progress=False, on_step=crash)
+    resumed = train(ModelConfig(**model), TrainConfig(**common, max_steps=8, save_every=4),
+                    tmp_path / "data", tmp_path / "split", resume=True, progress=False)
+    assert whole.final_val_loss is not None
+    assert resumed.final_val_loss == whole.final_val_loss  # moments + buffers restored
