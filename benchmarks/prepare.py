@@ -142,14 +142,16 @@ def main() -> None:
         f"process; peak RSS is the growth over the process after imports (prepare rows) or "
         f"the whole process holding the text (single-call rows). CPU seconds (user + system "
         f"of that process) against wall seconds show how much of the 2 cores it got: other "
-        f"jobs shared this machine, so wall-clock MB/s is a lower bound.",
+        f"jobs shared this machine, so wall-clock MB/s is a lower bound; MB per CPU-second "
+        f"does not depend on the load.",
         "",
-        "| what | runs | seconds | MB/s | CPU seconds | tokens | peak RSS MB |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+        "| what | runs | seconds | MB/s | CPU seconds | MB per CPU-second | tokens | "
+        "peak RSS MB |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for label, runs, sec, cpu, tokens, rss in rows:
         body.append(f"| {label} | {runs} | {sec:.2f} | **{mb / sec:.2f}** | {cpu:.1f} | "
-                    f"{tokens:,} | {rss:.0f} |")
+                    f"{mb / cpu:.2f} | {tokens:,} | {rss:.0f} |")
     body += [
         "",
         f"Command: `python benchmarks/prepare.py --size-mb {args.size_mb:g} "
