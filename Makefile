@@ -28,8 +28,8 @@ demo: $(STAMP)
 		--out data/python-docs-bpe
 	rm -rf runs/demo
 	$(PY) -m tinylm train --data data/python-docs-bpe --out runs/demo --config configs/demo.toml
-	$(PY) -m tinylm sample --model runs/demo --prompt "The " --num-samples 3 \
-		--max-new-tokens 150 --temperature 0.8 --seed 0
+	$(PY) -m tinylm sample --model runs/demo --prompt "The" --num-samples 3 \
+		--max-new-tokens 100 --temperature 0.8 --seed 0
 	@echo "loss curve: runs/demo/loss.png"
 
 test: $(STAMP)
