@@ -1,6 +1,6 @@
 """Low-rank compression of a trained model: loss before/after, fine-tuning, and a sweep.
 
-    python benchmarks/compress.py --model runs/demo --data data/demo \
+    python benchmarks/compress.py --model runs/demo --data data/python-docs-bpe \
         [--fraction 0.5] [--finetune 200] [--fractions 0.9,0.75,0.5,0.35,0.25] \
         [--png benchmarks/compress_sweep.png] [--out runs/compress-bench] [--no-write]
 
@@ -56,7 +56,8 @@ def loss_line(text: str, pattern: str) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="runs/demo", help="trained checkpoint or run folder")
-    ap.add_argument("--data", default="data/demo", help="prepared data the model was trained on")
+    ap.add_argument("--data", default="data/python-docs-bpe",
+                    help="prepared data the model was trained on")
     ap.add_argument("--fraction", type=float, default=0.5, help="params fraction to report")
     ap.add_argument("--finetune", type=int, default=200, help="fine-tuning steps")
     ap.add_argument("--lr", type=float, default=None, help="fine-tuning lr (tinylm's default)")
