@@ -82,7 +82,7 @@ def reference_run(data_dir, tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("changes, field", [
     ({"lr": 0}, "lr"), ({"lr": float("nan")}, "lr"), ({"batch_size": 0}, "batch_size"),
-    ({"grad_accum": 1.5}, "grad_accum"), ({"warmup_steps": 50, "max_steps": 10}, "warmup_steps"),
+    ({"grad_accum": 1.5}, "grad_accum"), ({"warmup_steps": -1}, "warmup_steps"),
     ({"min_lr_ratio": 1.5}, "min_lr_ratio"), ({"beta2": 1.0}, "beta2"),
     ({"optimizer": "sgd"}, "optimizer"), ({"grad_clip": -1}, "grad_clip"),
     ({"time_budget": 0}, "time_budget"), ({"compile": "yes"}, "compile"),
@@ -113,6 +113,9 @@ def test_lr_schedule_warmup_cosine_floor() -> None:
     values = [lr_at(s, **kw) for s in range(10, 111)]
     assert all(a >= b for a, b in zip(values, values[1:], strict=False))  # monotone decay
     assert lr_at(0, lr=1.0, warmup_steps=0, total_steps=100, min_lr_ratio=0.0) == 1.0
+    # A warm-up longer than the run (e.g. --max-steps 30 with the default 100) just ramps.
+    assert lr_at(29, lr=1.0, warmup_steps=100, total_steps=30,
+                 min_lr_ratio=0.1) == pytest.approx(0.3)
 
 
 def test_weight_decay_only_on_matrices() -> None:

@@ -178,9 +178,6 @@ class TrainConfig(_JSONMixin):
         _check_fraction("min_lr_ratio", self.min_lr_ratio, high_open=False)
         _check_int("warmup_steps", self.warmup_steps, minimum=0)
         _check_int("max_steps", self.max_steps)
-        if self.warmup_steps > self.max_steps:
-            raise ConfigError(f"warmup_steps={self.warmup_steps} exceeds max_steps="
-                              f"{self.max_steps}; lower --warmup-steps or raise --max-steps")
         if self.time_budget is not None:
             _check_positive("time_budget", self.time_budget)
         _check_positive("weight_decay", self.weight_decay, allow_zero=True)
