@@ -424,7 +424,7 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--data", metavar="DIR", help="a folder written by 'tinylm prepare'")
     src.add_argument("--text", metavar="FILE", help="a UTF-8 text file")
-    p.add_argument("--model", required=True, metavar="DIR", help="a checkpoint folder")
+    p.add_argument("--model", required=True, metavar="DIR", help="a checkpoint or run folder")
     p.add_argument("--split", choices=("val", "train"), default="val",
                    help="which split of --data (default: val)")
     p.add_argument("--stride", type=int, metavar="N",
@@ -488,11 +488,11 @@ def _add_explain(sub: argparse._SubParsersAction) -> None:
         help="next-token table per position, attention maps (PNG/HTML), embedding neighbours",
         description="For each position t of the prompt, show the token at t and the top-k "
         "candidates for the NEXT token with their probabilities (row t is the distribution "
-        "after tokens 0..t, as in the seed's 'This is a pen .' table). Optionally draw "
+        "after tokens 0..t, as in the study note's 'This is a pen .' table). Optionally draw "
         "every attention map (layers x heads) as a PNG, write an offline HTML explorer, "
         "or list the tokens nearest to one token in embedding space.",
     )
-    p.add_argument("--model", required=True, metavar="DIR", help="a checkpoint folder")
+    p.add_argument("--model", required=True, metavar="DIR", help="a checkpoint or run folder")
     p.add_argument("--prompt", metavar="TEXT",
                    help="the text to explain (at most the model's context length in tokens)")
     p.add_argument("--top-k", type=int, default=5, metavar="K",
