@@ -295,7 +295,8 @@ def _decode(model: GPT, prompt: Tensor, max_new_tokens: int, config: SamplingCon
         else:  # the window is full: restart the cache on the last C - 1 tokens
             if not warned:
                 log.info("sequence reached the context length %d; sliding the window "
-                         "(each further token re-reads the last %d tokens)", C, C - 1)
+                         "(the cache restarts on the last %d tokens whenever it fills)",
+                         C, C - 1)
                 warned = True
             cache.reset()
             start = n - (C - 1)
