@@ -319,3 +319,15 @@ def test_cli_sample_bad_input_is_one_line_exit_2(case, extra, folders, capsys,
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("tinylm sample: error: "), err
     assert "Traceback" not in err
+
+
+def test_generate_leaves_the_model_as_it_was() -> None:
+    model = tiny()
+    model.train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    generate(model, [1, 2], 5)
+    assert model.training
+    for name, value in model.state_dict().items():
+        assert value.is_contiguous(), name  # the decoding weight layout is undone
+        assert torch.equal(value, before[name]), name
+    assert model.lm_head.weight is model.tok_emb.weight
