@@ -94,20 +94,25 @@ def plot(runs: list[dict], target: float, out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for r in runs:
-        t = [p[1] for p in r["train"]]
-        v = [p[2] for p in r["train"]]
-        k = 25  # running mean over k steps for a readable train curve
-        smooth = [sum(v[max(0, i - k + 1):i + 1]) / len(v[max(0, i - k + 1):i + 1])
-                  for i in range(len(v))]
-        line, = ax.plot(t, smooth, lw=1, alpha=0.7, label=f"train (seed {r['seed']})")
-        ax.plot([p[1] for p in r["val"]], [p[2] for p in r["val"]], "o-",
-                color=line.get_color(), ms=3, label=f"val, whole split (seed {r['seed']})")
-    ax.axhline(target, color="k", ls="--", lw=1, label=f"target {target}")
-    ax.set(xlabel="wall-clock seconds (model build, training, evaluations)", ylabel="loss",
-           ylim=(1.4, 3.0), title="tinylm speedrun: tiny Shakespeare (char)")
-    ax.legend(fontsize=7)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for col, (ax, xlabel) in enumerate(zip(axes, (
+            "wall-clock seconds (model build, training, evaluations)", "optimizer step"),
+            strict=True)):
+        x_of = (lambda p: p[1]) if col == 0 else (lambda p: p[0])
+        for r in runs:
+            v = [p[2] for p in r["train"]]
+            k = 25  # running mean over k steps for a readable train curve
+            smooth = [sum(v[max(0, i - k + 1):i + 1]) / len(v[max(0, i - k + 1):i + 1])
+                      for i in range(len(v))]
+            line, = ax.plot([x_of(p) for p in r["train"]], smooth, lw=1, alpha=0.7,
+                            label=f"train (seed {r['seed']})")
+            ax.plot([x_of(p) for p in r["val"]], [p[2] for p in r["val"]], "o-",
+                    color=line.get_color(), ms=3, label=f"val, whole split (seed {r['seed']})")
+        ax.axhline(target, color="k", ls="--", lw=1, label=f"target {target}")
+        ax.set(xlabel=xlabel, ylim=(1.4, 3.0))
+    axes[0].set(ylabel="loss")
+    axes[1].legend(fontsize=7)
+    fig.suptitle("tinylm speedrun: tiny Shakespeare (char)")
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)

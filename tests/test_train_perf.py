@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from tinylm.config import ModelConfig, TrainConfig
-from tinylm.model import GPT, gelu_tanh, gelu_tanh_backward
+from tinylm.model import GPT
 from tinylm.training import MuonAdamW, build_optimizer, newton_schulz
 
 
@@ -55,7 +54,7 @@ def test_ffn_recomputed_gelu_matches_plain_autograd() -> None:
     x = torch.randn(3, 5, 32, dtype=torch.float64, requires_grad=True)
     y = ffn(x)  # the recomputing path (grad enabled, nn.Linear down)
     plain = ffn.down(ffn.act(ffn.up(x)))  # plain autograd through the same modules
-    torch.testing.assert_close(y, plain, rtol=1e-12, atol=1e-12)
+    assert torch.equal(y, plain)
     g = torch.randn_like(y)
     params = [x, ffn.up.weight, ffn.up.bias, ffn.down.weight, ffn.down.bias]
     ours = torch.autograd.grad(y, params, g)
@@ -63,19 +62,6 @@ def test_ffn_recomputed_gelu_matches_plain_autograd() -> None:
     for a, b in zip(ours, ref, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
     torch.autograd.gradcheck(lambda h: ffn.drop(ffn(h)), (x[:1, :2].detach().requires_grad_(),))
-
-
-def test_sigmoid_form_gelu_equals_gpt2_gelu_and_its_gradient() -> None:
-    x = torch.linspace(-12, 12, 4001, dtype=torch.float64, requires_grad=True)
-    ref = F.gelu(x, approximate="tanh")
-    torch.testing.assert_close(gelu_tanh(x.detach()), ref.detach(), rtol=1e-12, atol=1e-12)
-    g = torch.randn_like(ref)
-    (expected,) = torch.autograd.grad(ref, x, g)
-    torch.testing.assert_close(gelu_tanh_backward(g, x.detach()), expected,
-                               rtol=1e-10, atol=1e-12)
-    x32 = x.detach().float()  # fp32, as trained: within a few ulps of torch's kernel
-    torch.testing.assert_close(gelu_tanh(x32), F.gelu(x32, approximate="tanh"),
-                               rtol=1e-6, atol=1e-6)
 
 
 def test_train_with_muon_saves_and_resumes_exactly(tmp_path) -> None:

@@ -27,34 +27,6 @@ def _layer_norm(config: ModelConfig) -> nn.LayerNorm:
     return nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=config.bias)
 
 
-_GELU_K = 2.0 * math.sqrt(2.0 / math.pi)  # 2·√(2/π)
-_GELU_KC = _GELU_K * 0.044715
-
-
-def gelu_tanh(x: Tensor) -> Tensor:
-    """GPT-2's GELU, 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))), any shape.
-
-    Computed as x·sigmoid(2u) with u the tanh argument — the same function, since
-    0.5·(1 + tanh(u)) = sigmoid(2u) — because sigmoid is several times faster than
-    tanh on CPUs (values agree with ``F.gelu(x, approximate="tanh")`` to ~1e-7).
-    """
-    z = x * x  # (..) x² ; the in-place chain below avoids four temporaries
-    z.mul_(_GELU_KC).add_(_GELU_K).mul_(x).sigmoid_()  # sigmoid(2u), 2u = x·(K + KC·x²)
-    return z.mul_(x)
-
-
-def gelu_tanh_backward(grad: Tensor, x: Tensor) -> Tensor:
-    """grad · d gelu_tanh(x) / dx, with s = sigmoid(2u):  s · (1 + x·(1 - s)·d(2u)/dx).
-
-    Two temporaries only (fresh large CPU tensors cost page faults); ``grad`` is kept.
-    """
-    x2 = x * x
-    s = x2.mul(_GELU_KC).add_(_GELU_K).mul_(x).sigmoid_()  # sigmoid(2u)
-    t = x2.mul_(3.0 * _GELU_KC).add_(_GELU_K).mul_(x)  # x · d(2u)/dx = x·(K + 3·KC·x²)
-    t.addcmul_(t, s, value=-1.0)  # t·(1 - s)
-    return t.add_(1.0).mul_(s).mul_(grad)
-
-
 class _GeluDown(torch.autograd.Function):
     """y = GELU_tanh(h)·W_downᵀ + b, keeping only h for backward.
 
@@ -67,7 +39,7 @@ class _GeluDown(torch.autograd.Function):
     def forward(ctx, h: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         ctx.save_for_backward(h, weight)
         ctx.has_bias = bias is not None
-        return F.linear(gelu_tanh(h), weight, bias)  # (B, C, 4E) -> (B, C, E)
+        return F.linear(F.gelu(h, approximate="tanh"), weight, bias)  # (B, C, 4E) -> (B, C, E)
 
     @staticmethod
     def backward(ctx, grad_y: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
@@ -75,13 +47,13 @@ class _GeluDown(torch.autograd.Function):
         grad_h = grad_w = grad_b = None
         gy = grad_y.reshape(-1, grad_y.shape[-1])  # (B, C, E) -> (B·C, E)
         if ctx.needs_input_grad[1]:
-            g = gelu_tanh(h)  # recomputed, (B, C, 4E)
+            g = F.gelu(h, approximate="tanh")  # recomputed, (B, C, 4E)
             grad_w = gy.t() @ g.reshape(-1, g.shape[-1])  # (E, B·C)·(B·C, 4E) -> (E, 4E)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = gy.sum(0)  # (E,)
         if ctx.needs_input_grad[0]:
             grad_g = grad_y @ weight  # (B, C, E)·(E, 4E) -> (B, C, 4E)
-            grad_h = gelu_tanh_backward(grad_g, h)
+            grad_h = torch.ops.aten.gelu_backward(grad_g, h, approximate="tanh")
         return grad_h, grad_w, grad_b
 
 
