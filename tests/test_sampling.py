@@ -177,6 +177,8 @@ def test_generate_rejects_bad_arguments() -> None:
         generate(model, [], 3)
     with pytest.raises(DataError):
         generate(model, [99], 3)
+    with pytest.raises(ConfigError):
+        generate(model, [[1, 2], [3]], 3)
 
 
 # --- text out -------------------------------------------------------------------------------

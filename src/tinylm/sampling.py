@@ -171,7 +171,11 @@ def sample_next(logits: Tensor, config: SamplingConfig,
 
 def _as_batch(ids: Tensor | Sequence[int] | Sequence[Sequence[int]], device) -> Tensor:
     """Prompt ids as a (B, T) int64 tensor on ``device``; a 1-D prompt becomes B = 1."""
-    t = ids if isinstance(ids, Tensor) else torch.as_tensor(ids)
+    try:
+        t = ids if isinstance(ids, Tensor) else torch.as_tensor(ids)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"prompt ids must be a list of ints or of equal-length rows "
+                          f"({exc}); pad or batch prompts of the same length") from exc
     if t.dim() == 1:
         t = t.unsqueeze(0)  # (T,) -> (1, T)
     if t.dim() != 2 or t.dtype in (torch.bool,) or t.is_floating_point():
