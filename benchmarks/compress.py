@@ -126,8 +126,9 @@ $ tinylm {shlex.join(tuned_cmd)}
 ```
 
 Sweep (`tinylm {shlex.join(sweep_cmd)}`, {t_sweep:.0f} s): validation loss and
-forward-pass speed (batch 8 × full context, median of 7 passes, fp32 CPU) per share of
-parameters kept; the first row is the uncompressed model.
+forward-pass speed (batch 8 × full context, fp32 CPU; median of 5 rounds of 3 passes,
+the models timed in turn within each round) per share of parameters kept; the first row
+is the uncompressed model.
 
 {table}
 

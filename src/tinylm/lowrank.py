@@ -572,32 +572,42 @@ def sweep(
     loss_fn: Callable[[nn.Module], float],
     *,
     layers: Sequence[str] = DEFAULT_LAYERS,
+    rounds: int = 5,
     speed_kwargs: dict | None = None,
     progress: Callable[[SweepRow], None] | None = None,
 ) -> list[SweepRow]:
     """Compress a copy of ``model`` to each parameter fraction; measure loss and speed.
 
     The first row is the model itself (target 1.0, as given). ``loss_fn(model)`` returns
-    the validation loss (e.g. ``evaluation.evaluate(m, val).loss``); speed is
-    :func:`forward_tokens_per_second` with ``speed_kwargs``. ``model`` is not changed.
+    the validation loss (e.g. ``evaluation.evaluate(m, val).loss``). Speed is
+    :func:`forward_tokens_per_second` (3 timed passes, ``speed_kwargs`` override), taken
+    in ``rounds`` interleaved rounds over all the models so that load changes on a shared
+    machine hit every model alike; the row holds the median over rounds. ``model`` is not
+    changed.
     """
     import copy
 
     for f in fractions:
         _check_fraction("params fraction", f)
     total = sum(p.numel() for p in model.parameters())
-    rows = []
+    models, losses = [], []
     for target in [1.0, *fractions]:
-        m = model
-        if target != 1.0 or rows:
-            m = copy.deepcopy(model)
+        m = model if not models else copy.deepcopy(model)
+        if len(models) > 0:
             compress(m, params_fraction=target, layers=layers)
+        models.append(m)
+        losses.append(float(loss_fn(m)))
+    kwargs = {"repeats": 3, "warmup": 1, **(speed_kwargs or {})}
+    speeds: list[list[float]] = [[] for _ in models]
+    for _ in range(rounds):
+        for i, m in enumerate(models):
+            speeds[i].append(forward_tokens_per_second(m, **kwargs))
+    rows = []
+    for target, m, loss, speed in zip([1.0, *fractions], models, losses, speeds, strict=True):
         params = sum(p.numel() for p in m.parameters())
-        row = SweepRow(target, params, params / total, float(loss_fn(m)),
-                       forward_tokens_per_second(m, **(speed_kwargs or {})))
-        rows.append(row)
+        rows.append(SweepRow(target, params, params / total, loss, statistics.median(speed)))
         if progress is not None:
-            progress(row)
+            progress(rows[-1])
     return rows
 
 
