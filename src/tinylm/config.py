@@ -215,7 +215,10 @@ def read_toml(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, Any]]:
     Keys may sit at the top level or under ``[model]`` / ``[train]`` tables; each top-level
     key goes to the config that has a field of that name. Unknown keys are errors.
     """
-    import tomllib
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10: the same parser, as a package
+        import tomli as tomllib
 
     p = Path(path)
     try:
