@@ -715,15 +715,15 @@ def _cmd_sample(args: argparse.Namespace) -> int:
 
 
 COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
-    _add_info,
     _add_prepare,
-    _add_compress,
     _add_train,
     _add_plot,
+    _add_sample,
     _add_eval,
     _add_explain,
+    _add_compress,
     _add_convert,
-    _add_sample,
+    _add_info,
 ]
 
 
