@@ -107,8 +107,8 @@ def _load_hf_folder(folder: Path):
             raise CheckpointError(f"{folder}/model.safetensors is corrupt: {exc}") from exc
     elif (folder / "pytorch_model.bin").is_file():
         try:  # weights_only: tensors only, never code from a user's file
-            state = torch.load(folder / "pytorch_model.bin", map_location="cpu",
-                               weights_only=True)
+            path = folder / "pytorch_model.bin"
+            state = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as exc:
             raise CheckpointError(f"{folder}/pytorch_model.bin cannot be loaded safely: {exc}") \
                 from exc
