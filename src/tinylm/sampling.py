@@ -373,6 +373,10 @@ class TextStream:
         self.emitted = ""
         self.stopped = False
         self._full = ""
+        # Text of ids[:_clean], decoded when it ended on a whole character: later tokens
+        # decode on their own after it, so each push decodes only the new tail.
+        self._clean = 0
+        self._clean_text = ""
 
     @property
     def text(self) -> str:
@@ -383,14 +387,17 @@ class TextStream:
         if self.stopped:
             return ""
         self.ids.append(int(token_id))
-        full = self.tokenizer.decode(self.ids)
-        cut = min((i for i in (full.find(s) for s in self.stop) if i >= 0), default=-1)
+        full = self._clean_text + self.tokenizer.decode(self.ids[self._clean:])
+        # A stop string cannot start inside the emitted text (its prefix is held back).
+        start = len(self.emitted)
+        cut = min((i for i in (full.find(s, start) for s in self.stop) if i >= 0), default=-1)
         if cut >= 0:
             self._full, self.stopped = full[:cut], True
             return self._emit(self._full)
         self._full = full
         if full.endswith("\ufffd"):
             return ""  # an incomplete UTF-8 character: wait for its remaining bytes
+        self._clean, self._clean_text = len(self.ids), full
         hold = max((k for s in self.stop for k in range(len(s) - 1, 0, -1)
                     if full.endswith(s[:k])), default=0)
         return self._emit(full[:len(full) - hold])
