@@ -135,8 +135,9 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
     ) -> None:
         shape = (n_layer, batch_size, n_head, max_len, head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        # Uninitialised: only positions [0, length) are ever read (update returns them).
+        self.k = torch.empty(shape, device=device, dtype=dtype)
+        self.v = torch.empty(shape, device=device, dtype=dtype)
         self.max_len = max_len
         self.length = 0
 
@@ -162,6 +163,14 @@ class KVCache:
         self.k[layer, :, :, start:end] = k
         self.v[layer, :, :, start:end] = v
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """One new token (C = 1): store its k, v (B, H, 1, D) and attend its q (B, H, 1, D)
+        over every cached position, -> (B, H, 1, D). The one new query may see all keys,
+        so no mask is needed. Subclasses may fuse the two steps (tinylm.sampling does
+        on CPU with a native kernel)."""
+        k, v = self.update(layer, k, v)  # (B, H, T, D)
+        return F.scaled_dot_product_attention(q, k, v)
 
     def advance(self, n: int) -> None:
         """Mark n more positions as filled (called once per forward, after all layers)."""
@@ -214,6 +223,10 @@ class MultiHeadAttention(nn.Module):
         """
         B, C, _ = x.shape
         q, k, v = self._heads(x)  # 3 × (B, H, C, D)
+        if cache is not None and C == 1 and not return_weights \
+                and not (self.training and self.dropout > 0):
+            r = cache.attend(layer, q, k, v)  # one decoding step, (B, H, 1, D)
+            return self.out(r.transpose(1, 2).reshape(B, C, self.n_head * self.head_dim))
         if cache is not None:
             k, v = cache.update(layer, k, v)  # -> (B, H, T, D), T = cached + C
         T = k.shape[2]

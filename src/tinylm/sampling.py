@@ -31,9 +31,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
-from tinylm.attention import KVCache
+from tinylm import kernels
+from tinylm.decoding import Decoder
 from tinylm.errors import ConfigError, DataError
 from tinylm.model import GPT
 
@@ -161,7 +162,7 @@ def sample_next(logits: Tensor, config: SamplingConfig,
                 generator: torch.Generator | None = None) -> Tensor:
     """One token id per row: logits (B, V) -> ids (B,), on the logits' device (no sync)."""
     if config.greedy:
-        return logits.argmax(-1)
+        return kernels.argmax(logits)
     probs = next_token_probs(logits, config)  # (B, V)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # (B, 1) -> (B,)
 
@@ -185,16 +186,6 @@ def _as_batch(ids: Tensor | Sequence[int] | Sequence[Sequence[int]], device) -> 
         raise ConfigError("the prompt is empty; give at least one token (e.g. the "
                           "tokenizer's end-of-text id) to start from")
     return t.to(device=device, dtype=torch.long)
-
-
-def _last_logits(model: GPT, ids: Tensor, cache: KVCache) -> Tensor:
-    """Feed ids (B, C) through the cache; logits of the last position only, (B, V).
-
-    Only the last row goes through the LM head: after a long prompt that saves a
-    (B, C, V) matmul nobody reads.
-    """
-    h = model.hidden_states(ids, cache)  # (B, C, E)
-    return model.lm_head(h[:, -1])  # (B, E) -> (B, V)
 
 
 def generate_stream(
@@ -255,45 +246,24 @@ def _run(model: GPT, prompt: Tensor, max_new_tokens: int, config: SamplingConfig
     """:func:`_decode` in eval and inference mode, restoring the model's mode after."""
     was_training = model.training
     model.eval()
-    originals = _decoding_layout(model) if prompt.device.type == "cpu" else []
     try:
-        with torch.inference_mode(), autocast:
-            yield from _decode(model, prompt, max_new_tokens, config, generator, stops,
+        with torch.inference_mode(), autocast, Decoder(model, prompt.shape[0]) as decoder:
+            yield from _decode(decoder, prompt, max_new_tokens, config, generator, stops,
                                vocab_size)
     finally:
-        for linear, weight in originals:
-            linear.weight.data = weight
         model.train(was_training)
 
 
-def _decoding_layout(model: nn.Module) -> list[tuple[nn.Linear, Tensor]]:
-    """Store every Linear weight W (O, I) as the transpose of a contiguous (I, O) copy.
-
-    Same values and shape, other strides: F.linear(x, W) then runs as x·Wᵀ over a
-    row-major (I, O) matrix, which MKL's CPU kernels stream at several times the
-    bandwidth of the (O, I) layout for the few-row inputs of a decoding step (the layout
-    Hugging Face's GPT-2 Conv1D keeps). Returns (module, original weight) pairs so the
-    caller can put the originals back; costs one copy of the weights while generating.
-    """
-    originals = []
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, nn.Linear) and module.weight.is_contiguous():
-                originals.append((module, module.weight.data))
-                module.weight.data = module.weight.data.t().contiguous().t()  # (O,I) as (I,O)ᵀ
-    return originals
-
-
-def _decode(model: GPT, prompt: Tensor, max_new_tokens: int, config: SamplingConfig,
+def _decode(decoder: Decoder, prompt: Tensor, max_new_tokens: int, config: SamplingConfig,
             generator: torch.Generator | None, stops: Tensor | None,
             vocab_size: int | None) -> Iterator[Tensor]:
     """The loop of :func:`generate_stream` (already in inference mode)."""
     B, T = prompt.shape
-    C = model.config.context_length
+    cache = decoder.cache
+    C = cache.max_len  # the model's context length
     seq = torch.empty(B, T + max_new_tokens, dtype=torch.long, device=prompt.device)
     seq[:, :T] = prompt
     n = T  # tokens in seq so far
-    cache = KVCache.for_model(model, B, max_len=C)
     warned = False
     start = 0
     if T > C:  # the prompt alone overflows: keep its last C - 1 tokens
@@ -301,7 +271,7 @@ def _decode(model: GPT, prompt: Tensor, max_new_tokens: int, config: SamplingCon
         log.info("prompt of %d tokens is longer than the context length %d; using its "
                  "last %d tokens", T, C, C - 1)
         warned = True
-    logits = _last_logits(model, seq[:, start:n], cache)  # (B, V)
+    logits = decoder.prefill(seq[:, start:n])  # (B, V)
     done = torch.zeros(B, dtype=torch.bool, device=prompt.device) if stops is not None else None
     for step in range(max_new_tokens):
         if vocab_size is not None:
@@ -316,16 +286,15 @@ def _decode(model: GPT, prompt: Tensor, max_new_tokens: int, config: SamplingCon
         if step == max_new_tokens - 1 or (done is not None and bool(done.all())):
             return
         if cache.length < C:
-            logits = model(nxt.unsqueeze(1), cache)[:, -1]  # (B, 1) -> (B, 1, V) -> (B, V)
+            logits = decoder.step(nxt)  # (B,) -> (B, V)
         else:  # the window is full: restart the cache on the last C - 1 tokens
             if not warned:
                 log.info("sequence reached the context length %d; sliding the window "
                          "(the cache restarts on the last %d tokens whenever it fills)",
                          C, C - 1)
                 warned = True
-            cache.reset()
             start = n - (C - 1)
-            logits = _last_logits(model, seq[:, start:n], cache)
+            logits = decoder.prefill(seq[:, start:n])
 
 
 def generate(

@@ -1,0 +1,271 @@
+/* tinylm's native CPU kernel: y = x·Wᵀ + b for the few rows of a decoding step.
+ *
+ * A cached decoding step multiplies 1..16 rows by every weight matrix once, so its
+ * speed is how fast the weights stream from memory. BLAS GEMV/GEMM kernels are tuned
+ * for other shapes; this one reads each weight exactly once, sequentially, with
+ * software prefetch, and keeps the few input rows in registers/L1.
+ *
+ * Weights are packed once into panels of PW = 32 output features:
+ *     packed[p][i][j] = W[p·PW + j][i]      (zero for p·PW + j >= O)
+ * so a panel is one contiguous (I, PW) block: for each input feature i, PW weights
+ * that update PW accumulators per row with broadcast FMAs (no horizontal sums).
+ * Threads (OpenMP) split the panels.
+ *
+ * Built and loaded by kernels.py with the system C compiler; GCC vector extensions
+ * compile to AVX-512, AVX2 or NEON depending on -march=native.
+ */
+#include <math.h>
+#include <stddef.h>
+#include <string.h>
+
+#define PW 32                 /* output features per panel: two 16-float vectors */
+#define PREFETCH_AHEAD 2048   /* floats (8 KiB) ahead of the current panel row */
+
+typedef float v16 __attribute__((vector_size(64)));
+
+static inline v16 load16(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
+static inline void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
+
+/* GELU with GPT-2's tanh approximation, as F.gelu(x, approximate="tanh"). */
+static inline float gelu_tanh(float x) {
+    return 0.5f * x * (1.0f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
+}
+
+/* The end of every panel: y = acc + b, then GELU (act) or + res (a residual stream). */
+static inline void epilogue(const float *t, float *y, long nc, const float *b, int act,
+                            const float *res) {
+    for (long j = 0; j < nc; j++) {
+        float val = t[j] + (b ? b[j] : 0.0f);
+        if (act) val = gelu_tanh(val);
+        if (res) val += res[j];
+        y[j] = val;
+    }
+}
+
+long tl_packed_size(long O, long I) { return (O + PW - 1) / PW * I * PW; }
+
+/* W (O, I) row-major -> panels (ceil(O/PW), I, PW). */
+void tl_pack(const float *W, float *out, long O, long I, int threads) {
+    long panels = (O + PW - 1) / PW;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (long p = 0; p < panels; p++) {
+        float *panel = out + p * I * PW;
+        for (long j = 0; j < PW; j++) {
+            long o = p * PW + j;
+            if (o < O) {
+                const float *row = W + o * I;
+                for (long i = 0; i < I; i++) panel[i * PW + j] = row[i];
+            } else {
+                for (long i = 0; i < I; i++) panel[i * PW + j] = 0.0f;
+            }
+        }
+    }
+}
+
+/* One panel times MR rows of x: y[m][0:nc] = Σ_i x[m][i]·panel[i][0:nc] + b[0:nc]. */
+#define PANEL_KERNEL(MR)                                                                 \
+static void panel_##MR(const float *x, long ldx, const float *pw, long I, float *y,     \
+                       long ldy, long nc, const float *b, int act, const float *res) {  \
+    v16 lo[MR], hi[MR];                                                                  \
+    for (int m = 0; m < MR; m++) { lo[m] = (v16){0}; hi[m] = (v16){0}; }                 \
+    for (long i = 0; i < I; i++) {                                                       \
+        const float *w = pw + i * PW;                                                    \
+        __builtin_prefetch(w + PREFETCH_AHEAD);                                          \
+        __builtin_prefetch(w + PREFETCH_AHEAD + 16);                                     \
+        v16 w0 = load16(w), w1 = load16(w + 16);                                         \
+        for (int m = 0; m < MR; m++) {                                                   \
+            float xv = x[m * ldx + i];                                                   \
+            lo[m] += w0 * xv;                                                            \
+            hi[m] += w1 * xv;                                                            \
+        }                                                                                \
+    }                                                                                    \
+    for (int m = 0; m < MR; m++) {                                                       \
+        float t[PW];                                                                     \
+        store16(t, lo[m]);                                                               \
+        store16(t + 16, hi[m]);                                                          \
+        epilogue(t, y + m * ldy, nc, b, act, res ? res + m * ldy : 0);                 \
+    }                                                                                    \
+}
+PANEL_KERNEL(2) PANEL_KERNEL(3) PANEL_KERNEL(4) PANEL_KERNEL(5)
+PANEL_KERNEL(6) PANEL_KERNEL(7) PANEL_KERNEL(8)
+
+/* One row: two independent accumulator pairs (even and odd i) hide the FMA latency. */
+static void panel_1(const float *x, long ldx, const float *pw, long I, float *y, long ldy,
+                    long nc, const float *b, int act, const float *res) {
+    (void)ldx; (void)ldy;
+    v16 a0 = {0}, a1 = {0}, c0 = {0}, c1 = {0};
+    long i = 0;
+    for (; i + 2 <= I; i += 2) {
+        const float *w = pw + i * PW;
+        __builtin_prefetch(w + PREFETCH_AHEAD);
+        __builtin_prefetch(w + PREFETCH_AHEAD + 16);
+        __builtin_prefetch(w + PREFETCH_AHEAD + 32);
+        __builtin_prefetch(w + PREFETCH_AHEAD + 48);
+        float x0 = x[i], x1 = x[i + 1];
+        a0 += load16(w) * x0;
+        a1 += load16(w + 16) * x0;
+        c0 += load16(w + PW) * x1;
+        c1 += load16(w + PW + 16) * x1;
+    }
+    for (; i < I; i++) {
+        const float *w = pw + i * PW;
+        a0 += load16(w) * x[i];
+        a1 += load16(w + 16) * x[i];
+    }
+    float t[PW];
+    store16(t, a0 + c0);
+    store16(t + 16, a1 + c1);
+    epilogue(t, y, nc, b, act, res);
+}
+
+typedef void (*panel_fn)(const float *, long, const float *, long, float *, long, long,
+                         const float *, int, const float *);
+static const panel_fn PANEL[9] = {0, panel_1, panel_2, panel_3, panel_4,
+                                  panel_5, panel_6, panel_7, panel_8};
+
+/* y (M, O) = x (M, I; row stride ldx) · Wᵀ + b, W given packed by tl_pack; b may be NULL.
+ * act = 1 applies GELU (tanh) to the result; res (M, O), if not NULL, is added last (a
+ * residual connection; res may be y itself: each element is read before it is written). */
+void tl_linear(const float *x, long ldx, const float *packed, const float *b, float *y,
+               long M, long I, long O, int threads, int act, const float *res) {
+    long panels = (O + PW - 1) / PW;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (long p = 0; p < panels; p++) {
+        long nc = O - p * PW < PW ? O - p * PW : PW;
+        for (long m0 = 0; m0 < M; m0 += 8) {
+            long mr = M - m0 < 8 ? M - m0 : 8;
+            PANEL[mr](x + m0 * ldx, ldx, packed + p * I * PW, I, y + m0 * O + p * PW, O, nc,
+                      b ? b + p * PW : 0, act, res ? res + m0 * O + p * PW : 0);
+        }
+    }
+}
+
+/* y (M, E) = LayerNorm(x (M, E)) with weight w and bias b (either NULL: none), as F.layer_norm:
+ * biased variance, eps inside the square root. Two passes over each row. */
+void tl_layer_norm(const float *x, const float *w, const float *b, float eps, float *y,
+                   long M, long E) {
+    for (long m = 0; m < M; m++) {
+        const float *xm = x + m * E;
+        float *ym = y + m * E;
+        float mean = 0.0f, var = 0.0f;
+        for (long i = 0; i < E; i++) mean += xm[i];
+        mean /= (float)E;
+        for (long i = 0; i < E; i++) { float d = xm[i] - mean; var += d * d; }
+        float inv = 1.0f / sqrtf(var / (float)E + eps);
+        for (long i = 0; i < E; i++) ym[i] = (xm[i] - mean) * inv * (w ? w[i] : 1.0f) + (b ? b[i] : 0.0f);
+    }
+}
+
+/* x (B, E) = tok[ids[b]] + pos[position]; returns 1 (and writes nothing) if an id is
+ * outside [0, V). */
+int tl_embed(const long *ids, const float *tok, const float *pos, long position, float *x,
+             long B, long E, long V) {
+    for (long b = 0; b < B; b++) if (ids[b] < 0 || ids[b] >= V) return 1;
+    const float *p = pos + position * E;
+    for (long b = 0; b < B; b++) {
+        const float *t = tok + ids[b] * E;
+        for (long i = 0; i < E; i++) x[b * E + i] = t[i] + p[i];
+    }
+    return 0;
+}
+
+/* Greedy decoding's argmax over each row of x (B, V): the first index of the row's
+ * largest value, or of its first NaN (torch.argmax's convention). Two vectorised passes
+ * over the row (max, then the first index holding it) instead of one scalar pass. */
+typedef int i16 __attribute__((vector_size(64)));
+
+static long row_argmax(const float *x, long V) {
+    long i = 0;
+    float best;
+    if (V >= 16) {
+        v16 m = load16(x);
+        i16 nan = m != m;
+        for (i = 16; i + 16 <= V; i += 16) {
+            v16 v = load16(x + i);
+            i16 gt = v > m;
+            nan |= v != v;
+            m = (v16)(((i16)v & gt) | ((i16)m & ~gt));
+        }
+        best = m[0];
+        int any_nan = 0;
+        for (int j = 0; j < 16; j++) {
+            best = m[j] > best ? m[j] : best;
+            any_nan |= nan[j];
+        }
+        for (; i < V; i++) { best = x[i] > best ? x[i] : best; any_nan |= x[i] != x[i]; }
+        if (any_nan) {
+            for (long k = 0; k < V; k++) if (x[k] != x[k]) return k;
+        }
+    } else {
+        best = x[0];
+        for (i = 1; i < V; i++) {
+            if (x[i] != x[i]) return i;
+            best = x[i] > best ? x[i] : best;
+        }
+        if (x[0] != x[0]) return 0;
+    }
+    for (long k = 0; k < V; k++) if (x[k] == best) return k;
+    return 0;
+}
+
+void tl_argmax(const float *x, long B, long V, long ldx, long *out, int threads) {
+    #pragma omp parallel for num_threads(B > 1 ? threads : 1) schedule(static)
+    for (long b = 0; b < B; b++) out[b] = row_argmax(x + b * ldx, V);
+}
+
+/* One decoding step of attention for every (batch row, head): store the new key and
+ * value at position `pos` of the cache, then
+ *     out = softmax(q·Kᵀ · scale) · V      over cached positions 0..pos
+ * reading each cached key and value once. q, k, v are (B, H, D) with strides (sb, sh, 1)
+ * (views into the fused qkv projection, no copy); the cache layer is (B, H, max_len, D)
+ * with strides (csb, csh, D, 1); out is (B, H, D) contiguous; scratch holds B·H·(pos+1)
+ * floats. */
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+
+static inline float hsum16(v16 a) {  /* a tree of halvings: 4 dependent adds, not 15 */
+    v8 b = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7)
+         + __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
+    v4 c = __builtin_shufflevector(b, b, 0, 1, 2, 3) + __builtin_shufflevector(b, b, 4, 5, 6, 7);
+    return (c[0] + c[2]) + (c[1] + c[3]);
+}
+
+static inline float dot(const float *a, const float *b, long D) {
+    v16 acc = {0};
+    long i = 0;
+    for (; i + 16 <= D; i += 16) acc += load16(a + i) * load16(b + i);
+    float s = hsum16(acc);
+    for (; i < D; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* o[0:D] += p · x[0:D] */
+static inline void axpy(float *o, float p, const float *x, long D) {
+    long i = 0;
+    for (; i + 16 <= D; i += 16) store16(o + i, load16(o + i) + load16(x + i) * p);
+    for (; i < D; i++) o[i] += p * x[i];
+}
+
+void tl_attend_one(const float *q, long qsb, long qsh, const float *k, long ksb, long ksh,
+                   const float *v, long vsb, long vsh, float *kc, float *vc, long csb,
+                   long csh, long B, long H, long D, long pos, float scale, float *out,
+                   float *scratch, int threads) {
+    long T = pos + 1;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (long bh = 0; bh < B * H; bh++) {
+        long b = bh / H, h = bh % H;
+        float *kcache = kc + b * csb + h * csh, *vcache = vc + b * csb + h * csh;
+        memcpy(kcache + pos * D, k + b * ksb + h * ksh, D * sizeof(float));
+        memcpy(vcache + pos * D, v + b * vsb + h * vsh, D * sizeof(float));
+        const float *qv = q + b * qsb + h * qsh;
+        float *s = scratch + bh * T, m = -__builtin_inff(), sum = 0.0f;
+        for (long t = 0; t < T; t++) {
+            s[t] = dot(qv, kcache + t * D, D) * scale;
+            m = s[t] > m ? s[t] : m;
+        }
+        for (long t = 0; t < T; t++) { s[t] = __builtin_expf(s[t] - m); sum += s[t]; }
+        float *o = out + bh * D, inv = 1.0f / sum;
+        for (long i = 0; i < D; i++) o[i] = 0.0f;
+        for (long t = 0; t < T; t++) axpy(o, s[t] * inv, vcache + t * D, D);
+    }
+}

@@ -1,0 +1,299 @@
+"""A native CPU kernel for the few-row matrix products of a decoding step.
+
+A cached decoding step multiplies B (1..16) rows by every weight matrix once, so its
+speed is the speed at which the weights stream from memory. torch's CPU kernels for
+such shapes (MKL GEMV / small-M GEMM) read the weights well below the machine's
+bandwidth; ``kernels.c`` beside this file reads them once, in order, from a packed
+copy (panels of 32 output features) with software prefetch.
+
+The C source is compiled on first use with the system C compiler
+(``cc -O3 -march=native -fopenmp``) into a per-user cache folder, keyed by the
+source, the compiler and the CPU, then loaded with ctypes. Where that cannot work (no
+compiler, not x86/ARM Linux or macOS with OpenMP, a read-only cache, a failing
+self-check) :func:`available` is False and callers keep torch's own kernels. Set
+``TINYLM_NATIVE=0`` to turn the kernel off.
+
+Only float32, CPU, contiguous weights are packed; :class:`PackedLinear` falls back to
+``F.linear`` for inputs with more than :data:`MAX_ROWS` rows (a prompt pass), which
+BLAS GEMMs handle well.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import math
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import weakref
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("kernels.c")
+MAX_ROWS = 16  # inputs with more rows go to F.linear
+_COMPILE_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "tinylm" / "kernels"
+
+
+def _cpu_signature() -> str:
+    """What -march=native depends on: the machine and its CPU feature flags."""
+    sig = platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith(("flags", "Features", "model name")):
+                    sig += line
+    except OSError:
+        sig += platform.processor()
+    return sig
+
+
+def _compile(compiler: str, out: Path) -> None:
+    """Compile SOURCE into the shared library ``out`` (atomic: temp file, then rename)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *_COMPILE_FLAGS, str(SOURCE), "-o", tmp, "-lm"],
+                       check=True, capture_output=True, timeout=120)
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    c_long, c_int, c_void_p = ctypes.c_long, ctypes.c_int, ctypes.c_void_p
+    lib.tl_packed_size.argtypes = [c_long, c_long]
+    lib.tl_packed_size.restype = c_long
+    lib.tl_pack.argtypes = [c_void_p, c_void_p, c_long, c_long, c_int]
+    lib.tl_pack.restype = None
+    lib.tl_linear.argtypes = [c_void_p, c_long, c_void_p, c_void_p, c_void_p,
+                              c_long, c_long, c_long, c_int, c_int, c_void_p]
+    lib.tl_linear.restype = None
+    lib.tl_argmax.argtypes = [c_void_p, c_long, c_long, c_long, c_void_p, c_int]
+    lib.tl_argmax.restype = None
+    lib.tl_attend_one.argtypes = [c_void_p, c_long, c_long] * 3 + [
+        c_void_p, c_void_p, c_long, c_long, c_long, c_long, c_long, c_long, ctypes.c_float,
+        c_void_p, c_void_p, c_int]
+    lib.tl_attend_one.restype = None
+    lib.tl_layer_norm.argtypes = [c_void_p, c_void_p, c_void_p, ctypes.c_float, c_void_p,
+                                  c_long, c_long]
+    lib.tl_layer_norm.restype = None
+    lib.tl_embed.argtypes = [c_void_p, c_void_p, c_void_p, c_long, c_void_p, c_long, c_long,
+                             c_long]
+    lib.tl_embed.restype = ctypes.c_int
+    return lib
+
+
+def _build() -> ctypes.CDLL:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") \
+        or shutil.which("clang")
+    if compiler is None:
+        raise OSError("no C compiler (cc, gcc or clang) on PATH")
+    key = hashlib.sha256(SOURCE.read_bytes() + compiler.encode() + _cpu_signature().encode()
+                         + " ".join(_COMPILE_FLAGS).encode()).hexdigest()[:16]
+    name = f"tinylm_kernels_{key}.so"
+    error: OSError | None = None
+    for folder in (_cache_dir(), Path(tempfile.gettempdir()) / "tinylm-kernels"):
+        path = folder / name
+        try:
+            if not path.exists():
+                _compile(compiler, path)
+            return _bind(ctypes.CDLL(str(path)))
+        except PermissionError as e:  # a read-only cache folder: try the next one
+            error = e
+    assert error is not None
+    raise error
+
+
+def _self_check(lib: ctypes.CDLL) -> None:
+    """The kernel must equal F.linear on every row count it serves, with and without bias."""
+    g = torch.Generator().manual_seed(0)
+    for O, I in ((37, 19), (64, 33)):
+        W, b = torch.randn(O, I, generator=g), torch.randn(O, generator=g)
+        packed = _pack(lib, W)
+        for M in (1, 3, 8, 11):
+            x = torch.randn(M, I, generator=g)
+            for bias in (None, b):
+                got = _linear(lib, x, packed, bias, O)
+                if not torch.allclose(got, F.linear(x, W, bias), rtol=1e-4, atol=1e-4):
+                    raise RuntimeError(f"linear self-check failed at O={O} I={I} M={M}")
+    for B, H, D, T in ((2, 3, 16, 5), (1, 2, 20, 1)):
+        q, k, v = (torch.randn(B, 1, 3, H, D, generator=g).permute(2, 0, 3, 1, 4).unbind(0))
+        kc, vc = torch.randn(2, B, H, T + 2, D, generator=g).unbind(0)
+        got = _attend_one(lib, q, k, v, kc, vc, T - 1, torch.empty(B * H * T))
+        want = F.scaled_dot_product_attention(q, kc[:, :, :T], vc[:, :, :T])
+        if not (torch.equal(kc[:, :, T - 1:T], k) and torch.allclose(got, want, atol=1e-5)):
+            raise RuntimeError(f"attention self-check failed at B={B} H={H} D={D} T={T}")
+    for V in (1, 7, 16, 100):
+        x = torch.randn(3, V, generator=g)
+        x[1] = x[1].round()  # ties: the first index wins
+        x[2, V // 2] = float("nan")  # NaN counts as the largest, as in torch.argmax
+        if not torch.equal(_argmax(lib, x), x.argmax(-1)):
+            raise RuntimeError(f"argmax self-check failed at V={V}")
+
+
+def load() -> ctypes.CDLL | None:
+    """The compiled kernel library, built on first call; None where it cannot be used."""
+    global _lib, _tried
+    if _tried:
+        return _lib
+    with _lock:
+        if _tried:
+            return _lib
+        _tried = True
+        if os.environ.get("TINYLM_NATIVE", "1") == "0":
+            log.debug("native kernels off (TINYLM_NATIVE=0)")
+            return None
+        if sys.platform not in ("linux", "darwin") or sys.byteorder != "little":
+            return None
+        try:
+            lib = _build()
+            _self_check(lib)
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            detail = getattr(e, "stderr", b"") or b""
+            log.info("native decoding kernel unavailable (%s%s); using torch's kernels",
+                     e, ": " + detail.decode(errors="replace")[:200] if detail else "")
+            return None
+        _lib = lib
+    return _lib
+
+
+def available() -> bool:
+    """True when the native kernel compiled, loaded and passed its self-check."""
+    return load() is not None
+
+
+def _pack(lib: ctypes.CDLL, weight: Tensor) -> Tensor:
+    O, I = weight.shape
+    w = weight.detach().contiguous()
+    out = torch.empty(lib.tl_packed_size(O, I), dtype=torch.float32)
+    lib.tl_pack(w.data_ptr(), out.data_ptr(), O, I, torch.get_num_threads())
+    return out
+
+
+def _linear(lib: ctypes.CDLL, x: Tensor, packed: Tensor, bias: Tensor | None,
+            out_features: int) -> Tensor:
+    """x (M, I) contiguous float32 -> (M, O)."""
+    M, I = x.shape
+    y = torch.empty(M, out_features, dtype=torch.float32)
+    lib.tl_linear(x.data_ptr(), I, packed.data_ptr(),
+                  bias.data_ptr() if bias is not None else None, y.data_ptr(),
+                  M, I, out_features, torch.get_num_threads(), 0, None)
+    return y
+
+
+def _argmax(lib: ctypes.CDLL, x: Tensor) -> Tensor:
+    """x (B, V) float32 with unit stride along V -> (B,) int64."""
+    B, V = x.shape
+    out = torch.empty(B, dtype=torch.int64)
+    lib.tl_argmax(x.data_ptr(), B, V, x.stride(0), out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def _attend_one(lib: ctypes.CDLL, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor,
+                v_cache: Tensor, pos: int, scratch: Tensor) -> Tensor:
+    B, H, _, D = q.shape
+    out = torch.empty(B, 1, H, D)
+    lib.tl_attend_one(q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0),
+                      k.stride(1), v.data_ptr(), v.stride(0), v.stride(1), k_cache.data_ptr(),
+                      v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), B, H, D, pos,
+                      1.0 / math.sqrt(D), out.data_ptr(), scratch.data_ptr(),
+                      torch.get_num_threads())
+    return out.transpose(1, 2)  # (B, 1, H, D) -> (B, H, 1, D)
+
+
+def attend_one(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, pos: int,
+               scratch: Tensor) -> Tensor:
+    """One decoding step of causal attention: write k, v (B, H, 1, D) at position ``pos``
+    of one layer's cache (B, H, max_len, D), then attend q (B, H, 1, D) over positions
+    0..pos. Equals storing k, v and ``F.scaled_dot_product_attention(q, K, V)``; reads
+    each cached key and value once. ``scratch`` holds at least B·H·(pos + 1) floats.
+    Float32 CPU tensors whose last dimension is contiguous; the caller checks."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError("native kernels are not available")
+    return _attend_one(lib, q, k, v, k_cache, v_cache, pos, scratch)
+
+
+def argmax(logits: Tensor) -> Tensor:
+    """``logits.argmax(-1)`` for (B, V) logits: the native kernel on float32 CPU rows
+    (torch's CPU argmax takes ~10x longer on a GPT-2-sized vocabulary), torch otherwise."""
+    lib = load()
+    if (lib is None or logits.dim() != 2 or logits.dtype != torch.float32
+            or logits.device.type != "cpu" or logits.stride(1) != 1 or logits.shape[1] == 0):
+        return logits.argmax(-1)
+    return _argmax(lib, logits)
+
+
+# Packed copies by weight, so repeated generate() calls on one model pack once. The
+# entry is dropped when the weight is freed, and rebuilt when the weight was changed
+# in place (its version counter moved) or replaced.
+_packed: dict[int, tuple[weakref.ref, int, int, Tensor]] = {}
+
+
+def packed_weight(weight: Tensor) -> Tensor:
+    """The panel-packed copy of a (O, I) float32 CPU weight, cached while it is unchanged."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError("native kernels are not available")
+    key = id(weight)
+    entry = _packed.get(key)
+    if entry is not None:
+        ref, version, ptr, packed = entry
+        if ref() is weight and version == weight._version and ptr == weight.data_ptr():
+            return packed
+    packed = _pack(lib, weight)
+    _packed[key] = (weakref.ref(weight, lambda _r, k=key: _packed.pop(k, None)),
+                    weight._version, weight.data_ptr(), packed)
+    return packed
+
+
+def supports(weight: Tensor) -> bool:
+    """Whether :class:`PackedLinear` can serve this weight (float32, CPU, 2-D)."""
+    return (weight.dtype == torch.float32 and weight.device.type == "cpu"
+            and weight.dim() == 2 and available())
+
+
+class PackedLinear:
+    """``F.linear(x, weight, bias)`` through the native kernel for inputs of at most
+    :data:`MAX_ROWS` rows (any leading shape), and through torch otherwise.
+
+    Holds a packed copy of ``weight`` taken at construction: build it again after the
+    weight changes. Inference only (no autograd).
+    """
+
+    def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
+        self.weight, self.bias = weight, bias
+        self.out_features, self.in_features = weight.shape
+        self.packed = packed_weight(weight)
+        self.lib = load()
+        self._bias = bias.detach().contiguous() if bias is not None else None
+
+    def __call__(self, x: Tensor) -> Tensor:
+        rows = x.numel() // self.in_features
+        if rows > MAX_ROWS or x.dtype != torch.float32 or x.requires_grad:
+            return F.linear(x, self.weight, self.bias)
+        y = _linear(self.lib, x.reshape(rows, self.in_features).contiguous(), self.packed,
+                    self._bias, self.out_features)
+        return y.view(*x.shape[:-1], self.out_features)  # (…, I) -> (…, O)

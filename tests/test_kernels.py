@@ -1,0 +1,140 @@
+"""The native CPU kernels against torch's own ops as oracles."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tinylm import kernels
+
+pytestmark = pytest.mark.skipif(os.environ.get("TINYLM_NATIVE") == "0",
+                                reason="native kernels turned off by TINYLM_NATIVE=0")
+
+
+def test_the_kernel_builds_and_loads_here() -> None:
+    # This machine has a C compiler: the fast path must be live, not silently off.
+    assert kernels.available()
+    assert kernels.SOURCE.name == "kernels.c" and kernels.SOURCE.exists()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 16])
+@pytest.mark.parametrize(("out_features", "in_features"), [(1, 1), (33, 17), (96, 64),
+                                                           (130, 48)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_packed_linear_equals_f_linear(rows: int, out_features: int, in_features: int,
+                                       bias: bool) -> None:
+    lin = torch.nn.Linear(in_features, out_features, bias=bias)
+    packed = kernels.PackedLinear(lin.weight, lin.bias)
+    x = torch.randn(rows, 1, in_features)  # (B, C=1, I), as in a decoding step
+    with torch.inference_mode():
+        torch.testing.assert_close(packed(x), lin(x), rtol=1e-5, atol=1e-5)
+
+
+def test_packed_linear_hands_long_inputs_to_torch() -> None:
+    lin = torch.nn.Linear(8, 5)
+    packed = kernels.PackedLinear(lin.weight, lin.bias)
+    x = torch.randn(2, kernels.MAX_ROWS, 8)  # 32 rows: a prompt pass
+    with torch.inference_mode():
+        torch.testing.assert_close(packed(x), lin(x))
+
+
+def test_fused_epilogues_gelu_and_residual() -> None:
+    lib = kernels.load()
+    W, b = torch.randn(40, 24), torch.randn(40)
+    x, res = torch.randn(3, 24), torch.randn(3, 40)
+    packed = kernels.packed_weight(W)
+    y = torch.empty(3, 40)
+    lib.tl_linear(x.data_ptr(), 24, packed.data_ptr(), b.data_ptr(), y.data_ptr(), 3, 24, 40,
+                  2, 1, None)
+    torch.testing.assert_close(y, F.gelu(F.linear(x, W, b), approximate="tanh"),
+                               rtol=1e-5, atol=1e-5)
+    want = res + F.linear(x, W, b)
+    lib.tl_linear(x.data_ptr(), 24, packed.data_ptr(), b.data_ptr(), res.data_ptr(), 3, 24, 40,
+                  2, 0, res.data_ptr())  # in place: res = res + x·Wᵀ + b
+    torch.testing.assert_close(res, want, rtol=1e-5, atol=1e-5)
+
+
+def test_packed_copy_follows_in_place_weight_changes() -> None:
+    W = torch.randn(20, 10)
+    first = kernels.packed_weight(W)
+    assert kernels.packed_weight(W) is first  # cached while unchanged
+    with torch.no_grad():
+        W.mul_(2)  # e.g. an optimizer step
+    x = torch.randn(1, 10)
+    torch.testing.assert_close(kernels.PackedLinear(W, None)(x), F.linear(x, W))
+
+
+@pytest.mark.parametrize("V", [1, 5, 16, 17, 50257])
+@pytest.mark.parametrize("B", [1, 3])
+def test_argmax_equals_torch_with_ties_and_nan(V: int, B: int) -> None:
+    logits = torch.randn(B, V)
+    assert torch.equal(kernels.argmax(logits), logits.argmax(-1))
+    tied = logits.clone()
+    tied[:, -1] = tied[:, 0] = tied.max() + 1  # first and last share the maximum
+    assert torch.equal(kernels.argmax(tied), torch.zeros(B, dtype=torch.long))
+    if V > 2:
+        logits[0, V // 2] = float("nan")  # torch.argmax treats NaN as the largest
+        assert torch.equal(kernels.argmax(logits), logits.argmax(-1))
+    strided = torch.randn(B, 2 * V)[:, :V]  # rows of a wider tensor
+    assert torch.equal(kernels.argmax(strided), strided.argmax(-1))
+
+
+@pytest.mark.parametrize(("B", "H", "D", "pos"), [(1, 1, 16, 0), (2, 3, 64, 9), (3, 2, 20, 30)])
+def test_attend_one_equals_sdpa_over_the_cache(B: int, H: int, D: int, pos: int) -> None:
+    qkv = torch.randn(B, 1, 3, H, D).permute(2, 0, 3, 1, 4)  # views, as MultiHeadAttention
+    q, k, v = qkv.unbind(0)  # 3 × (B, H, 1, D), not contiguous
+    k_cache, v_cache = torch.randn(B, H, 32, D), torch.randn(B, H, 32, D)
+    out = kernels.attend_one(q, k, v, k_cache, v_cache, pos, torch.empty(B * H * 32))
+    assert torch.equal(k_cache[:, :, pos:pos + 1], k) and torch.equal(v_cache[:, :, pos:pos + 1], v)
+    want = F.scaled_dot_product_attention(q, k_cache[:, :, :pos + 1], v_cache[:, :, :pos + 1])
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("affine", [True, False])
+def test_layer_norm_equals_f_layer_norm(affine: bool) -> None:
+    lib = kernels.load()
+    x = torch.randn(4, 48) * 3 + 1
+    w, b = (torch.randn(48), torch.randn(48)) if affine else (None, None)
+    y = torch.empty_like(x)
+    lib.tl_layer_norm(x.data_ptr(), w.data_ptr() if affine else None,
+                      b.data_ptr() if affine else None, 1e-5, y.data_ptr(), 4, 48)
+    torch.testing.assert_close(y, F.layer_norm(x, (48,), w, b, 1e-5), rtol=1e-5, atol=1e-5)
+
+
+def test_embed_rejects_out_of_range_ids() -> None:
+    lib = kernels.load()
+    tok, pos = torch.randn(10, 4), torch.randn(6, 4)
+    x = torch.zeros(2, 4)
+    ids = torch.tensor([3, 9])
+    assert lib.tl_embed(ids.data_ptr(), tok.data_ptr(), pos.data_ptr(), 2, x.data_ptr(),
+                        2, 4, 10) == 0
+    torch.testing.assert_close(x, tok[ids] + pos[2])
+    bad = torch.tensor([3, 10])
+    assert lib.tl_embed(bad.data_ptr(), tok.data_ptr(), pos.data_ptr(), 2, x.data_ptr(),
+                        2, 4, 10) == 1
+
+
+def test_without_a_compiler_everything_falls_back(tmp_path) -> None:
+    # A fresh process with no compiler and an empty cache: available() is False and
+    # generation still works through torch's kernels.
+    code = (
+        "import torch, tinylm\n"
+        "from tinylm import kernels, GPT, ModelConfig, generate\n"
+        "from tinylm.decoding import Decoder\n"
+        "m = GPT(ModelConfig(vocab_size=11, context_length=8, n_layer=1, n_head=1, "
+        "n_embd=8)).eval()\n"
+        "assert not kernels.available()\n"
+        "with torch.inference_mode(), Decoder(m, 1) as d: assert d.path == 'torch'\n"
+        "print(generate(m, [1, 2], 3, temperature=0).shape)\n"
+    )
+    env = dict(os.environ, CC=str(tmp_path / "no-such-cc"), XDG_CACHE_HOME=str(tmp_path),
+               TMPDIR=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "torch.Size([1, 5])"
