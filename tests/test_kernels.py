@@ -138,3 +138,42 @@ def test_without_a_compiler_everything_falls_back(tmp_path) -> None:
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "torch.Size([1, 5])"
+
+
+def test_gelu_and_its_fused_backward_equal_torch() -> None:
+    x = torch.randn(3, 37, 20) * 4  # 2220 floats: vector body and scalar tail
+    x.view(-1)[:6] = torch.tensor([0.0, 1e-8, -60.0, 60.0, 100.0, -100.0])
+    torch.testing.assert_close(kernels.gelu(x), F.gelu(x, approximate="tanh"),
+                               rtol=1e-5, atol=1e-6)
+    grad = torch.randn_like(x)
+    want = torch.ops.aten.gelu_backward(grad, x, approximate="tanh")
+    grad_x, y = kernels.gelu_backward(grad.clone(), x)
+    torch.testing.assert_close(grad_x, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y, F.gelu(x, approximate="tanh"), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_ffn_function_gradients_equal_plain_autograd(bias: bool) -> None:
+    from tinylm.model import _FeedForwardFn
+
+    x = torch.randn(2, 5, 12, requires_grad=True)
+    w_up, w_down = torch.randn(48, 12, requires_grad=True), torch.randn(12, 48, requires_grad=True)
+    b_up = torch.randn(48, requires_grad=True) if bias else None
+    b_down = torch.randn(12, requires_grad=True) if bias else None
+    inputs = [t for t in (x, w_up, b_up, w_down, b_down) if t is not None]
+    gy = torch.randn(2, 5, 12)
+    y = _FeedForwardFn.apply(x, w_up, b_up, w_down, b_down)
+    ref = F.linear(F.gelu(F.linear(x, w_up, b_up), approximate="tanh"), w_down, b_down)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+    grads = torch.autograd.grad(y, inputs, gy)
+    want = torch.autograd.grad(ref, inputs, gy)
+    for got, w in zip(grads, want, strict=True):
+        torch.testing.assert_close(got, w, rtol=1e-4, atol=1e-4)
+
+
+def test_bias_gelu_adds_in_place_and_returns_gelu() -> None:
+    a, b = torch.randn(7, 37), torch.randn(37)
+    want_h = a + b
+    g = kernels.bias_gelu_(a, b)
+    torch.testing.assert_close(a, want_h)
+    torch.testing.assert_close(g, F.gelu(want_h, approximate="tanh"), rtol=1e-5, atol=1e-6)

@@ -36,18 +36,28 @@ def _imports(path: Path) -> set[str]:
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module == "tinylm":
+            names |= {f"tinylm.{a.name}" for a in node.names}  # from tinylm import kernels
         elif isinstance(node, ast.ImportFrom) and node.module:
             names.add(node.module)
     return names
 
 
 def test_attention_and_model_import_only_torch_config_errors() -> None:
-    allowed = {"torch", "tinylm.config", "tinylm.errors", "tinylm.attention", "math",
-               "__future__"}
+    # kernels (the native CPU kernels) is a leaf like config/errors: see the next test.
+    allowed = {"torch", "tinylm.config", "tinylm.errors", "tinylm.attention",
+               "tinylm.kernels", "math", "__future__"}
     for name in ("attention.py", "model.py"):
         bad = {m for m in _imports(SRC / name)
                if not any(m == a or m.startswith(a + ".") for a in allowed)}
         assert not bad, f"{name} imports {bad}"
+
+
+def test_kernels_is_a_leaf_importing_only_torch_and_the_standard_library() -> None:
+    stdlib = set(sys.stdlib_module_names) | {"__future__"}
+    bad = {m for m in _imports(SRC / "kernels.py")
+           if m.split(".")[0] not in stdlib and m.split(".")[0] != "torch"}
+    assert not bad, f"kernels.py imports {bad}"
 
 
 def test_torch_distributed_and_transformers_have_one_home() -> None:

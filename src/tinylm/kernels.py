@@ -102,6 +102,12 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tl_embed.argtypes = [c_void_p, c_void_p, c_void_p, c_long, c_void_p, c_long, c_long,
                              c_long]
     lib.tl_embed.restype = ctypes.c_int
+    lib.tl_gelu.argtypes = [c_void_p, c_void_p, c_long, c_int]
+    lib.tl_gelu.restype = None
+    lib.tl_gelu_backward.argtypes = [c_void_p, c_void_p, c_void_p, c_long, c_int]
+    lib.tl_gelu_backward.restype = None
+    lib.tl_bias_gelu.argtypes = [c_void_p, c_void_p, c_void_p, c_long, c_long, c_int]
+    lib.tl_bias_gelu.restype = None
     return lib
 
 
@@ -244,6 +250,53 @@ def argmax(logits: Tensor) -> Tensor:
             or logits.device.type != "cpu" or logits.stride(1) != 1 or logits.shape[1] == 0):
         return logits.argmax(-1)
     return _argmax(lib, logits)
+
+
+def _native_elementwise(x: Tensor) -> ctypes.CDLL | None:
+    if x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous():
+        return None
+    return load()
+
+
+def gelu(x: Tensor) -> Tensor:
+    """GELU with GPT-2's tanh approximation, ``F.gelu(x, approximate="tanh")``: the
+    native kernel on contiguous float32 CPU tensors (several times faster than torch's
+    CPU kernel here; equal to within float32 rounding), torch otherwise. No autograd."""
+    lib = _native_elementwise(x)
+    if lib is None:
+        return F.gelu(x, approximate="tanh")
+    y = torch.empty_like(x)
+    lib.tl_gelu(x.data_ptr(), y.data_ptr(), x.numel(), torch.get_num_threads())
+    return y
+
+
+def bias_gelu_(a: Tensor, bias: Tensor | None) -> Tensor:
+    """``a += bias`` in place (a (..., N), bias (N,) or None), then return GELU(a) (tanh
+    approximation) as a new tensor; one native pass on contiguous float32 CPU tensors."""
+    lib = _native_elementwise(a)
+    if lib is None or (bias is not None and not bias.is_contiguous()):
+        if bias is not None:
+            a.add_(bias)
+        return F.gelu(a, approximate="tanh")
+    g = torch.empty_like(a)
+    N = a.shape[-1]
+    lib.tl_bias_gelu(a.data_ptr(), bias.data_ptr() if bias is not None else None,
+                     g.data_ptr(), a.numel() // N, N, torch.get_num_threads())
+    return g
+
+
+def gelu_backward(grad: Tensor, x: Tensor) -> tuple[Tensor, Tensor]:
+    """(dL/dx, GELU(x)) from dL/dGELU(x) and x, in one pass: the backward of :func:`gelu`
+    with its forward recomputed. ``grad`` may be overwritten (it is returned as dL/dx)."""
+    lib = _native_elementwise(x)
+    if lib is None or not grad.is_contiguous() or grad.shape != x.shape \
+            or grad.dtype != torch.float32:
+        return (torch.ops.aten.gelu_backward(grad, x, approximate="tanh"),
+                F.gelu(x, approximate="tanh"))
+    y = torch.empty_like(x)
+    lib.tl_gelu_backward(x.data_ptr(), grad.data_ptr(), y.data_ptr(), x.numel(),
+                         torch.get_num_threads())
+    return grad, y
 
 
 # Packed copies by weight, so repeated generate() calls on one model pack once. The

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from tinylm import kernels
 from tinylm.attention import KVCache, MultiHeadAttention
 from tinylm.config import ModelConfig
 from tinylm.errors import ConfigError
@@ -27,41 +28,51 @@ def _layer_norm(config: ModelConfig) -> nn.LayerNorm:
     return nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=config.bias)
 
 
-class _GeluDown(torch.autograd.Function):
-    """y = GELU_tanh(h)·W_downᵀ + b, keeping only h for backward.
+class _FeedForwardFn(torch.autograd.Function):
+    """The FFN for training, y = GELU_tanh(x·W_upᵀ + b_up)·W_downᵀ + b_down, as one
+    autograd step that keeps only x and h = x·W_upᵀ + b_up for backward.
 
-    Plain autograd would keep both h and GELU(h), each (B, C, 4E) — the largest
-    activations of a block. GELU is cheap, so backward recomputes GELU(h) from h
-    instead: the same values and gradients, 4E fewer floats per token per layer.
+    Plain autograd would also keep GELU(h), (B, C, 4E) — with h the largest activations
+    of a block. GELU is cheap, so backward recomputes it from h instead: the same values
+    and gradients, 4E fewer floats per token per layer. On CPU the bias add and GELU
+    run as one native pass (:func:`tinylm.kernels.bias_gelu_`), and backward's GELU
+    gradient and recomputation as another, where torch's tanh-GELU is slow.
     """
 
     @staticmethod
-    def forward(ctx, h: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-        ctx.save_for_backward(h, weight)
-        ctx.has_bias = bias is not None
-        return F.linear(F.gelu(h, approximate="tanh"), weight, bias)  # (B, C, 4E) -> (B, C, E)
+    def forward(ctx, x: Tensor, w_up: Tensor, b_up: Tensor | None, w_down: Tensor,
+                b_down: Tensor | None) -> Tensor:
+        x2 = x.reshape(-1, x.shape[-1])  # (B, C, E) -> (B·C, E)
+        h = x2 @ w_up.t()  # (B·C, E)·(E, 4E) -> (B·C, 4E)
+        g = kernels.bias_gelu_(h, b_up)  # h += b_up in place; g = GELU(h)
+        y = g @ w_down.t()  # (B·C, 4E)·(4E, E) -> (B·C, E)
+        if b_down is not None:
+            y += b_down
+        ctx.save_for_backward(x2, h, w_up, w_down)
+        ctx.biases = (b_up is not None, b_down is not None)
+        return y.view(*x.shape[:-1], y.shape[-1])  # -> (B, C, E)
 
     @staticmethod
-    def backward(ctx, grad_y: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-        h, weight = ctx.saved_tensors
-        grad_h = grad_w = grad_b = None
+    def backward(ctx, grad_y: Tensor) -> tuple[Tensor | None, ...]:
+        x2, h, w_up, w_down = ctx.saved_tensors
         gy = grad_y.reshape(-1, grad_y.shape[-1])  # (B, C, E) -> (B·C, E)
-        if ctx.needs_input_grad[1]:
-            g = F.gelu(h, approximate="tanh")  # recomputed, (B, C, 4E)
-            grad_w = gy.t() @ g.reshape(-1, g.shape[-1])  # (E, B·C)·(B·C, 4E) -> (E, 4E)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = gy.sum(0)  # (E,)
-        if ctx.needs_input_grad[0]:
-            grad_g = grad_y @ weight  # (B, C, E)·(E, 4E) -> (B, C, 4E)
-            grad_h = torch.ops.aten.gelu_backward(grad_g, h, approximate="tanh")
-        return grad_h, grad_w, grad_b
+        grad_g = gy @ w_down  # (B·C, E)·(E, 4E) -> (B·C, 4E)
+        grad_h, g = kernels.gelu_backward(grad_g, h)  # GELU(h) recomputed, (B·C, 4E)
+        need = ctx.needs_input_grad
+        grad_w_down = gy.t() @ g if need[3] else None  # (E, B·C)·(B·C, 4E) -> (E, 4E)
+        grad_b_down = gy.sum(0) if ctx.biases[1] and need[4] else None  # (E,)
+        grad_w_up = grad_h.t() @ x2 if need[1] else None  # (4E, B·C)·(B·C, E) -> (4E, E)
+        grad_b_up = grad_h.sum(0) if ctx.biases[0] and need[2] else None  # (4E,)
+        grad_x = (grad_h @ w_up).view(grad_y.shape[:-1] + (w_up.shape[1],)) if need[0] \
+            else None  # (B·C, 4E)·(4E, E) -> (B, C, E)
+        return grad_x, grad_w_up, grad_b_up, grad_w_down, grad_b_down
 
 
 class FeedForward(nn.Module):
     """Position-wise FFN: E -> 4·E -> GELU (tanh approximation, as GPT-2) -> E.
 
-    When gradients are recorded, GELU and ``down`` run as one autograd step that
-    recomputes GELU in backward (:class:`_GeluDown`) to halve the FFN's saved activations.
+    When gradients are recorded, the whole FFN runs as one autograd step that recomputes
+    GELU in backward (:class:`_FeedForwardFn`) to halve the FFN's saved activations.
     """
 
     def __init__(self, config: ModelConfig) -> None:
@@ -72,12 +83,13 @@ class FeedForward(nn.Module):
         self.drop = nn.Dropout(config.dropout)
 
     def forward(self, x: Tensor) -> Tensor:
-        h = self.up(x)  # (B, C, E) -> (B, C, 4E)
-        if torch.is_grad_enabled() and type(self.down) is nn.Linear:
-            y = _GeluDown.apply(h, self.down.weight, self.down.bias)
-        else:  # inference, or a replaced ``down`` (e.g. tinylm.lowrank's LowRankLinear)
-            y = self.down(self.act(h))
-        return self.drop(y)  # (B, C, 4E) -> (B, C, E)
+        if torch.is_grad_enabled() and type(self.up) is nn.Linear \
+                and type(self.down) is nn.Linear:
+            y = _FeedForwardFn.apply(x, self.up.weight, self.up.bias, self.down.weight,
+                                     self.down.bias)  # (B, C, E) -> (B, C, E)
+        else:  # inference, or replaced layers (e.g. tinylm.lowrank's LowRankLinear)
+            y = self.down(self.act(self.up(x)))  # (B, C, E) -> (B, C, 4E) -> (B, C, E)
+        return self.drop(y)
 
 
 class Block(nn.Module):
