@@ -173,3 +173,20 @@ def test_config_json_round_trip_and_unknown_keys() -> None:
     assert ModelConfig.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(ConfigError, match="n_layers"):
         ModelConfig.from_dict({**cfg.to_dict(), "n_layers": 3})
+
+
+def test_training_step_under_bf16_autocast_runs_and_matches_fp32() -> None:
+    # CUDA trains under bf16 autocast; the FFN's custom backward must cope with bf16
+    # activations and fp32 weights. CPU autocast exercises the same code path.
+    config = ModelConfig(vocab_size=50, context_length=8, n_layer=2, n_head=2, n_embd=32)
+    model = GPT(config)
+    ids, targets = torch.randint(0, 50, (2, 8)), torch.randint(0, 50, (2, 8))
+    model.loss(ids, targets).backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model.loss(ids, targets)
+    loss.backward()
+    for p, w in zip(model.parameters(), want, strict=True):
+        assert p.grad is not None and p.grad.dtype == torch.float32
+        assert torch.allclose(p.grad, w, rtol=0.1, atol=2e-2 * w.abs().max().item() + 1e-4)

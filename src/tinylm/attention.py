@@ -167,8 +167,8 @@ class KVCache:
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """One new token (C = 1): store its k, v (B, H, 1, D) and attend its q (B, H, 1, D)
         over every cached position, -> (B, H, 1, D). The one new query may see all keys,
-        so no mask is needed. Subclasses may fuse the two steps (tinylm.sampling does
-        on CPU with a native kernel)."""
+        so no mask is needed. Subclasses may fuse the two steps (on CPU,
+        tinylm.decoding.NativeKVCache does it in one native pass)."""
         k, v = self.update(layer, k, v)  # (B, H, T, D)
         return F.scaled_dot_product_attention(q, k, v)
 

@@ -55,7 +55,12 @@ class _FeedForwardFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y: Tensor) -> tuple[Tensor | None, ...]:
         x2, h, w_up, w_down = ctx.saved_tensors
-        gy = grad_y.reshape(-1, grad_y.shape[-1])  # (B, C, E) -> (B·C, E)
+        # Under autocast h is bf16 while x and the weights stay fp32; backward runs
+        # outside autocast, so compute in h's dtype (no-ops in fp32). Autograd casts
+        # each returned gradient back to its input's dtype.
+        dt = h.dtype
+        x2, w_up, w_down = x2.to(dt), w_up.to(dt), w_down.to(dt)
+        gy = grad_y.to(dt).reshape(-1, grad_y.shape[-1])  # (B, C, E) -> (B·C, E)
         grad_g = gy @ w_down  # (B·C, E)·(E, 4E) -> (B·C, 4E)
         grad_h, g = kernels.gelu_backward(grad_g, h)  # GELU(h) recomputed, (B·C, 4E)
         need = ctx.needs_input_grad
