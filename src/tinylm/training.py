@@ -743,7 +743,9 @@ def train(
                     record = {"step": step, "train_loss": mean_loss, "lr": lr,
                               "grad_norm": gnorm.item(), "tokens_per_s": tok_s}
                     eta = (total_steps - step) * dt / max(1, step - step_mark)
-                    bar.report(step, int(total_steps), mean_loss, lr, tok_s, eta)
+                    # a time budget's total is an estimate: never show step > total
+                    shown = step if final else max(step, int(total_steps))
+                    bar.report(step, shown, mean_loss, lr, tok_s, max(0.0, eta))
                     interval_loss.zero_()
                     interval_count = 0
                     t_mark, step_mark = now, step
