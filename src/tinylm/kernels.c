@@ -270,8 +270,8 @@ void tl_attend_one(const float *q, long qsb, long qsh, const float *k, long ksb,
     }
 }
 
-/* --- GELU (tanh approximation) for training: forward, and backward with the forward
- * recomputed in the same pass. torch's CPU gelu(approximate="tanh") runs ~5x slower
+/* --- GELU (tanh approximation) for training: the backward with the forward recomputed
+ * in the same pass (here), and the FFN's bias add + GELU (tl_bias_gelu, below). torch's CPU gelu(approximate="tanh") runs ~5x slower
  * than a plain tanh here; these stream at close to memory speed. */
 
 static inline v16 vsel(i16 mask, v16 a, v16 b) {  /* mask ? a : b, lane by lane */
@@ -308,20 +308,6 @@ static inline v16 vtanh_inner(v16 x) {  /* tanh(sqrt(2/pi)·(x + 0.044715·x³))
 static inline float tanh_inner(float x) { return tanhf(GELU_C * (x + GELU_K * x * x * x)); }
 
 #define GELU_CHUNK 4096L  /* floats per parallel work item */
-
-/* y = GELU(x), n floats. */
-void tl_gelu(const float *x, float *y, long n, int threads) {
-    long chunks = (n + GELU_CHUNK - 1) / GELU_CHUNK;
-    #pragma omp parallel for num_threads(threads) schedule(static)
-    for (long c = 0; c < chunks; c++) {
-        long i = c * GELU_CHUNK, end = i + GELU_CHUNK < n ? i + GELU_CHUNK : n;
-        for (; i + 16 <= end; i += 16) {
-            v16 v = load16(x + i);
-            store16(y + i, 0.5f * v * (1.0f + vtanh_inner(v)));
-        }
-        for (; i < end; i++) y[i] = 0.5f * x[i] * (1.0f + tanh_inner(x[i]));
-    }
-}
 
 /* grad (n floats) holds dL/dGELU(x) and is overwritten with dL/dx; if y is not NULL it
  * also receives GELU(x) (the recomputed forward), from the same tanh. */
