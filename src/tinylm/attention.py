@@ -157,12 +157,17 @@ class KVCache:
 
         Returns views of all filled keys and values, (B, H, length + C, D).
         """
+        self.check_room(k.shape[2])
         start, end = self.length, self.length + k.shape[2]
-        if end > self.max_len:
-            raise ValueError(f"KV cache overflow: {end} positions > max_len {self.max_len}")
         self.k[layer, :, :, start:end] = k
         self.v[layer, :, :, start:end] = v
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+    def check_room(self, n: int) -> None:
+        """Raise ValueError unless n more positions fit after the filled ones."""
+        if self.length + n > self.max_len:
+            raise ValueError(f"KV cache overflow: {self.length + n} positions > max_len "
+                             f"{self.max_len}; restart it (reset) on a shorter window")
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """One new token (C = 1): store its k, v (B, H, 1, D) and attend its q (B, H, 1, D)

@@ -46,9 +46,7 @@ class NativeKVCache(KVCache):
         self.scratch = torch.empty(B * H * max_len)  # attention scores, (B·H, T)
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        if self.length >= self.max_len:
-            raise ValueError(f"KV cache overflow: {self.length + 1} positions > max_len "
-                             f"{self.max_len}")
+        self.check_room(1)  # the kernel writes position `length` unchecked
         if q.dtype != torch.float32 or q.stride(-1) != 1:
             return super().attend(layer, q, k, v)
         return kernels.attend_one(q, k, v, self.k[layer], self.v[layer], self.length,
@@ -108,9 +106,7 @@ class Decoder:
 
     def step(self, ids: Tensor) -> Tensor:
         """Next token of every row, ids (B,) -> logits (B, V); the cache must have room."""
-        if self.cache.length >= self.cache.max_len:
-            raise ValueError(f"KV cache overflow: {self.cache.length + 1} positions > "
-                             f"max_len {self.cache.max_len}; prefill a shorter window")
+        self.cache.check_room(1)
         if self._fused is not None:
             return self._fused(ids)
         return self.model(ids.unsqueeze(1), self.cache)[:, -1]  # (B, 1) -> (B, V)
