@@ -177,3 +177,84 @@ def test_bias_gelu_adds_in_place_and_returns_gelu() -> None:
     g = kernels.bias_gelu_(a, b)
     torch.testing.assert_close(a, want_h)
     torch.testing.assert_close(g, F.gelu(want_h, approximate="tanh"), rtol=1e-5, atol=1e-6)
+
+
+def _sdpa_from_qkv(qkv: torch.Tensor, n_head: int) -> torch.Tensor:
+    """The oracle: split the fused projection into heads and run torch's causal SDPA."""
+    B, C, three_hd = qkv.shape
+    D = three_hd // (3 * n_head)
+    q, k, v = qkv.view(B, C, 3, n_head, D).permute(2, 0, 3, 1, 4).unbind(0)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, C, D)
+    return out.transpose(1, 2).reshape(B, C, n_head * D)
+
+
+@pytest.mark.parametrize(("B", "C", "H", "D"), [
+    (1, 1, 1, 16),     # one position
+    (2, 5, 3, 16),     # C below one row block
+    (3, 17, 2, 32),    # C past a 16-column chunk, not a multiple of 4
+    (12, 64, 4, 32),   # the benchmark's 4×128 shape
+    (1, 70, 1, 64),    # more than 64 key columns: two column groups
+    (2, 33, 2, 128),   # D = 128: two 64-wide output groups
+    (1, 256, 1, 16),   # the longest context the kernel takes
+])
+def test_causal_attention_and_its_backward_equal_sdpa(B: int, C: int, H: int, D: int) -> None:
+    qkv = (torch.randn(B, C, 3 * H * D) * 2).requires_grad_()
+    assert kernels.causal_attention_supported(qkv, H)
+    want = _sdpa_from_qkv(qkv, H)
+    grad = torch.randn_like(want)
+    (want_grad,) = torch.autograd.grad(want, qkv, grad)
+    out, lse = kernels.causal_attention(qkv.detach(), H)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    # lse is each query's log Σ_j exp(score_j) over the keys it may see.
+    q, k, _ = qkv.detach().view(B, C, 3, H, D).permute(2, 0, 3, 1, 4).unbind(0)
+    scores = (q @ k.transpose(-1, -2)) / D**0.5
+    scores = scores.masked_fill(torch.ones(C, C, dtype=torch.bool).triu(1), float("-inf"))
+    torch.testing.assert_close(lse, scores.logsumexp(-1), rtol=1e-5, atol=1e-5)
+    got_grad = kernels.causal_attention_backward(grad, qkv.detach(), out, lse, H)
+    torch.testing.assert_close(got_grad, want_grad, rtol=1e-4, atol=1e-4)
+
+
+def test_causal_attention_declines_what_it_cannot_take() -> None:
+    H = 2
+    assert not kernels.causal_attention_supported(torch.randn(1, 4, 3 * H * 24), H)  # D=24
+    too_long = kernels.ATTENTION_MAX_CONTEXT + 1
+    assert not kernels.causal_attention_supported(torch.randn(1, too_long, 3 * H * 16), H)
+    assert not kernels.causal_attention_supported(
+        torch.randn(1, 4, 3 * H * 16, dtype=torch.float64), H)
+    assert not kernels.causal_attention_supported(torch.randn(3 * H * 16, 4).t()[None], H)
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_attention_module_native_path_equals_sdpa_path(monkeypatch, training: bool) -> None:
+    from tinylm.attention import MultiHeadAttention
+
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(48, 3, 16).train(training)
+    x = torch.randn(2, 21, 48, requires_grad=True)
+    gy = torch.randn(2, 21, 48)
+    calls = []
+    real = kernels.causal_attention
+    monkeypatch.setattr(kernels, "causal_attention",
+                        lambda *a: calls.append(1) or real(*a))
+    y = attn(x)
+    assert calls, "the native kernel was not used"
+    grads = torch.autograd.grad(y, [x, *attn.parameters()], gy)
+    monkeypatch.setattr(kernels, "causal_attention_supported", lambda *a: False)
+    want = attn(x)
+    want_grads = torch.autograd.grad(want, [x, *attn.parameters()], gy)
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+    for g, w in zip(grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+
+
+def test_attention_dropout_in_training_takes_sdpa(monkeypatch) -> None:
+    from tinylm.attention import MultiHeadAttention
+
+    attn = MultiHeadAttention(32, 2, 16, dropout=0.1).train()
+    calls = []
+    real = kernels.causal_attention
+    monkeypatch.setattr(kernels, "causal_attention", lambda *a: calls.append(1) or real(*a))
+    attn(torch.randn(1, 8, 32))
+    assert not calls, "the native kernel has no dropout"
+    attn.eval()(torch.randn(1, 8, 32))  # eval: no dropout, the native kernel is fine
+    assert calls

@@ -24,9 +24,11 @@ and W_o^i (D, E). Two equal ways to combine the heads:
     concat form   MultiHead(x) = [R^1 … R^H] (C, H·D) · [W_o^1; …; W_o^H] (H·D, E)
 
 The concat form is what :class:`MultiHeadAttention` computes, with all heads' Q, K, V
-from one fused (E, 3·H·D) projection. Two paths compute it and are proven equal in the
-tests: the explicit one (which can return the attention map) and the fused fast one
-through ``torch.nn.functional.scaled_dot_product_attention``.
+from one fused (E, 3·H·D) projection. Its paths are proven equal in the tests: the
+explicit one (which can return the attention map), the fused fast one through
+``torch.nn.functional.scaled_dot_product_attention``, and on CPU for short contexts a
+native kernel that reads the heads straight from the fused projection and recomputes
+the map in backward (:class:`_CausalAttentionFn`).
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from tinylm import kernels
 
 # --- the math as small pure functions ---------------------------------------------------
 
@@ -188,6 +192,30 @@ class KVCache:
 # --- multi-head attention ---------------------------------------------------------------
 
 
+class _CausalAttentionFn(torch.autograd.Function):
+    """Causal attention of every head from the fused projection, as one autograd step:
+    qkv (B, C, 3·H·D) -> the heads' outputs concatenated, (B, C, H·D).
+
+    The CPU kernels (:func:`tinylm.kernels.causal_attention`) read each head's Q, K, V
+    in place from qkv and keep one log-sum-exp per query; backward recomputes the
+    attention map from it and writes dQ, dK, dV into one (B, C, 3·H·D) gradient, so
+    neither direction splits, transposes or concatenates the heads.
+    """
+
+    @staticmethod
+    def forward(ctx, qkv: Tensor, n_head: int) -> Tensor:
+        out, lse = kernels.causal_attention(qkv, n_head)  # (B, C, H·D), (B, H, C)
+        ctx.save_for_backward(qkv, out, lse)
+        ctx.n_head = n_head
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor) -> tuple[Tensor, None]:
+        qkv, out, lse = ctx.saved_tensors
+        return kernels.causal_attention_backward(grad_out, qkv, out, lse, ctx.n_head), None
+
+
+
 class MultiHeadAttention(nn.Module):
     """Causal multi-head attention with a fused QKV projection.
 
@@ -206,8 +234,10 @@ class MultiHeadAttention(nn.Module):
         self.dropout = dropout
 
     def _heads(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        B, C, _ = x.shape
-        qkv = self.qkv(x)  # (B, C, E) -> (B, C, 3·H·D)
+        return self._split(self.qkv(x))  # (B, C, E) -> (B, C, 3·H·D) -> 3 × (B, H, C, D)
+
+    def _split(self, qkv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        B, C, _ = qkv.shape
         qkv = qkv.view(B, C, 3, self.n_head, self.head_dim)  # -> (B, C, 3, H, D)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # -> 3 × (B, H, C, D)
         return q, k, v
@@ -227,7 +257,11 @@ class MultiHeadAttention(nn.Module):
         are written into it (the caller advances it after the last layer).
         """
         B, C, _ = x.shape
-        q, k, v = self._heads(x)  # 3 × (B, H, C, D)
+        qkv = self.qkv(x)  # (B, C, E) -> (B, C, 3·H·D)
+        if cache is None and not return_weights and not (self.training and self.dropout > 0) \
+                and kernels.causal_attention_supported(qkv, self.n_head):
+            return self.out(_CausalAttentionFn.apply(qkv, self.n_head))  # (B, C, H·D) -> (B, C, E)
+        q, k, v = self._split(qkv)  # 3 × (B, H, C, D)
         if cache is not None and C == 1 and not return_weights \
                 and not (self.training and self.dropout > 0):
             r = cache.attend(layer, q, k, v)  # one decoding step, (B, H, 1, D)

@@ -15,6 +15,7 @@
  * compile to AVX-512, AVX2 or NEON depending on -march=native.
  */
 #include <math.h>
+#include <stdlib.h>
 #include <stddef.h>
 #include <string.h>
 
@@ -351,5 +352,182 @@ void tl_bias_gelu(float *a, const float *b, float *g, long M, long N, int thread
             h[i] = v;
             y[i] = 0.5f * v * (1.0f + tanh_inner(v));
         }
+    }
+}
+
+/* --- Causal self-attention for training, straight from the fused QKV projection.
+ *
+ * qkv is (B, C, 3, H, D) contiguous: row (b, t) holds q, k, v of every head, so each
+ * head's Q, K, V are (C, D) matrices with row stride 3·H·D, read in place (no split,
+ * no copies). out is (B, C, H, D) -- the (B·C, H·D) input of the output projection --
+ * and lse (B, H, C) keeps each row's log-sum-exp for the backward, which recomputes
+ * the attention weights instead of storing them (as flash attention does). The
+ * backward writes dQ, dK, dV into one (B, C, 3, H, D) buffer: the gradient of the QKV
+ * projection's output, again without a split or a concatenation.
+ *
+ * Threads take whole (batch row, head) pairs. A head's scores P (C, Cp) live in a
+ * per-thread buffer (Cp = C rounded up to 16), so the context is kept short (the
+ * caller uses torch's SDPA beyond a limit). Every product is one register-blocked
+ * micro-kernel (mk): 4 output rows × up to 64 columns of accumulators, one broadcast
+ * coefficient times 16-float vectors per FMA -- no horizontal sums. */
+
+#define MK_R 4   /* rows per micro-kernel call */
+#define MK_C 4   /* 16-float column vectors per call (64 columns) */
+
+/* y[r][0 : 16·NC) = alpha · Σ_{k0 <= k < k1} a[r·sr + k·sk] · x[k·ldx + 0 : 16·NC), r < R */
+static inline __attribute__((always_inline)) void mk(
+        const float *a, long sr, long sk, const float *x, long ldx, long k0, long k1,
+        float *y, long ldy, float alpha, const int R, const int NC) {
+    v16 acc[MK_R][MK_C];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < NC; c++) acc[r][c] = (v16){0};
+    for (long k = k0; k < k1; k++) {
+        const float *xr = x + k * ldx;
+        v16 xv[MK_C];
+        for (int c = 0; c < NC; c++) xv[c] = load16(xr + 16 * c);
+        for (int r = 0; r < R; r++) {
+            float av = a[r * sr + k * sk];
+            for (int c = 0; c < NC; c++) acc[r][c] += xv[c] * av;
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < NC; c++) store16(y + r * ldy + 16 * c, acc[r][c] * alpha);
+}
+
+#define MK_CASE(R, NC) \
+    case (R) * 8 + (NC): mk(a, sr, sk, xc, ldx, k0, k1, yc, ldy, alpha, R, NC); break;
+#define MK_ROW(R) MK_CASE(R, 1) MK_CASE(R, 2) MK_CASE(R, 3) MK_CASE(R, 4)
+
+/* mk for any R <= 4 and any width that is a multiple of 16 (in groups of 64 columns). */
+static void mk_any(const float *a, long sr, long sk, const float *x, long ldx, long k0,
+                   long k1, float *y, long ldy, float alpha, int R, long width) {
+    for (long c0 = 0; c0 < width; c0 += 16 * MK_C) {
+        int nc = (int)((width - c0) / 16 < MK_C ? (width - c0) / 16 : MK_C);
+        const float *xc = x + c0;
+        float *yc = y + c0;
+        switch (R * 8 + nc) {
+            MK_ROW(1) MK_ROW(2) MK_ROW(3) MK_ROW(4)
+            default: break;
+        }
+    }
+}
+
+static inline long round16(long n) { return (n + 15) / 16 * 16; }
+
+/* t (D, Cp) = first C rows of m (row stride ld) transposed; columns C..Cp zero. */
+static void transpose_head(const float *m, long ld, long C, long D, long Cp, float *t) {
+    for (long d = 0; d < D; d++) {
+        float *row = t + d * Cp;
+        for (long j = 0; j < C; j++) row[j] = m[j * ld + d];
+        for (long j = C; j < Cp; j++) row[j] = 0.0f;
+    }
+}
+
+/* s (C, Cp) = alpha · A·Tᵀ, only the causal part: row i gets columns up to
+ * round16(i + 1) (the rest of the block row is computed too, and never read).
+ * A is (C, D) with row stride lda; T is (D, Cp), the other operand transposed. */
+static void causal_products(const float *A, long lda, const float *T, long C, long D,
+                            long Cp, float alpha, float *s) {
+    for (long i0 = 0; i0 < C; i0 += MK_R) {
+        int R = (int)(C - i0 < MK_R ? C - i0 : MK_R);
+        mk_any(A + i0 * lda, lda, 1, T, Cp, 0, D, s + i0 * Cp, Cp, alpha, R,
+               round16(i0 + R));
+    }
+}
+
+/* Row i of s in place: exp(s[i][j] - m) for j <= i (m = the row max, or the given lse),
+ * zero for i < j < round16(i + 1); every entry up to there is finite on entry (computed
+ * by causal_products). With normalise, the weights are divided by their sum and the
+ * row's log-sum-exp is returned; without, lse is returned. */
+static float causal_exp_row(float *s, long i, float lse, int normalise) {
+    const v16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const v16 neg_inf = (v16){0} - __builtin_inff();
+    long n = i + 1, end = round16(n);
+    float m = lse;
+    if (normalise) {
+        v16 mx = neg_inf;
+        for (long j = 0; j < end; j += 16) {
+            v16 x = vsel(lane + (float)j < (float)n, load16(s + j), neg_inf);
+            mx = vsel(x > mx, x, mx);
+        }
+        m = mx[0];
+        for (int t = 1; t < 16; t++) m = mx[t] > m ? mx[t] : m;
+    }
+    v16 acc = {0};
+    for (long j = 0; j < end; j += 16) {
+        v16 e = vsel(lane + (float)j < (float)n, vexp(load16(s + j) - m), (v16){0});
+        acc += e;
+        store16(s + j, e);
+    }
+    if (!normalise) return lse;
+    float sum = hsum16(acc), inv = 1.0f / sum;
+    for (long j = 0; j < end; j += 16) store16(s + j, load16(s + j) * inv);
+    return m + logf(sum);
+}
+
+void tl_attn_fwd(const float *qkv, float *out, float *lse, long B, long C, long H, long D,
+                 float scale, int threads) {
+    long ld = 3 * H * D, HD = H * D, Cp = round16(C);
+    #pragma omp parallel num_threads(threads)
+    {
+        float *kt = malloc(sizeof(float) * (D * Cp + C * Cp));
+        float *p = kt + D * Cp;
+        #pragma omp for schedule(static)
+        for (long bh = 0; bh < B * H; bh++) {
+            long b = bh / H, h = bh % H;
+            const float *q = qkv + b * C * ld + h * D, *k = q + HD, *v = q + 2 * HD;
+            float *o = out + b * C * HD + h * D, *l = lse + bh * C;
+            transpose_head(k, ld, C, D, Cp, kt);
+            causal_products(q, ld, kt, C, D, Cp, scale, p);  /* scores */
+            for (long i = 0; i < C; i++) l[i] = causal_exp_row(p + i * Cp, i, 0.0f, 1);
+            for (long i0 = 0; i0 < C; i0 += MK_R) {  /* O = P·V over keys j < i0 + R */
+                int R = (int)(C - i0 < MK_R ? C - i0 : MK_R);
+                mk_any(p + i0 * Cp, Cp, 1, v, ld, 0, i0 + R, o + i0 * HD, HD, 1.0f, R, D);
+            }
+        }
+        free(kt);
+    }
+}
+
+/* dqkv (B, C, 3, H, D) from dout (B, C, H, D) contiguous, with the forward's qkv, out
+ * and lse. Every element of dqkv is written. */
+void tl_attn_bwd(const float *qkv, const float *out, const float *dout, const float *lse,
+                 float *dqkv, long B, long C, long H, long D, float scale, int threads) {
+    long ld = 3 * H * D, HD = H * D, Cp = round16(C);
+    #pragma omp parallel num_threads(threads)
+    {
+        float *kt = malloc(sizeof(float) * (2 * D * Cp + 2 * C * Cp + C));
+        float *vt = kt + D * Cp, *p = vt + D * Cp, *ds = p + C * Cp, *di = ds + C * Cp;
+        #pragma omp for schedule(static)
+        for (long bh = 0; bh < B * H; bh++) {
+            long b = bh / H, h = bh % H;
+            const float *q = qkv + b * C * ld + h * D, *k = q + HD, *v = q + 2 * HD;
+            const float *o = out + b * C * HD + h * D, *go = dout + b * C * HD + h * D;
+            const float *l = lse + bh * C;
+            float *dq = dqkv + b * C * ld + h * D, *dk = dq + HD, *dv = dq + 2 * HD;
+            transpose_head(k, ld, C, D, Cp, kt);
+            transpose_head(v, ld, C, D, Cp, vt);
+            causal_products(q, ld, kt, C, D, Cp, scale, p);  /* P, recomputed */
+            for (long i = 0; i < C; i++) causal_exp_row(p + i * Cp, i, l[i], 0);
+            causal_products(go, HD, vt, C, D, Cp, 1.0f, ds);  /* dP = dO·Vᵀ */
+            for (long i = 0; i < C; i++) {  /* dS = P ∘ (dP - rowsum(dO ∘ O)) */
+                di[i] = dot(go + i * HD, o + i * HD, D);
+                float *dsr = ds + i * Cp, *pr = p + i * Cp;
+                long j = 0, n = i + 1;
+                for (; j + 16 <= n; j += 16)
+                    store16(dsr + j, load16(pr + j) * (load16(dsr + j) - di[i]));
+                for (; j < n; j++) dsr[j] = pr[j] * (dsr[j] - di[i]);
+                for (; j < round16(n); j++) dsr[j] = 0.0f;
+            }
+            for (long j0 = 0; j0 < C; j0 += MK_R) {
+                int R = (int)(C - j0 < MK_R ? C - j0 : MK_R);
+                /* dV = Pᵀ·dO and dK = scale · dSᵀ·Q, over queries i >= j0 */
+                mk_any(p + j0, 1, Cp, go, HD, j0, C, dv + j0 * ld, ld, 1.0f, R, D);
+                mk_any(ds + j0, 1, Cp, q, ld, j0, C, dk + j0 * ld, ld, scale, R, D);
+                /* dQ = scale · dS·K, over keys j < j0 + R */
+                mk_any(ds + j0 * Cp, Cp, 1, k, ld, 0, j0 + R, dq + j0 * ld, ld, scale, R, D);
+            }
+        }
+        free(kt);
     }
 }

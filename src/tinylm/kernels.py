@@ -1,6 +1,7 @@
-"""A native CPU kernel for the few-row matrix products of a decoding step.
+"""Native CPU kernels: the few-row matrix products of a decoding step, and the pieces of
+a training step that torch runs slowly on a CPU at GPT sizes.
 
-A cached decoding step multiplies B (1..16) rows by every weight matrix once, so its
+Decoding: a cached decoding step multiplies B (1..16) rows by every weight matrix once, so its
 speed is the speed at which the weights stream from memory. torch's CPU kernels for
 such shapes (MKL GEMV / small-M GEMM) read the weights well below the machine's
 bandwidth; ``kernels.c`` beside this file reads them once, in order, from a packed
@@ -16,6 +17,11 @@ self-check) :func:`available` is False and callers keep torch's own kernels. Set
 Only float32, CPU, contiguous weights are packed; :class:`PackedLinear` falls back to
 ``F.linear`` for inputs with more than :data:`MAX_ROWS` rows (a prompt pass), which
 BLAS GEMMs handle well.
+
+Training: the FFN's bias add + GELU and its backward (:func:`bias_gelu_`,
+:func:`gelu_backward`), and causal attention straight from the fused QKV projection
+with a recomputing backward (:func:`causal_attention`, for contexts up to
+:data:`ATTENTION_MAX_CONTEXT`), each checked against torch before first use.
 """
 
 from __future__ import annotations
@@ -106,6 +112,11 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tl_gelu_backward.restype = None
     lib.tl_bias_gelu.argtypes = [c_void_p, c_void_p, c_void_p, c_long, c_long, c_int]
     lib.tl_bias_gelu.restype = None
+    lib.tl_attn_fwd.argtypes = [c_void_p, c_void_p, c_void_p, c_long, c_long, c_long, c_long,
+                                ctypes.c_float, c_int]
+    lib.tl_attn_fwd.restype = None
+    lib.tl_attn_bwd.argtypes = [c_void_p] * 5 + [c_long] * 4 + [ctypes.c_float, c_int]
+    lib.tl_attn_bwd.restype = None
     return lib
 
 
@@ -168,6 +179,21 @@ def _self_check(lib: ctypes.CDLL) -> None:
             and torch.allclose(recomputed, lib_g, atol=1e-6)
             and torch.allclose(grad, want_grad, atol=1e-4)):
         raise RuntimeError("GELU self-check failed")
+    B, C, H, D = 2, 19, 2, 16  # causal attention, forward and backward, against SDPA
+    grad = torch.randn(B, C, H, D, generator=g)
+    with torch.inference_mode(False), torch.enable_grad():  # load() may run under either
+        qkv = torch.randn(B, C, 3 * H * D, generator=g, requires_grad=True)
+        q, k, v = qkv.view(B, C, 3, H, D).permute(2, 0, 3, 1, 4).unbind(0)
+        want = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+        (want_grad,) = torch.autograd.grad(want, qkv, grad)
+    out, lse = torch.empty(B, C, H * D), torch.empty(B, H, C)
+    got_grad = torch.empty(B, C, 3 * H * D)
+    lib.tl_attn_fwd(qkv.data_ptr(), out.data_ptr(), lse.data_ptr(), B, C, H, D, D**-0.5, 2)
+    lib.tl_attn_bwd(qkv.data_ptr(), out.data_ptr(), grad.data_ptr(), lse.data_ptr(),
+                    got_grad.data_ptr(), B, C, H, D, D**-0.5, 2)
+    if not (torch.allclose(out, want.reshape(B, C, H * D), atol=1e-5)
+            and torch.allclose(got_grad, want_grad, atol=1e-4)):
+        raise RuntimeError("causal attention self-check failed")
     x = torch.randn(3, 37, generator=g)
     y = torch.empty_like(x)
     lib.tl_layer_norm(x.data_ptr(), b.data_ptr(), b.data_ptr(), 1e-5, y.data_ptr(), 3, 37)
@@ -194,7 +220,7 @@ def load() -> ctypes.CDLL | None:
             _self_check(lib)
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             detail = getattr(e, "stderr", b"") or b""
-            log.info("native decoding kernel unavailable (%s%s); using torch's kernels",
+            log.info("native kernels unavailable (%s%s); using torch's kernels",
                      e, ": " + detail.decode(errors="replace")[:200] if detail else "")
             return None
         _lib = lib
@@ -307,6 +333,55 @@ def gelu_backward(grad: Tensor, x: Tensor) -> tuple[Tensor, Tensor]:
 # entry is dropped when the weight is freed, and rebuilt when the weight was changed
 # in place (its version counter moved) or replaced.
 _packed: dict[int, tuple[weakref.ref, int, int, Tensor]] = {}
+
+
+# Longest context the native causal attention takes: it holds a head's (C, C) weights
+# per thread. Past this torch's SDPA (flash, O(C) memory) is used.
+ATTENTION_MAX_CONTEXT = 256
+
+
+def causal_attention_supported(qkv: Tensor, n_head: int) -> bool:
+    """Whether :func:`causal_attention` takes ``qkv`` (B, C, 3·H·D): float32 CPU,
+    contiguous, head size a multiple of 16, C <= ATTENTION_MAX_CONTEXT, kernel loaded."""
+    if qkv.dim() != 3 or qkv.shape[-1] % (3 * n_head) or qkv.shape[1] == 0 \
+            or qkv.shape[1] > ATTENTION_MAX_CONTEXT or qkv.shape[-1] // (3 * n_head) % 16:
+        return False
+    return _native_elementwise(qkv) is not None
+
+
+def _attention_shape(qkv: Tensor, n_head: int) -> tuple[int, int, int, int, float]:
+    B, C, three_hd = qkv.shape
+    D = three_hd // (3 * n_head)
+    return B, C, n_head, D, 1.0 / math.sqrt(D)
+
+
+def causal_attention(qkv: Tensor, n_head: int) -> tuple[Tensor, Tensor]:
+    """Causal softmax attention of every head, straight from the fused projection
+    ``qkv`` (B, C, 3·H·D) laid out as (B, C, 3, H, D): returns the heads' outputs
+    concatenated, (B, C, H·D), and each query's log-sum-exp (B, H, C) for
+    :func:`causal_attention_backward`. Equals ``F.scaled_dot_product_attention(q, k, v,
+    is_causal=True)`` on the split heads. Only where :func:`causal_attention_supported`."""
+    lib = load()
+    B, C, H, D, scale = _attention_shape(qkv, n_head)
+    out = torch.empty(B, C, H * D)
+    lse = torch.empty(B, H, C)
+    lib.tl_attn_fwd(qkv.data_ptr(), out.data_ptr(), lse.data_ptr(), B, C, H, D, scale,
+                    torch.get_num_threads())
+    return out, lse
+
+
+def causal_attention_backward(grad_out: Tensor, qkv: Tensor, out: Tensor, lse: Tensor,
+                              n_head: int) -> Tensor:
+    """The gradient with respect to ``qkv`` (B, C, 3·H·D) of :func:`causal_attention`,
+    given the gradient of its output (B, C, H·D); the attention weights are recomputed
+    from ``lse``. Each of dQ, dK, dV is written once into the one returned buffer."""
+    lib = load()
+    B, C, H, D, scale = _attention_shape(qkv, n_head)
+    grad_out = grad_out.contiguous()
+    grad_qkv = torch.empty_like(qkv)
+    lib.tl_attn_bwd(qkv.data_ptr(), out.data_ptr(), grad_out.data_ptr(), lse.data_ptr(),
+                    grad_qkv.data_ptr(), B, C, H, D, scale, torch.get_num_threads())
+    return grad_qkv
 
 
 def packed_weight(weight: Tensor) -> Tensor:
