@@ -147,8 +147,11 @@ def test_gelu_and_its_fused_backward_equal_torch() -> None:
                                F.gelu(x, approximate="tanh"), rtol=1e-5, atol=1e-6)
     grad = torch.randn_like(x)
     want = torch.ops.aten.gelu_backward(grad, x, approximate="tanh")
-    grad_x, y = kernels.gelu_backward(grad.clone(), x)
+    grad_x, y, none = kernels.gelu_backward(grad.clone(), x)
+    assert none is None
     torch.testing.assert_close(grad_x, want, rtol=1e-5, atol=1e-5)
+    _, _, colsum = kernels.gelu_backward(grad.clone(), x, sum_rows=True)  # a bias's gradient
+    torch.testing.assert_close(colsum, want.reshape(-1, 20).sum(0), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(y, F.gelu(x, approximate="tanh"), rtol=1e-5, atol=1e-6)
 
 

@@ -15,6 +15,7 @@
  * compile to AVX-512, AVX2 or NEON depending on -march=native.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdlib.h>
 #include <stddef.h>
 #include <string.h>
@@ -308,29 +309,58 @@ static inline v16 vtanh_inner(v16 x) {  /* tanh(sqrt(2/pi)·(x + 0.044715·x³))
 
 static inline float tanh_inner(float x) { return tanhf(GELU_C * (x + GELU_K * x * x * x)); }
 
-#define GELU_CHUNK 4096L  /* floats per parallel work item */
+/* dL/dx = grad · GELU'(x) for one row of n floats, in place in grad; y (if not NULL)
+ * receives GELU(x) from the same tanh, and colsum (if not NULL) accumulates dL/dx. */
+static inline void gelu_backward_row(const float *x, float *grad, float *y, float *colsum,
+                                     long n) {
+    long i = 0;
+    for (; i + 16 <= n; i += 16) {
+        v16 v = load16(x + i), t = vtanh_inner(v), right = 1.0f + t;
+        v16 d = 0.5f * right
+              + 0.5f * v * (1.0f - t * t) * (GELU_C * (1.0f + 3.0f * GELU_K * v * v));
+        v16 gx = load16(grad + i) * d;
+        if (y) store16(y + i, 0.5f * v * right);
+        store16(grad + i, gx);
+        if (colsum) store16(colsum + i, load16(colsum + i) + gx);
+    }
+    for (; i < n; i++) {
+        float v = x[i], t = tanh_inner(v), right = 1.0f + t;
+        float d = 0.5f * right
+                + 0.5f * v * (1.0f - t * t) * (GELU_C * (1.0f + 3.0f * GELU_K * v * v));
+        if (y) y[i] = 0.5f * v * right;
+        grad[i] *= d;
+        if (colsum) colsum[i] += grad[i];
+    }
+}
 
-/* grad (n floats) holds dL/dGELU(x) and is overwritten with dL/dx; if y is not NULL it
- * also receives GELU(x) (the recomputed forward), from the same tanh. */
-void tl_gelu_backward(const float *x, float *grad, float *y, long n, int threads) {
-    long chunks = (n + GELU_CHUNK - 1) / GELU_CHUNK;
-    #pragma omp parallel for num_threads(threads) schedule(static)
-    for (long c = 0; c < chunks; c++) {
-        long i = c * GELU_CHUNK, end = i + GELU_CHUNK < n ? i + GELU_CHUNK : n;
-        for (; i + 16 <= end; i += 16) {
-            v16 v = load16(x + i), t = vtanh_inner(v), right = 1.0f + t;
-            v16 d = 0.5f * right
-                  + 0.5f * v * (1.0f - t * t) * (GELU_C * (1.0f + 3.0f * GELU_K * v * v));
-            if (y) store16(y + i, 0.5f * v * right);
-            store16(grad + i, load16(grad + i) * d);
+/* grad (M, N) holds dL/dGELU(x) and is overwritten with dL/dx; y (if not NULL) receives
+ * GELU(x), the recomputed forward; colsum (N floats, if not NULL) receives dL/dx summed
+ * over the M rows -- the gradient of a bias added before the GELU -- so no separate
+ * pass re-reads dL/dx for it. */
+void tl_gelu_backward(const float *x, float *grad, float *y, float *colsum, long M, long N,
+                      int threads) {
+    if (threads < 1) threads = 1;
+    float *partial = NULL;
+    if (colsum) {
+        partial = calloc((size_t)threads * (size_t)N, sizeof(float));
+        if (!partial) threads = 1;  /* out of memory: one thread, straight into colsum */
+        if (!partial) for (long i = 0; i < N; i++) colsum[i] = 0.0f;
+    }
+    #pragma omp parallel num_threads(threads)
+    {
+        int nt = omp_get_num_threads(), id = omp_get_thread_num();
+        float *acc = colsum ? (partial ? partial + (long)id * N : colsum) : NULL;
+        long lo = M * id / nt, hi = M * (id + 1) / nt;
+        for (long m = lo; m < hi; m++)
+            gelu_backward_row(x + m * N, grad + m * N, y ? y + m * N : NULL, acc, N);
+    }
+    if (partial) {
+        for (long i = 0; i < N; i++) {
+            float sum = 0.0f;
+            for (int t = 0; t < threads; t++) sum += partial[(long)t * N + i];
+            colsum[i] = sum;
         }
-        for (; i < end; i++) {
-            float v = x[i], t = tanh_inner(v), right = 1.0f + t;
-            float d = 0.5f * right
-                    + 0.5f * v * (1.0f - t * t) * (GELU_C * (1.0f + 3.0f * GELU_K * v * v));
-            if (y) y[i] = 0.5f * v * right;
-            grad[i] *= d;
-        }
+        free(partial);
     }
 }
 
@@ -414,13 +444,15 @@ static void mk_any(const float *a, long sr, long sk, const float *x, long ldx, l
 
 static inline long round16(long n) { return (n + 15) / 16 * 16; }
 
-/* t (D, Cp) = first C rows of m (row stride ld) transposed; columns C..Cp zero. */
+/* t (D, Cp) = first C rows of m (row stride ld) transposed; columns C..Cp zero.
+ * Rows are read whole (contiguous) and scattered into the D rows of t, which stay in L1. */
 static void transpose_head(const float *m, long ld, long C, long D, long Cp, float *t) {
-    for (long d = 0; d < D; d++) {
-        float *row = t + d * Cp;
-        for (long j = 0; j < C; j++) row[j] = m[j * ld + d];
-        for (long j = C; j < Cp; j++) row[j] = 0.0f;
+    for (long j = 0; j < C; j++) {
+        const float *row = m + j * ld;
+        for (long d = 0; d < D; d++) t[d * Cp + j] = row[d];
     }
+    for (long d = 0; d < D; d++)
+        for (long j = C; j < Cp; j++) t[d * Cp + j] = 0.0f;
 }
 
 /* s (C, Cp) = alpha · A·Tᵀ, only the causal part: row i gets columns up to

@@ -108,7 +108,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tl_embed.argtypes = [c_void_p, c_void_p, c_void_p, c_long, c_void_p, c_long, c_long,
                              c_long]
     lib.tl_embed.restype = ctypes.c_int
-    lib.tl_gelu_backward.argtypes = [c_void_p, c_void_p, c_void_p, c_long, c_int]
+    lib.tl_gelu_backward.argtypes = [c_void_p] * 4 + [c_long, c_long, c_int]
     lib.tl_gelu_backward.restype = None
     lib.tl_bias_gelu.argtypes = [c_void_p, c_void_p, c_void_p, c_long, c_long, c_int]
     lib.tl_bias_gelu.restype = None
@@ -173,11 +173,13 @@ def _self_check(lib: ctypes.CDLL) -> None:
     want_grad = torch.ops.aten.gelu_backward(grad, h + b, approximate="tanh")
     lib_g = torch.empty_like(h)
     lib.tl_bias_gelu(h.data_ptr(), b.data_ptr(), lib_g.data_ptr(), 5, 37, 2)  # h += b
-    recomputed = torch.empty_like(h)
-    lib.tl_gelu_backward(h.data_ptr(), grad.data_ptr(), recomputed.data_ptr(), h.numel(), 2)
+    recomputed, colsum = torch.empty_like(h), torch.empty(37)
+    lib.tl_gelu_backward(h.data_ptr(), grad.data_ptr(), recomputed.data_ptr(),
+                         colsum.data_ptr(), 5, 37, 2)
     if not (torch.allclose(lib_g, want_g, atol=1e-5)
             and torch.allclose(recomputed, lib_g, atol=1e-6)
-            and torch.allclose(grad, want_grad, atol=1e-4)):
+            and torch.allclose(grad, want_grad, atol=1e-4)
+            and torch.allclose(colsum, want_grad.sum(0), atol=1e-4)):
         raise RuntimeError("GELU self-check failed")
     B, C, H, D = 2, 19, 2, 16  # causal attention, forward and backward, against SDPA
     grad = torch.randn(B, C, H, D, generator=g)
@@ -315,24 +317,25 @@ def bias_gelu_(a: Tensor, bias: Tensor | None) -> Tensor:
     return g
 
 
-def gelu_backward(grad: Tensor, x: Tensor) -> tuple[Tensor, Tensor]:
-    """(dL/dx, GELU(x)) from dL/dGELU(x) and x, in one pass: the backward of :func:`gelu`
-    with its forward recomputed. ``grad`` may be overwritten (it is returned as dL/dx)."""
+def gelu_backward(grad: Tensor, x: Tensor, *, sum_rows: bool = False
+                  ) -> tuple[Tensor, Tensor, Tensor | None]:
+    """(dL/dx, GELU(x), Σ_rows dL/dx or None) from dL/dGELU(x) and x (..., N), in one pass:
+    the backward of the tanh GELU with its forward recomputed and, with ``sum_rows``,
+    the gradient of a bias added before it. ``grad`` may be overwritten (it is returned
+    as dL/dx)."""
     lib = _native_elementwise(x)
     if lib is None or not grad.is_contiguous() or grad.shape != x.shape \
             or grad.dtype != torch.float32:
-        return (torch.ops.aten.gelu_backward(grad, x, approximate="tanh"),
-                F.gelu(x, approximate="tanh"))
+        grad_x = torch.ops.aten.gelu_backward(grad, x, approximate="tanh")
+        colsum = grad_x.reshape(-1, x.shape[-1]).sum(0) if sum_rows else None
+        return grad_x, F.gelu(x, approximate="tanh"), colsum
+    N = x.shape[-1]
     y = torch.empty_like(x)
-    lib.tl_gelu_backward(x.data_ptr(), grad.data_ptr(), y.data_ptr(), x.numel(),
-                         torch.get_num_threads())
-    return grad, y
-
-
-# Packed copies by weight, so repeated generate() calls on one model pack once. The
-# entry is dropped when the weight is freed, and rebuilt when the weight was changed
-# in place (its version counter moved) or replaced.
-_packed: dict[int, tuple[weakref.ref, int, int, Tensor]] = {}
+    colsum = torch.empty(N) if sum_rows else None
+    lib.tl_gelu_backward(x.data_ptr(), grad.data_ptr(), y.data_ptr(),
+                         colsum.data_ptr() if colsum is not None else None,
+                         x.numel() // N if N else 0, N, torch.get_num_threads())
+    return grad, y, colsum
 
 
 # Longest context the native causal attention takes: it holds a head's (C, C) weights
@@ -382,6 +385,12 @@ def causal_attention_backward(grad_out: Tensor, qkv: Tensor, out: Tensor, lse: T
     lib.tl_attn_bwd(qkv.data_ptr(), out.data_ptr(), grad_out.data_ptr(), lse.data_ptr(),
                     grad_qkv.data_ptr(), B, C, H, D, scale, torch.get_num_threads())
     return grad_qkv
+
+
+# Packed copies by weight, so repeated generate() calls on one model pack once. The
+# entry is dropped when the weight is freed, and rebuilt when the weight was changed
+# in place (its version counter moved) or replaced.
+_packed: dict[int, tuple[weakref.ref, int, int, Tensor]] = {}
 
 
 def packed_weight(weight: Tensor) -> Tensor:

@@ -62,12 +62,13 @@ class _FeedForwardFn(torch.autograd.Function):
         x2, w_up, w_down = x2.to(dt), w_up.to(dt), w_down.to(dt)
         gy = grad_y.to(dt).reshape(-1, grad_y.shape[-1])  # (B, C, E) -> (B·C, E)
         grad_g = gy @ w_down  # (B·C, E)·(E, 4E) -> (B·C, 4E)
-        grad_h, g = kernels.gelu_backward(grad_g, h)  # GELU(h) recomputed, (B·C, 4E)
         need = ctx.needs_input_grad
+        # GELU(h) recomputed, (B·C, 4E); the up bias's gradient summed in the same pass
+        grad_h, g, grad_b_up = kernels.gelu_backward(grad_g, h,
+                                                     sum_rows=ctx.biases[0] and need[2])
         grad_w_down = gy.t() @ g if need[3] else None  # (E, B·C)·(B·C, 4E) -> (E, 4E)
         grad_b_down = gy.sum(0) if ctx.biases[1] and need[4] else None  # (E,)
         grad_w_up = grad_h.t() @ x2 if need[1] else None  # (4E, B·C)·(B·C, E) -> (4E, E)
-        grad_b_up = grad_h.sum(0) if ctx.biases[0] and need[2] else None  # (4E,)
         grad_x = (grad_h @ w_up).view(grad_y.shape[:-1] + (w_up.shape[1],)) if need[0] \
             else None  # (B·C, 4E)·(4E, E) -> (B, C, E)
         return grad_x, grad_w_up, grad_b_up, grad_w_down, grad_b_down
