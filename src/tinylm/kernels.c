@@ -444,10 +444,34 @@ static void mk_any(const float *a, long sr, long sk, const float *x, long ldx, l
 
 static inline long round16(long n) { return (n + 15) / 16 * 16; }
 
-/* t (D, Cp) = first C rows of m (row stride ld) transposed; columns C..Cp zero.
- * Rows are read whole (contiguous) and scattered into the D rows of t, which stay in L1. */
+/* A 16×16 block transposed in registers: four rounds of interleaving row i with row
+ * i + 8 (a perfect shuffle of the index bits; after four, rows and columns swap). */
+static inline void transpose16(v16 r[16]) {
+    for (int round = 0; round < 4; round++) {
+        v16 n[16];
+        for (int i = 0; i < 8; i++) {
+            n[2 * i] = __builtin_shufflevector(r[i], r[i + 8], 0, 16, 1, 17, 2, 18, 3, 19,
+                                               4, 20, 5, 21, 6, 22, 7, 23);
+            n[2 * i + 1] = __builtin_shufflevector(r[i], r[i + 8], 8, 24, 9, 25, 10, 26, 11,
+                                                   27, 12, 28, 13, 29, 14, 30, 15, 31);
+        }
+        for (int i = 0; i < 16; i++) r[i] = n[i];
+    }
+}
+
+/* t (D, Cp) = first C rows of m (row stride ld) transposed; columns C..Cp zero. D is a
+ * multiple of 16: whole 16×16 blocks go through registers, the last C % 16 rows one
+ * float at a time. */
 static void transpose_head(const float *m, long ld, long C, long D, long Cp, float *t) {
-    for (long j = 0; j < C; j++) {
+    long C16 = C / 16 * 16;
+    for (long j0 = 0; j0 < C16; j0 += 16)
+        for (long d0 = 0; d0 < D; d0 += 16) {
+            v16 r[16];
+            for (int i = 0; i < 16; i++) r[i] = load16(m + (j0 + i) * ld + d0);
+            transpose16(r);
+            for (int i = 0; i < 16; i++) store16(t + (d0 + i) * Cp + j0, r[i]);
+        }
+    for (long j = C16; j < C; j++) {
         const float *row = m + j * ld;
         for (long d = 0; d < D; d++) t[d * Cp + j] = row[d];
     }

@@ -24,6 +24,12 @@ from tinylm.config import ModelConfig
 from tinylm.errors import ConfigError
 
 
+def _dropout(drop: nn.Dropout, x: Tensor) -> Tensor:
+    """``drop(x)``, skipping the module call where it is the identity (p = 0 or eval):
+    a training step at small sizes is bound by per-call overhead."""
+    return drop(x) if drop.training and drop.p > 0 else x
+
+
 def _layer_norm(config: ModelConfig) -> nn.LayerNorm:
     return nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=config.bias)
 
@@ -95,7 +101,7 @@ class FeedForward(nn.Module):
                                      self.down.bias)  # (B, C, E) -> (B, C, E)
         else:  # inference, or replaced layers (e.g. tinylm.lowrank's LowRankLinear)
             y = self.down(self.act(self.up(x)))  # (B, C, E) -> (B, C, 4E) -> (B, C, E)
-        return self.drop(y)
+        return _dropout(self.drop, y)
 
 
 class Block(nn.Module):
@@ -116,7 +122,7 @@ class Block(nn.Module):
                 return_weights: bool = False) -> Tensor | tuple[Tensor, Tensor]:
         a = self.attn(self.ln1(x), cache, layer, return_weights=return_weights)
         a, weights = a if return_weights else (a, None)
-        x = x + self.drop(a)
+        x = x + _dropout(self.drop, a)
         x = x + self.ffn(self.ln2(x))
         return (x, weights) if return_weights else x
 
@@ -173,7 +179,7 @@ class GPT(nn.Module):
                 f"{self.config.context_length}; shorten the input or slide a window"
             )
         pos = torch.arange(start, start + C, device=ids.device)  # (C,)
-        return self.drop(self.tok_emb(ids) + self.pos_emb(pos))  # (B, C, E) + (C, E)
+        return _dropout(self.drop, self.tok_emb(ids) + self.pos_emb(pos))  # (B, C, E) + (C, E)
 
     def hidden_states(self, ids: Tensor, cache: KVCache | None = None) -> Tensor:
         """ids (B, C) -> final-normed hidden states (B, C, E)."""
