@@ -213,8 +213,25 @@ def test_causal_attention_and_its_backward_equal_sdpa(B: int, C: int, H: int, D:
     scores = (q @ k.transpose(-1, -2)) / D**0.5
     scores = scores.masked_fill(torch.ones(C, C, dtype=torch.bool).triu(1), float("-inf"))
     torch.testing.assert_close(lse, scores.logsumexp(-1), rtol=1e-5, atol=1e-5)
-    got_grad = kernels.causal_attention_backward(grad, qkv.detach(), out, lse, H)
+    got_grad, none = kernels.causal_attention_backward(grad, qkv.detach(), out, lse, H)
+    assert none is None
     torch.testing.assert_close(got_grad, want_grad, rtol=1e-4, atol=1e-4)
+
+
+def test_causal_attention_adds_the_bias_in_place_and_sums_its_gradient() -> None:
+    B, C, H, D = 3, 21, 2, 16
+    qkv, bias = torch.randn(B, C, 3 * H * D), torch.randn(3 * H * D, requires_grad=True)
+    x = qkv.clone().requires_grad_()
+    want = _sdpa_from_qkv(x + bias, H)
+    grad = torch.randn_like(want)
+    want_grad, want_bias_grad = torch.autograd.grad(want, [x, bias], grad)
+    out, lse = kernels.causal_attention(qkv, H, bias.detach())
+    torch.testing.assert_close(qkv, x.detach() + bias.detach())  # biased in place
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    got_grad, got_bias_grad = kernels.causal_attention_backward(grad, qkv, out, lse, H,
+                                                                bias_grad=True)
+    torch.testing.assert_close(got_grad, want_grad, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got_bias_grad, want_bias_grad, rtol=1e-4, atol=1e-4)
 
 
 def test_causal_attention_declines_what_it_cannot_take() -> None:
@@ -228,11 +245,13 @@ def test_causal_attention_declines_what_it_cannot_take() -> None:
 
 
 @pytest.mark.parametrize("training", [True, False])
-def test_attention_module_native_path_equals_sdpa_path(monkeypatch, training: bool) -> None:
+@pytest.mark.parametrize("bias", [True, False])
+def test_attention_module_native_path_equals_sdpa_path(monkeypatch, training: bool,
+                                                       bias: bool) -> None:
     from tinylm.attention import MultiHeadAttention
 
     torch.manual_seed(0)
-    attn = MultiHeadAttention(48, 3, 16).train(training)
+    attn = MultiHeadAttention(48, 3, 16, bias=bias).train(training)
     x = torch.randn(2, 21, 48, requires_grad=True)
     gy = torch.randn(2, 21, 48)
     calls = []
@@ -242,12 +261,24 @@ def test_attention_module_native_path_equals_sdpa_path(monkeypatch, training: bo
     y = attn(x)
     assert calls, "the native kernel was not used"
     grads = torch.autograd.grad(y, [x, *attn.parameters()], gy)
-    monkeypatch.setattr(kernels, "causal_attention_supported", lambda *a: False)
+    monkeypatch.setattr(kernels, "causal_attention_fits", lambda *a: False)
     want = attn(x)
+    assert len(calls) == 1
     want_grads = torch.autograd.grad(want, [x, *attn.parameters()], gy)
     torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
     for g, w in zip(grads, want_grads, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+
+
+def test_attention_under_cpu_autocast_takes_sdpa(monkeypatch) -> None:
+    from tinylm.attention import MultiHeadAttention
+
+    attn = MultiHeadAttention(32, 2, 16)
+    monkeypatch.setattr(kernels, "causal_attention",
+                        lambda *a: pytest.fail("the native kernel is float32 only"))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = attn(torch.randn(1, 8, 32))
+    assert y.dtype == torch.bfloat16
 
 
 def test_attention_dropout_in_training_takes_sdpa(monkeypatch) -> None:

@@ -193,27 +193,50 @@ class KVCache:
 
 
 class _CausalAttentionFn(torch.autograd.Function):
-    """Causal attention of every head from the fused projection, as one autograd step:
-    qkv (B, C, 3·H·D) -> the heads' outputs concatenated, (B, C, H·D).
+    """Multi-head causal attention, projections included, as one autograd step:
+    x (B, C, E) -> qkv = x·W_qkvᵀ + b -> heads -> R (B, C, H·D) -> R·W_oᵀ + b_o (B, C, E).
 
-    The CPU kernels (:func:`tinylm.kernels.causal_attention`) read each head's Q, K, V
-    in place from qkv and keep one log-sum-exp per query; backward recomputes the
-    attention map from it and writes dQ, dK, dV into one (B, C, 3·H·D) gradient, so
-    neither direction splits, transposes or concatenates the heads.
+    The CPU kernels (:func:`tinylm.kernels.causal_attention`) add the QKV bias and read
+    each head's Q, K, V in place from qkv, keeping one log-sum-exp per query; backward
+    recomputes the attention map from it, writes dQ, dK, dV into one (B, C, 3·H·D)
+    gradient and sums the bias's gradient in the same pass. Neither direction splits,
+    transposes or concatenates the heads.
     """
 
     @staticmethod
-    def forward(ctx, qkv: Tensor, n_head: int) -> Tensor:
-        out, lse = kernels.causal_attention(qkv, n_head)  # (B, C, H·D), (B, H, C)
-        ctx.save_for_backward(qkv, out, lse)
-        ctx.n_head = n_head
-        return out
+    def forward(ctx, x: Tensor, w_qkv: Tensor, b_qkv: Tensor | None, w_out: Tensor,
+                b_out: Tensor | None, n_head: int) -> Tensor:
+        x2 = x.reshape(-1, x.shape[-1])  # (B, C, E) -> (B·C, E)
+        qkv = (x2 @ w_qkv.t()).view(*x.shape[:-1], w_qkv.shape[0])  # -> (B, C, 3·H·D)
+        r, lse = kernels.causal_attention(qkv, n_head, b_qkv)  # (B, C, H·D), (B, H, C)
+        y = r.view(-1, r.shape[-1]) @ w_out.t()  # (B·C, H·D)·(H·D, E) -> (B·C, E)
+        if b_out is not None:
+            y += b_out
+        ctx.save_for_backward(x2, w_qkv, qkv, r, lse, w_out)
+        ctx.n_head, ctx.has_bias = n_head, b_qkv is not None
+        return y.view(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
-    def backward(ctx, grad_out: Tensor) -> tuple[Tensor, None]:
-        qkv, out, lse = ctx.saved_tensors
-        return kernels.causal_attention_backward(grad_out, qkv, out, lse, ctx.n_head), None
+    def backward(ctx, grad_y: Tensor) -> tuple[Tensor | None, ...]:
+        x2, w_qkv, qkv, r, lse, w_out = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        gy = grad_y.reshape(-1, grad_y.shape[-1])  # (B·C, E)
+        grad_w_out = gy.t() @ r.view(-1, r.shape[-1]) if need[3] else None  # (E, H·D)
+        grad_b_out = gy.sum(0) if need[4] else None
+        grad_r = (gy @ w_out).view(r.shape)  # (B·C, E)·(E, H·D) -> (B, C, H·D)
+        grad_qkv, grad_b_qkv = kernels.causal_attention_backward(
+            grad_r, qkv, r, lse, ctx.n_head, bias_grad=ctx.has_bias and need[2])
+        g = grad_qkv.view(-1, grad_qkv.shape[-1])  # (B·C, 3·H·D)
+        grad_w_qkv = g.t() @ x2 if need[1] else None  # (3·H·D, B·C)·(B·C, E)
+        grad_x = (g @ w_qkv).view(*grad_y.shape[:-1], x2.shape[1]) if need[0] else None
+        return grad_x, grad_w_qkv, grad_b_qkv, grad_w_out, grad_b_out, None
 
+
+def _cpu_autocast() -> bool:
+    try:
+        return torch.is_autocast_enabled("cpu")
+    except TypeError:  # torch < 2.4
+        return torch.is_autocast_cpu_enabled()
 
 
 class MultiHeadAttention(nn.Module):
@@ -233,11 +256,19 @@ class MultiHeadAttention(nn.Module):
         self.out = nn.Linear(n_head * head_dim, n_embd, bias=bias)
         self.dropout = dropout
 
-    def _heads(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        return self._split(self.qkv(x))  # (B, C, E) -> (B, C, 3·H·D) -> 3 × (B, H, C, D)
+    def _native(self, x: Tensor) -> bool:
+        """Whether the native kernels (:class:`_CausalAttentionFn`) compute this forward:
+        plain Linear projections with float32 weights on CPU outside autocast, no
+        attention dropout, and shapes :func:`tinylm.kernels.causal_attention_fits` takes."""
+        return (type(self.qkv) is nn.Linear and type(self.out) is nn.Linear
+                and not (self.training and self.dropout > 0)
+                and self.qkv.weight.dtype == x.dtype and not _cpu_autocast()
+                and kernels.causal_attention_fits(x.shape[1], self.n_head, self.head_dim,
+                                                  x.dtype, x.device))
 
-    def _split(self, qkv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        B, C, _ = qkv.shape
+    def _heads(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        B, C, _ = x.shape
+        qkv = self.qkv(x)  # (B, C, E) -> (B, C, 3·H·D)
         qkv = qkv.view(B, C, 3, self.n_head, self.head_dim)  # -> (B, C, 3, H, D)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # -> 3 × (B, H, C, D)
         return q, k, v
@@ -252,16 +283,16 @@ class MultiHeadAttention(nn.Module):
     ) -> Tensor | tuple[Tensor, Tensor]:
         """x (B, C, E) -> (B, C, E); with return_weights also the map (B, H, C, T).
 
-        The fast path uses SDPA; ``return_weights=True`` takes the explicit path.
-        With a cache, keys/values of earlier positions come from it and the new ones
-        are written into it (the caller advances it after the last layer).
+        The fast path uses SDPA (or on CPU the native kernels, see :meth:`_native`);
+        ``return_weights=True`` takes the explicit path. With a cache, keys/values of
+        earlier positions come from it and the new ones are written into it (the caller
+        advances it after the last layer).
         """
         B, C, _ = x.shape
-        qkv = self.qkv(x)  # (B, C, E) -> (B, C, 3·H·D)
-        if cache is None and not return_weights and not (self.training and self.dropout > 0) \
-                and kernels.causal_attention_supported(qkv, self.n_head):
-            return self.out(_CausalAttentionFn.apply(qkv, self.n_head))  # (B, C, H·D) -> (B, C, E)
-        q, k, v = self._split(qkv)  # 3 × (B, H, C, D)
+        if cache is None and not return_weights and self._native(x):
+            return _CausalAttentionFn.apply(x, self.qkv.weight, self.qkv.bias, self.out.weight,
+                                            self.out.bias, self.n_head)
+        q, k, v = self._heads(x)  # 3 × (B, H, C, D)
         if cache is not None and C == 1 and not return_weights \
                 and not (self.training and self.dropout > 0):
             r = cache.attend(layer, q, k, v)  # one decoding step, (B, H, 1, D)

@@ -521,8 +521,11 @@ static float causal_exp_row(float *s, long i, float lse, int normalise) {
     return m + logf(sum);
 }
 
-void tl_attn_fwd(const float *qkv, float *out, float *lse, long B, long C, long H, long D,
-                 float scale, int threads) {
+/* bias (3·H·D floats, or NULL) is first added in place to qkv, head by head, so the
+ * projection before this can be a plain matrix product; qkv then holds the biased
+ * values the backward needs. */
+void tl_attn_fwd(float *qkv, const float *bias, float *out, float *lse, long B, long C,
+                 long H, long D, float scale, int threads) {
     long ld = 3 * H * D, HD = H * D, Cp = round16(C);
     #pragma omp parallel num_threads(threads)
     {
@@ -531,8 +534,15 @@ void tl_attn_fwd(const float *qkv, float *out, float *lse, long B, long C, long 
         #pragma omp for schedule(static)
         for (long bh = 0; bh < B * H; bh++) {
             long b = bh / H, h = bh % H;
-            const float *q = qkv + b * C * ld + h * D, *k = q + HD, *v = q + 2 * HD;
+            float *q = qkv + b * C * ld + h * D, *k = q + HD, *v = q + 2 * HD;
             float *o = out + b * C * HD + h * D, *l = lse + bh * C;
+            if (bias)
+                for (long t = 0; t < C; t++)
+                    for (long d = 0; d < D; d++) {
+                        q[t * ld + d] += bias[h * D + d];
+                        k[t * ld + d] += bias[HD + h * D + d];
+                        v[t * ld + d] += bias[2 * HD + h * D + d];
+                    }
             transpose_head(k, ld, C, D, Cp, kt);
             causal_products(q, ld, kt, C, D, Cp, scale, p);  /* scores */
             for (long i = 0; i < C; i++) l[i] = causal_exp_row(p + i * Cp, i, 0.0f, 1);
@@ -546,14 +556,21 @@ void tl_attn_fwd(const float *qkv, float *out, float *lse, long B, long C, long 
 }
 
 /* dqkv (B, C, 3, H, D) from dout (B, C, H, D) contiguous, with the forward's qkv, out
- * and lse. Every element of dqkv is written. */
+ * and lse. Every element of dqkv is written. dbias (3·H·D floats, or NULL) receives
+ * dqkv summed over the B·C rows: the gradient of the projection's bias. */
 void tl_attn_bwd(const float *qkv, const float *out, const float *dout, const float *lse,
-                 float *dqkv, long B, long C, long H, long D, float scale, int threads) {
+                 float *dqkv, float *dbias, long B, long C, long H, long D, float scale,
+                 int threads) {
     long ld = 3 * H * D, HD = H * D, Cp = round16(C);
+    if (threads < 1) threads = 1;
+    float *partial = dbias ? calloc((size_t)threads * (size_t)ld, sizeof(float)) : NULL;
+    if (dbias && !partial) threads = 1;  /* out of memory: one thread sums into dbias */
+    if (dbias && !partial) for (long i = 0; i < ld; i++) dbias[i] = 0.0f;
     #pragma omp parallel num_threads(threads)
     {
         float *kt = malloc(sizeof(float) * (2 * D * Cp + 2 * C * Cp + C));
         float *vt = kt + D * Cp, *p = vt + D * Cp, *ds = p + C * Cp, *di = ds + C * Cp;
+        float *db = dbias ? (partial ? partial + (long)omp_get_thread_num() * ld : dbias) : 0;
         #pragma omp for schedule(static)
         for (long bh = 0; bh < B * H; bh++) {
             long b = bh / H, h = bh % H;
@@ -583,7 +600,20 @@ void tl_attn_bwd(const float *qkv, const float *out, const float *dout, const fl
                 /* dQ = scale · dS·K, over keys j < j0 + R */
                 mk_any(ds + j0 * Cp, Cp, 1, k, ld, 0, j0 + R, dq + j0 * ld, ld, scale, R, D);
             }
+            if (db)  /* this head's columns of dq, dk, dv, summed over its C rows */
+                for (long t = 0; t < C; t++)
+                    for (int part = 0; part < 3; part++)
+                        for (long d = 0; d < D; d++)
+                            db[part * HD + h * D + d] += dq[t * ld + part * HD + d];
         }
         free(kt);
+    }
+    if (partial) {
+        for (long i = 0; i < ld; i++) {
+            float sum = 0.0f;
+            for (int t = 0; t < threads; t++) sum += partial[(long)t * ld + i];
+            dbias[i] = sum;
+        }
+        free(partial);
     }
 }

@@ -112,10 +112,9 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tl_gelu_backward.restype = None
     lib.tl_bias_gelu.argtypes = [c_void_p, c_void_p, c_void_p, c_long, c_long, c_int]
     lib.tl_bias_gelu.restype = None
-    lib.tl_attn_fwd.argtypes = [c_void_p, c_void_p, c_void_p, c_long, c_long, c_long, c_long,
-                                ctypes.c_float, c_int]
+    lib.tl_attn_fwd.argtypes = [c_void_p] * 4 + [c_long] * 4 + [ctypes.c_float, c_int]
     lib.tl_attn_fwd.restype = None
-    lib.tl_attn_bwd.argtypes = [c_void_p] * 5 + [c_long] * 4 + [ctypes.c_float, c_int]
+    lib.tl_attn_bwd.argtypes = [c_void_p] * 6 + [c_long] * 4 + [ctypes.c_float, c_int]
     lib.tl_attn_bwd.restype = None
     return lib
 
@@ -183,18 +182,22 @@ def _self_check(lib: ctypes.CDLL) -> None:
         raise RuntimeError("GELU self-check failed")
     B, C, H, D = 2, 19, 2, 16  # causal attention, forward and backward, against SDPA
     grad = torch.randn(B, C, H, D, generator=g)
+    bias = torch.randn(3 * H * D, generator=g)
     with torch.inference_mode(False), torch.enable_grad():  # load() may run under either
         qkv = torch.randn(B, C, 3 * H * D, generator=g, requires_grad=True)
-        q, k, v = qkv.view(B, C, 3, H, D).permute(2, 0, 3, 1, 4).unbind(0)
+        q, k, v = (qkv + bias).view(B, C, 3, H, D).permute(2, 0, 3, 1, 4).unbind(0)
         want = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
         (want_grad,) = torch.autograd.grad(want, qkv, grad)
+    qkv = qkv.detach().clone()
     out, lse = torch.empty(B, C, H * D), torch.empty(B, H, C)
-    got_grad = torch.empty(B, C, 3 * H * D)
-    lib.tl_attn_fwd(qkv.data_ptr(), out.data_ptr(), lse.data_ptr(), B, C, H, D, D**-0.5, 2)
+    got_grad, got_bias_grad = torch.empty(B, C, 3 * H * D), torch.empty(3 * H * D)
+    lib.tl_attn_fwd(qkv.data_ptr(), bias.data_ptr(), out.data_ptr(), lse.data_ptr(),
+                    B, C, H, D, D**-0.5, 2)  # qkv += bias, in place
     lib.tl_attn_bwd(qkv.data_ptr(), out.data_ptr(), grad.data_ptr(), lse.data_ptr(),
-                    got_grad.data_ptr(), B, C, H, D, D**-0.5, 2)
+                    got_grad.data_ptr(), got_bias_grad.data_ptr(), B, C, H, D, D**-0.5, 2)
     if not (torch.allclose(out, want.reshape(B, C, H * D), atol=1e-5)
-            and torch.allclose(got_grad, want_grad, atol=1e-4)):
+            and torch.allclose(got_grad, want_grad, atol=1e-4)
+            and torch.allclose(got_bias_grad, want_grad.sum((0, 1)), atol=1e-4)):
         raise RuntimeError("causal attention self-check failed")
     x = torch.randn(3, 37, generator=g)
     y = torch.empty_like(x)
@@ -343,13 +346,21 @@ def gelu_backward(grad: Tensor, x: Tensor, *, sum_rows: bool = False
 ATTENTION_MAX_CONTEXT = 256
 
 
+def causal_attention_fits(context: int, n_head: int, head_dim: int, dtype: torch.dtype,
+                          device: torch.device) -> bool:
+    """Whether the native causal attention takes these shapes: float32 on CPU, head size a
+    multiple of 16, 1 <= context <= ATTENTION_MAX_CONTEXT, and the kernel loaded."""
+    return (dtype == torch.float32 and device.type == "cpu" and head_dim % 16 == 0
+            and 0 < context <= ATTENTION_MAX_CONTEXT and n_head > 0 and load() is not None)
+
+
 def causal_attention_supported(qkv: Tensor, n_head: int) -> bool:
-    """Whether :func:`causal_attention` takes ``qkv`` (B, C, 3·H·D): float32 CPU,
-    contiguous, head size a multiple of 16, C <= ATTENTION_MAX_CONTEXT, kernel loaded."""
-    if qkv.dim() != 3 or qkv.shape[-1] % (3 * n_head) or qkv.shape[1] == 0 \
-            or qkv.shape[1] > ATTENTION_MAX_CONTEXT or qkv.shape[-1] // (3 * n_head) % 16:
+    """Whether :func:`causal_attention` takes ``qkv`` (B, C, 3·H·D): contiguous, and
+    :func:`causal_attention_fits` its shapes."""
+    if qkv.dim() != 3 or qkv.shape[-1] % (3 * n_head) or not qkv.is_contiguous():
         return False
-    return _native_elementwise(qkv) is not None
+    return causal_attention_fits(qkv.shape[1], n_head, qkv.shape[-1] // (3 * n_head),
+                                 qkv.dtype, qkv.device)
 
 
 def _attention_shape(qkv: Tensor, n_head: int) -> tuple[int, int, int, int, float]:
@@ -358,33 +369,42 @@ def _attention_shape(qkv: Tensor, n_head: int) -> tuple[int, int, int, int, floa
     return B, C, n_head, D, 1.0 / math.sqrt(D)
 
 
-def causal_attention(qkv: Tensor, n_head: int) -> tuple[Tensor, Tensor]:
+def causal_attention(qkv: Tensor, n_head: int, bias: Tensor | None = None
+                     ) -> tuple[Tensor, Tensor]:
     """Causal softmax attention of every head, straight from the fused projection
     ``qkv`` (B, C, 3·H·D) laid out as (B, C, 3, H, D): returns the heads' outputs
     concatenated, (B, C, H·D), and each query's log-sum-exp (B, H, C) for
     :func:`causal_attention_backward`. Equals ``F.scaled_dot_product_attention(q, k, v,
-    is_causal=True)`` on the split heads. Only where :func:`causal_attention_supported`."""
+    is_causal=True)`` on the split heads. ``bias`` (3·H·D,), if given, is first added
+    to ``qkv`` in place (the projection's bias, fused into this pass). Only where
+    :func:`causal_attention_supported`."""
     lib = load()
     B, C, H, D, scale = _attention_shape(qkv, n_head)
     out = torch.empty(B, C, H * D)
     lse = torch.empty(B, H, C)
-    lib.tl_attn_fwd(qkv.data_ptr(), out.data_ptr(), lse.data_ptr(), B, C, H, D, scale,
-                    torch.get_num_threads())
+    if bias is not None:
+        bias = bias.detach().contiguous()
+    lib.tl_attn_fwd(qkv.data_ptr(), bias.data_ptr() if bias is not None else None,
+                    out.data_ptr(), lse.data_ptr(), B, C, H, D, scale, torch.get_num_threads())
     return out, lse
 
 
 def causal_attention_backward(grad_out: Tensor, qkv: Tensor, out: Tensor, lse: Tensor,
-                              n_head: int) -> Tensor:
+                              n_head: int, *, bias_grad: bool = False
+                              ) -> tuple[Tensor, Tensor | None]:
     """The gradient with respect to ``qkv`` (B, C, 3·H·D) of :func:`causal_attention`,
     given the gradient of its output (B, C, H·D); the attention weights are recomputed
-    from ``lse``. Each of dQ, dK, dV is written once into the one returned buffer."""
+    from ``lse``. Each of dQ, dK, dV is written once into the one returned buffer. With
+    ``bias_grad``, also that gradient summed over the B·C rows (the bias's gradient)."""
     lib = load()
     B, C, H, D, scale = _attention_shape(qkv, n_head)
     grad_out = grad_out.contiguous()
     grad_qkv = torch.empty_like(qkv)
+    grad_bias = torch.empty(qkv.shape[-1]) if bias_grad else None
     lib.tl_attn_bwd(qkv.data_ptr(), out.data_ptr(), grad_out.data_ptr(), lse.data_ptr(),
-                    grad_qkv.data_ptr(), B, C, H, D, scale, torch.get_num_threads())
-    return grad_qkv
+                    grad_qkv.data_ptr(), grad_bias.data_ptr() if bias_grad else None,
+                    B, C, H, D, scale, torch.get_num_threads())
+    return grad_qkv, grad_bias
 
 
 # Packed copies by weight, so repeated generate() calls on one model pack once. The
