@@ -292,3 +292,84 @@ def test_attention_dropout_in_training_takes_sdpa(monkeypatch) -> None:
     assert not calls, "the native kernel has no dropout"
     attn.eval()(torch.randn(1, 8, 32))  # eval: no dropout, the native kernel is fine
     assert calls
+
+
+@pytest.mark.parametrize(("M", "E", "affine"), [(768, 128, True), (5, 37, True), (3, 300, False)])
+def test_layer_norm_training_kernels_equal_torch(M: int, E: int, affine: bool) -> None:
+    x = torch.randn(M, E) * 3 + 1
+    w, b = (torch.randn(E), torch.randn(E)) if affine else (None, None)
+    grad = torch.randn(M, E)
+    leaves = [t.clone().requires_grad_() for t in (x, w, b) if t is not None]
+    want = F.layer_norm(leaves[0], (E,), *(leaves[1:] or [None, None]), 1e-5)
+    want_grads = torch.autograd.grad(want, leaves, grad)
+    y, mean, rstd = kernels.layer_norm(x, w, b, 1e-5)
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(mean, x.mean(-1))
+    torch.testing.assert_close(rstd, 1 / torch.sqrt(x.var(-1, unbiased=False) + 1e-5))
+    dx, dw, db = kernels.layer_norm_backward(grad, x, w, mean, rstd, affine, affine)
+    got = [dx] + ([dw, db] if affine else [])
+    assert (dw is None and db is None) or affine
+    for g, ref in zip(got, want_grads, strict=True):
+        torch.testing.assert_close(g, ref, rtol=1e-4, atol=1e-4)
+
+
+def _tiny_gpt(bias: bool = True, dropout: float = 0.0):
+    from tinylm import GPT, ModelConfig
+
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(vocab_size=50, context_length=40, n_layer=2, n_head=2,
+                            n_embd=32, bias=bias, dropout=dropout))
+    with torch.no_grad():
+        for p in model.parameters():  # off the init values (ones/zeros) so all grads differ
+            p += 0.05 * torch.randn_like(p)
+    return model
+
+
+def _loss_and_grads(model, ids):
+    loss = model.loss(ids, ids)
+    return loss, torch.autograd.grad(loss, list(model.parameters()))
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_fused_training_block_equals_the_step_by_step_block(monkeypatch, bias: bool) -> None:
+    from tinylm import model as model_module
+
+    model = _tiny_gpt(bias)
+    ids = torch.randint(0, 50, (3, 37))
+    calls = []
+    real = model_module._BlockFn.apply
+    monkeypatch.setattr(model_module._BlockFn, "apply", lambda *a: calls.append(1) or real(*a))
+    loss, grads = _loss_and_grads(model, ids)
+    assert len(calls) == 2, "each block should have run fused"
+    monkeypatch.setattr(model_module.Block, "_fusable", lambda self, x: False)
+    want_loss, want_grads = _loss_and_grads(model, ids)
+    assert len(calls) == 2
+    torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=1e-6)
+    for g, w in zip(grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+
+
+def test_fused_block_steps_aside_for_hooks_dropout_and_inference(monkeypatch) -> None:
+    from tinylm import model as model_module
+
+    calls = []
+    real = model_module._BlockFn.apply
+    monkeypatch.setattr(model_module._BlockFn, "apply", lambda *a: calls.append(1) or real(*a))
+    model = _tiny_gpt()
+    ids = torch.randint(0, 50, (2, 9))
+    seen = []
+    hook = model.blocks[1].ffn.up.register_forward_hook(lambda *a: seen.append(1))
+    model.loss(ids, ids).backward()
+    assert seen == [1] and len(calls) == 1  # block 1 unfused so its hook fires; block 0 fused
+    hook.remove()
+    hook = model.blocks[0].attn.out.register_forward_pre_hook(lambda *a: seen.append(2))
+    calls.clear()
+    model.loss(ids, ids).backward()
+    assert seen == [1, 2] and len(calls) == 1  # now block 0 steps aside
+    hook.remove()
+    calls.clear()
+    with torch.no_grad():
+        model(ids)
+    assert not calls  # inference keeps the modules (the explain tool hooks them)
+    _tiny_gpt(dropout=0.1).train().loss(ids, ids).backward()
+    assert not calls  # the native block has no dropout

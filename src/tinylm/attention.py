@@ -232,6 +232,16 @@ class _CausalAttentionFn(torch.autograd.Function):
         return grad_x, grad_w_qkv, grad_b_qkv, grad_w_out, grad_b_out, None
 
 
+def hooked(*modules: nn.Module) -> bool:
+    """Whether any forward hook would observe these modules (their own or global ones):
+    the fused paths, which skip the modules' own calls, step aside then."""
+    from torch.nn.modules import module as _m
+
+    if _m._global_forward_hooks or _m._global_forward_pre_hooks:
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
+
+
 def _cpu_autocast() -> bool:
     try:
         return torch.is_autocast_enabled("cpu")
@@ -258,10 +268,10 @@ class MultiHeadAttention(nn.Module):
 
     def _native(self, x: Tensor) -> bool:
         """Whether the native kernels (:class:`_CausalAttentionFn`) compute this forward:
-        plain Linear projections with float32 weights on CPU outside autocast, no
-        attention dropout, and shapes :func:`tinylm.kernels.causal_attention_fits` takes."""
+        plain, unhooked Linear projections with float32 weights on CPU outside autocast,
+        no attention dropout, and shapes :func:`tinylm.kernels.causal_attention_fits` takes."""
         return (type(self.qkv) is nn.Linear and type(self.out) is nn.Linear
-                and not (self.training and self.dropout > 0)
+                and not (self.training and self.dropout > 0) and not hooked(self.qkv, self.out)
                 and self.qkv.weight.dtype == x.dtype and not _cpu_autocast()
                 and kernels.causal_attention_fits(x.shape[1], self.n_head, self.head_dim,
                                                   x.dtype, x.device))

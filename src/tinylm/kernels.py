@@ -19,9 +19,11 @@ Only float32, CPU, contiguous weights are packed; :class:`PackedLinear` falls ba
 BLAS GEMMs handle well.
 
 Training: the FFN's bias add + GELU and its backward (:func:`bias_gelu_`,
-:func:`gelu_backward`), and causal attention straight from the fused QKV projection
-with a recomputing backward (:func:`causal_attention`, for contexts up to
-:data:`ATTENTION_MAX_CONTEXT`), each checked against torch before first use.
+:func:`gelu_backward`), causal attention straight from the fused QKV projection with a
+recomputing backward (:func:`causal_attention`, for contexts up to
+:data:`ATTENTION_MAX_CONTEXT`), and LayerNorm forward/backward (:func:`layer_norm`),
+each checked against torch before first use. tinylm.model strings them into one
+autograd step per block.
 """
 
 from __future__ import annotations
@@ -116,6 +118,10 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tl_attn_fwd.restype = None
     lib.tl_attn_bwd.argtypes = [c_void_p] * 6 + [c_long] * 4 + [ctypes.c_float, c_int]
     lib.tl_attn_bwd.restype = None
+    lib.tl_ln_fwd.argtypes = [c_void_p] * 6 + [c_long, c_long, ctypes.c_float, c_int]
+    lib.tl_ln_fwd.restype = None
+    lib.tl_ln_bwd.argtypes = [c_void_p] * 8 + [c_long, c_long, c_int]
+    lib.tl_ln_bwd.restype = None
     return lib
 
 
@@ -199,6 +205,22 @@ def _self_check(lib: ctypes.CDLL) -> None:
             and torch.allclose(got_grad, want_grad, atol=1e-4)
             and torch.allclose(got_bias_grad, want_grad.sum((0, 1)), atol=1e-4)):
         raise RuntimeError("causal attention self-check failed")
+    x, w = torch.randn(5, 37, generator=g) * 3 + 1, torch.randn(37, generator=g)
+    grad = torch.randn(5, 37, generator=g)
+    with torch.inference_mode(False), torch.enable_grad():
+        xr, wr, br = (t.clone().requires_grad_() for t in (x, w, b))
+        want = F.layer_norm(xr, (37,), wr, br, 1e-5)
+        want_grads = torch.autograd.grad(want, [xr, wr, br], grad)
+    y, mean, rstd = torch.empty_like(x), torch.empty(5), torch.empty(5)
+    lib.tl_ln_fwd(x.data_ptr(), w.data_ptr(), b.data_ptr(), y.data_ptr(), mean.data_ptr(),
+                  rstd.data_ptr(), 5, 37, 1e-5, 2)
+    grads = torch.empty_like(x), torch.empty(37), torch.empty(37)
+    lib.tl_ln_bwd(x.data_ptr(), w.data_ptr(), mean.data_ptr(), rstd.data_ptr(),
+                  grad.data_ptr(), *(t.data_ptr() for t in grads), 5, 37, 2)
+    if not (torch.allclose(y, want, atol=1e-5) and all(
+            torch.allclose(got, ref, atol=1e-4)
+            for got, ref in zip(grads, want_grads, strict=True))):
+        raise RuntimeError("LayerNorm (training) self-check failed")
     x = torch.randn(3, 37, generator=g)
     y = torch.empty_like(x)
     lib.tl_layer_norm(x.data_ptr(), b.data_ptr(), b.data_ptr(), 1e-5, y.data_ptr(), 3, 37)
@@ -339,6 +361,38 @@ def gelu_backward(grad: Tensor, x: Tensor, *, sum_rows: bool = False
                          colsum.data_ptr() if colsum is not None else None,
                          x.numel() // N if N else 0, N, torch.get_num_threads())
     return grad, y, colsum
+
+
+def layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
+               ) -> tuple[Tensor, Tensor, Tensor]:
+    """``F.layer_norm`` over the last dimension of a contiguous float32 CPU ``x`` (..., E),
+    also returning each row's mean and 1/std (for :func:`layer_norm_backward`)."""
+    lib = load()
+    E = x.shape[-1]
+    M = x.numel() // E
+    y, mean, rstd = torch.empty_like(x), torch.empty(M), torch.empty(M)
+    lib.tl_ln_fwd(x.data_ptr(), weight.data_ptr() if weight is not None else None,
+                  bias.data_ptr() if bias is not None else None, y.data_ptr(),
+                  mean.data_ptr(), rstd.data_ptr(), M, E, eps, torch.get_num_threads())
+    return y, mean, rstd
+
+
+def layer_norm_backward(grad_y: Tensor, x: Tensor, weight: Tensor | None, mean: Tensor,
+                        rstd: Tensor, need_weight: bool, need_bias: bool
+                        ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """(dL/dx, dL/dweight or None, dL/dbias or None) of :func:`layer_norm`."""
+    lib = load()
+    E = x.shape[-1]
+    M = x.numel() // E
+    grad_y = grad_y.contiguous()
+    dx = torch.empty_like(x)
+    dw = torch.empty(E) if need_weight else None
+    db = torch.empty(E) if need_bias else None
+    lib.tl_ln_bwd(x.data_ptr(), weight.data_ptr() if weight is not None else None,
+                  mean.data_ptr(), rstd.data_ptr(), grad_y.data_ptr(), dx.data_ptr(),
+                  dw.data_ptr() if dw is not None else None,
+                  db.data_ptr() if db is not None else None, M, E, torch.get_num_threads())
+    return dx, dw, db
 
 
 # Longest context the native causal attention takes: it holds a head's (C, C) weights

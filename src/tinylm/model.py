@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tinylm import kernels
-from tinylm.attention import KVCache, MultiHeadAttention
+from tinylm.attention import KVCache, MultiHeadAttention, hooked
 from tinylm.config import ModelConfig
 from tinylm.errors import ConfigError
 
@@ -96,12 +96,88 @@ class FeedForward(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if torch.is_grad_enabled() and type(self.up) is nn.Linear \
-                and type(self.down) is nn.Linear:
+                and type(self.down) is nn.Linear and not hooked(self.up, self.down):
             y = _FeedForwardFn.apply(x, self.up.weight, self.up.bias, self.down.weight,
                                      self.down.bias)  # (B, C, E) -> (B, C, E)
-        else:  # inference, or replaced layers (e.g. tinylm.lowrank's LowRankLinear)
+        else:  # inference, hooked or replaced layers (e.g. tinylm.lowrank's LowRankLinear)
             y = self.down(self.act(self.up(x)))  # (B, C, E) -> (B, C, 4E) -> (B, C, E)
         return _dropout(self.drop, y)
+
+
+class _BlockFn(torch.autograd.Function):
+    """A whole block for CPU training as one autograd step, with native kernels:
+
+        x1 = x + Attention(LN1(x))          y = x1 + FFN(LN2(x1))
+
+    The same tensors are kept for backward as the block's separate steps would keep
+    (LN inputs, LN outputs, qkv, the heads' outputs, the FFN's pre-activation), but
+    LayerNorm runs natively (:func:`tinylm.kernels.layer_norm`), each residual add is
+    done by the output projection's product itself (beta = 1), and in backward the
+    residual gradient is added in place — where a graph of a dozen small autograd
+    steps per block (LN, projections, adds, gradient accumulation) costs more than
+    their arithmetic at small sizes. Used by :class:`Block` only where its parts are
+    plain modules that nobody hooks (see ``Block._fusable``).
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, n_head: int, eps1: float, eps2: float,
+                ln1_w: Tensor | None, ln1_b: Tensor | None, w_qkv: Tensor,
+                b_qkv: Tensor | None, w_out: Tensor, b_out: Tensor | None,
+                ln2_w: Tensor | None, ln2_b: Tensor | None, w_up: Tensor,
+                b_up: Tensor | None, w_down: Tensor, b_down: Tensor | None) -> Tensor:
+        B, C, E = x.shape
+        x0 = x.contiguous().view(-1, E)  # (B·C, E)
+        a_in, mu1, rs1 = kernels.layer_norm(x0, ln1_w, ln1_b, eps1)
+        qkv = (a_in @ w_qkv.t()).view(B, C, w_qkv.shape[0])  # (B, C, 3·H·D)
+        r, lse = kernels.causal_attention(qkv, n_head, b_qkv)  # (B, C, H·D), (B, H, C)
+        r2 = r.view(B * C, -1)
+        x1 = torch.addmm(x0, r2, w_out.t())  # x + R·W_oᵀ
+        if b_out is not None:
+            x1 += b_out
+        f_in, mu2, rs2 = kernels.layer_norm(x1, ln2_w, ln2_b, eps2)
+        h = f_in @ w_up.t()  # (B·C, 4E)
+        g = kernels.bias_gelu_(h, b_up)  # h += b_up; g = GELU(h)
+        y = torch.addmm(x1, g, w_down.t())  # x1 + GELU(h)·W_downᵀ
+        if b_down is not None:
+            y += b_down
+        ctx.save_for_backward(x0, mu1, rs1, a_in, qkv, r2, lse, x1, mu2, rs2, f_in, h,
+                              ln1_w, w_qkv, w_out, ln2_w, w_up, w_down)
+        ctx.n_head, ctx.shape = n_head, (B, C)
+        ctx.biases = (b_qkv is not None, b_out is not None, b_up is not None,
+                      b_down is not None)
+        return y.view(B, C, E)
+
+    @staticmethod
+    def backward(ctx, grad_y: Tensor) -> tuple[Tensor | None, ...]:
+        (x0, mu1, rs1, a_in, qkv, r2, lse, x1, mu2, rs2, f_in, h,
+         ln1_w, w_qkv, w_out, ln2_w, w_up, w_down) = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        has_b_qkv, has_b_out, has_b_up, has_b_down = ctx.biases
+        gy = grad_y.contiguous().view(x0.shape)  # (B·C, E)
+        # FFN: y = x1 + GELU(f_in·W_upᵀ + b_up)·W_downᵀ + b_down
+        grad_h, g, grad_b_up = kernels.gelu_backward(gy @ w_down, h,
+                                                     sum_rows=has_b_up and need[13])
+        grad_w_down = gy.t() @ g if need[14] else None
+        grad_b_down = gy.sum(0) if has_b_down and need[15] else None
+        grad_w_up = grad_h.t() @ f_in if need[12] else None
+        grad_x1, grad_ln2_w, grad_ln2_b = kernels.layer_norm_backward(
+            grad_h @ w_up, x1, ln2_w, mu2, rs2, ln2_w is not None and need[10],
+            need[11])
+        grad_x1 += gy  # the residual path
+        # attention: x1 = x + R·W_oᵀ + b_out, R = attention(LN1(x)·W_qkvᵀ + b_qkv)
+        grad_w_out = grad_x1.t() @ r2 if need[8] else None
+        grad_b_out = grad_x1.sum(0) if has_b_out and need[9] else None
+        grad_qkv, grad_b_qkv = kernels.causal_attention_backward(
+            (grad_x1 @ w_out).view(*ctx.shape, -1),  # (B·C, E)·(E, H·D) -> (B, C, H·D)
+            qkv, r2, lse, ctx.n_head, bias_grad=has_b_qkv and need[7])
+        gq = grad_qkv.view(x0.shape[0], -1)  # (B·C, 3·H·D)
+        grad_w_qkv = gq.t() @ a_in if need[6] else None
+        grad_x, grad_ln1_w, grad_ln1_b = kernels.layer_norm_backward(
+            gq @ w_qkv, x0, ln1_w, mu1, rs1, ln1_w is not None and need[4], need[5])
+        grad_x += grad_x1  # the residual path
+        return (grad_x.view(grad_y.shape), None, None, None, grad_ln1_w, grad_ln1_b,
+                grad_w_qkv, grad_b_qkv, grad_w_out, grad_b_out, grad_ln2_w, grad_ln2_b,
+                grad_w_up, grad_b_up, grad_w_down, grad_b_down)
 
 
 class Block(nn.Module):
@@ -118,8 +194,27 @@ class Block(nn.Module):
         self.ffn = FeedForward(config)
         self.drop = nn.Dropout(config.dropout)
 
+    def _fusable(self, x: Tensor) -> bool:
+        """Whether this training forward can run as one :class:`_BlockFn`: gradients on,
+        no dropout, plain LayerNorm/Linear parts (not e.g. tinylm.lowrank's), nothing
+        hooked, and float32 CPU shapes the native kernels take (``attn._native``)."""
+        attn, ffn, ln1, ln2 = self.attn, self.ffn, self.ln1, self.ln2
+        return (torch.is_grad_enabled() and not (self.drop.training and self.drop.p > 0)
+                and not (ffn.drop.training and ffn.drop.p > 0)
+                and type(ln1) is nn.LayerNorm and type(ln2) is nn.LayerNorm
+                and type(ffn.up) is nn.Linear and type(ffn.down) is nn.Linear
+                and attn._native(x)
+                and not hooked(ln1, attn, ln2, ffn, ffn.up, ffn.act, ffn.down))
+
     def forward(self, x: Tensor, cache: KVCache | None = None, layer: int = 0,
                 return_weights: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+        if cache is None and not return_weights and self._fusable(x):
+            attn, ffn, ln1, ln2 = self.attn, self.ffn, self.ln1, self.ln2
+            return _BlockFn.apply(  # LayerNorm weight/bias may be None
+                x, attn.n_head, ln1.eps, ln2.eps, ln1.weight, ln1.bias,
+                attn.qkv.weight, attn.qkv.bias, attn.out.weight, attn.out.bias,
+                ln2.weight, ln2.bias, ffn.up.weight, ffn.up.bias, ffn.down.weight,
+                ffn.down.bias)
         a = self.attn(self.ln1(x), cache, layer, return_weights=return_weights)
         a, weights = a if return_weights else (a, None)
         x = x + _dropout(self.drop, a)
