@@ -536,13 +536,13 @@ void tl_attn_fwd(float *qkv, const float *bias, float *out, float *lse, long B, 
             long b = bh / H, h = bh % H;
             float *q = qkv + b * C * ld + h * D, *k = q + HD, *v = q + 2 * HD;
             float *o = out + b * C * HD + h * D, *l = lse + bh * C;
-            if (bias)
+            if (bias)  /* this head's slices of the q, k, v bias, added row by row */
                 for (long t = 0; t < C; t++)
-                    for (long d = 0; d < D; d++) {
-                        q[t * ld + d] += bias[h * D + d];
-                        k[t * ld + d] += bias[HD + h * D + d];
-                        v[t * ld + d] += bias[2 * HD + h * D + d];
-                    }
+                    for (int part = 0; part < 3; part++)
+                        for (long d = 0; d < D; d += 16) {
+                            float *e = q + t * ld + part * HD + d;
+                            store16(e, load16(e) + load16(bias + part * HD + h * D + d));
+                        }
             transpose_head(k, ld, C, D, Cp, kt);
             causal_products(q, ld, kt, C, D, Cp, scale, p);  /* scores */
             for (long i = 0; i < C; i++) l[i] = causal_exp_row(p + i * Cp, i, 0.0f, 1);
@@ -603,8 +603,10 @@ void tl_attn_bwd(const float *qkv, const float *out, const float *dout, const fl
             if (db)  /* this head's columns of dq, dk, dv, summed over its C rows */
                 for (long t = 0; t < C; t++)
                     for (int part = 0; part < 3; part++)
-                        for (long d = 0; d < D; d++)
-                            db[part * HD + h * D + d] += dq[t * ld + part * HD + d];
+                        for (long d = 0; d < D; d += 16) {
+                            float *acc = db + part * HD + h * D + d;
+                            store16(acc, load16(acc) + load16(dq + t * ld + part * HD + d));
+                        }
         }
         free(kt);
     }
