@@ -1,6 +1,6 @@
 """Training-step throughput, peak memory and MFU: tinylm vs Hugging Face GPT-2, in one run.
 
-    python benchmarks/train.py [--repeats 5] [--steps 4] [--threads N] [--no-write]
+    python benchmarks/train.py [--repeats 15] [--steps 10] [--threads N] [--no-write]
 
 For each shape both models are built with the same weights (``tinylm.hf.to_hf``), both in
 train mode with dropout 0, fp32, the same thread count, the same batches and the same
@@ -113,7 +113,7 @@ def flops_per_token(model: GPT) -> float:
     return 6 * n + 12 * c.n_layer * c.context_length * c.inner_dim
 
 
-def throughput(shape: str, B: int, repeats: int, steps: int, block_s: float = 0.6) -> dict:
+def throughput(shape: str, B: int, repeats: int, steps: int, block_s: float = 1.0) -> dict:
     """Median step time of both models, in alternating blocks of up to ``steps`` steps
     (fewer when HF's step is long, so one block lasts about ``block_s`` seconds)."""
     config = model_config(shape)
@@ -221,7 +221,7 @@ def render(rate: float, rows: list[dict], mem: list[dict], threads: int) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=7, help="timed blocks per model")
+    parser.add_argument("--repeats", type=int, default=15, help="timed blocks per model")
     parser.add_argument("--steps", type=int, default=10, help="most steps per timed block")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--no-write", action="store_true", help="print only")
