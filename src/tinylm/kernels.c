@@ -309,6 +309,30 @@ static inline v16 vtanh_inner(v16 x) {  /* tanh(sqrt(2/pi)·(x + 0.044715·x³))
 
 static inline float tanh_inner(float x) { return tanhf(GELU_C * (x + GELU_K * x * x * x)); }
 
+/* Column sums over rows shared out between threads: each thread adds into its own zeroed
+ * row of n floats (colsums_row), and colsums_finish adds the rows into out and frees
+ * them. If the rows cannot be allocated (NULL), out is zeroed here and the caller runs
+ * one thread, which adds straight into out. */
+static float *colsums_begin(int threads, long n, float *out) {
+    float *rows = calloc((size_t)threads * (size_t)n, sizeof(float));
+    if (!rows) memset(out, 0, sizeof(float) * (size_t)n);
+    return rows;
+}
+
+static inline float *colsums_row(float *rows, int id, long n, float *out) {
+    return rows ? rows + (long)id * n : out;
+}
+
+static void colsums_finish(float *rows, int threads, long n, float *out) {
+    if (!rows) return;
+    for (long i = 0; i < n; i++) {
+        float sum = 0.0f;
+        for (int t = 0; t < threads; t++) sum += rows[(long)t * n + i];
+        out[i] = sum;
+    }
+    free(rows);
+}
+
 /* dL/dx = grad · GELU'(x) for one row of n floats, in place in grad; y (if not NULL)
  * receives GELU(x) from the same tanh, and colsum (if not NULL) accumulates dL/dx. */
 static inline void gelu_backward_row(const float *x, float *grad, float *y, float *colsum,
@@ -340,28 +364,18 @@ static inline void gelu_backward_row(const float *x, float *grad, float *y, floa
 void tl_gelu_backward(const float *x, float *grad, float *y, float *colsum, long M, long N,
                       int threads) {
     if (threads < 1) threads = 1;
-    float *partial = NULL;
-    if (colsum) {
-        partial = calloc((size_t)threads * (size_t)N, sizeof(float));
-        if (!partial) threads = 1;  /* out of memory: one thread, straight into colsum */
-        if (!partial) for (long i = 0; i < N; i++) colsum[i] = 0.0f;
-    }
+    int rows_n = threads;
+    float *rows = colsum ? colsums_begin(rows_n, N, colsum) : NULL;
+    if (colsum && !rows) threads = 1;
     #pragma omp parallel num_threads(threads)
     {
         int nt = omp_get_num_threads(), id = omp_get_thread_num();
-        float *acc = colsum ? (partial ? partial + (long)id * N : colsum) : NULL;
+        float *acc = colsum ? colsums_row(rows, id, N, colsum) : NULL;
         long lo = M * id / nt, hi = M * (id + 1) / nt;
         for (long m = lo; m < hi; m++)
             gelu_backward_row(x + m * N, grad + m * N, y ? y + m * N : NULL, acc, N);
     }
-    if (partial) {
-        for (long i = 0; i < N; i++) {
-            float sum = 0.0f;
-            for (int t = 0; t < threads; t++) sum += partial[(long)t * N + i];
-            colsum[i] = sum;
-        }
-        free(partial);
-    }
+    if (colsum) colsums_finish(rows, rows_n, N, colsum);
 }
 
 /* The FFN's middle in one pass: h = a + b (in place; b broadcast over the M rows, may be
@@ -563,14 +577,14 @@ void tl_attn_bwd(const float *qkv, const float *out, const float *dout, const fl
                  int threads) {
     long ld = 3 * H * D, HD = H * D, Cp = round16(C);
     if (threads < 1) threads = 1;
-    float *partial = dbias ? calloc((size_t)threads * (size_t)ld, sizeof(float)) : NULL;
-    if (dbias && !partial) threads = 1;  /* out of memory: one thread sums into dbias */
-    if (dbias && !partial) for (long i = 0; i < ld; i++) dbias[i] = 0.0f;
+    int rows_n = threads;
+    float *rows = dbias ? colsums_begin(rows_n, ld, dbias) : NULL;
+    if (dbias && !rows) threads = 1;
     #pragma omp parallel num_threads(threads)
     {
         float *kt = malloc(sizeof(float) * (2 * D * Cp + 2 * C * Cp + C));
         float *vt = kt + D * Cp, *p = vt + D * Cp, *ds = p + C * Cp, *di = ds + C * Cp;
-        float *db = dbias ? (partial ? partial + (long)omp_get_thread_num() * ld : dbias) : 0;
+        float *db = dbias ? colsums_row(rows, omp_get_thread_num(), ld, dbias) : NULL;
         #pragma omp for schedule(static)
         for (long bh = 0; bh < B * H; bh++) {
             long b = bh / H, h = bh % H;
@@ -610,19 +624,13 @@ void tl_attn_bwd(const float *qkv, const float *out, const float *dout, const fl
         }
         free(kt);
     }
-    if (partial) {
-        for (long i = 0; i < ld; i++) {
-            float sum = 0.0f;
-            for (int t = 0; t < threads; t++) sum += partial[(long)t * ld + i];
-            dbias[i] = sum;
-        }
-        free(partial);
-    }
+    if (dbias) colsums_finish(rows, rows_n, ld, dbias);
 }
 
 /* --- LayerNorm for training: forward keeping each row's mean and 1/std, and the
  * backward, both vectorised along the row and split over rows between threads.
- * dw and db are column sums over all rows: per-thread partial sums, added at the end. */
+ * dw and db are column sums over all rows: per-thread partial sums, added at the end
+ * (kept interleaved per thread here: separate colsums_* rows ran slower). */
 
 static inline float hsum_row(const float *x, long E) {
     v16 acc = {0};
@@ -667,7 +675,6 @@ void tl_ln_bwd(const float *x, const float *w, const float *mean, const float *r
     if (threads < 1) threads = 1;
     int sums = dw || db;
     float *partial = sums ? calloc((size_t)threads * 2 * (size_t)E, sizeof(float)) : NULL;
-    if (sums && !partial) threads = 1;
     float *row_g = NULL;
     #pragma omp parallel num_threads(threads) private(row_g)
     {
@@ -722,5 +729,16 @@ void tl_ln_bwd(const float *x, const float *w, const float *mean, const float *r
             if (db) db[i] = sb;
         }
         free(partial);
+    } else if (sums) {  /* no memory for per-thread sums: one plain pass instead */
+        for (long i = 0; i < E; i++) {
+            if (dw) dw[i] = 0.0f;
+            if (db) db[i] = 0.0f;
+        }
+        for (long m = 0; m < M; m++)
+            for (long i = 0; i < E; i++) {
+                float d = dy[m * E + i];
+                if (dw) dw[i] += d * (x[m * E + i] - mean[m]) * rstd[m];
+                if (db) db[i] += d;
+            }
     }
 }
