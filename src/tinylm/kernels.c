@@ -142,22 +142,6 @@ void tl_linear(const float *x, long ldx, const float *packed, const float *b, fl
     }
 }
 
-/* y (M, E) = LayerNorm(x (M, E)) with weight w and bias b (either NULL: none), as F.layer_norm:
- * biased variance, eps inside the square root. Two passes over each row. */
-void tl_layer_norm(const float *x, const float *w, const float *b, float eps, float *y,
-                   long M, long E) {
-    for (long m = 0; m < M; m++) {
-        const float *xm = x + m * E;
-        float *ym = y + m * E;
-        float mean = 0.0f, var = 0.0f;
-        for (long i = 0; i < E; i++) mean += xm[i];
-        mean /= (float)E;
-        for (long i = 0; i < E; i++) { float d = xm[i] - mean; var += d * d; }
-        float inv = 1.0f / sqrtf(var / (float)E + eps);
-        for (long i = 0; i < E; i++) ym[i] = (xm[i] - mean) * inv * (w ? w[i] : 1.0f) + (b ? b[i] : 0.0f);
-    }
-}
-
 /* x (B, E) = tok[ids[b]] + pos[position]; returns 1 (and writes nothing) if an id is
  * outside [0, V). */
 int tl_embed(const long *ids, const float *tok, const float *pos, long position, float *x,
@@ -627,8 +611,10 @@ void tl_attn_bwd(const float *qkv, const float *out, const float *dout, const fl
     if (dbias) colsums_finish(rows, rows_n, ld, dbias);
 }
 
-/* --- LayerNorm for training: forward keeping each row's mean and 1/std, and the
- * backward, both vectorised along the row and split over rows between threads.
+/* --- LayerNorm as F.layer_norm (biased variance, eps inside the square root; w and b may
+ * be NULL): the forward keeps each row's mean and 1/std for the backward; both are
+ * vectorised along the row and split over rows between threads. Decoding runs the
+ * forward on its few rows with one thread.
  * dw and db are column sums over all rows: per-thread partial sums, added at the end
  * (kept interleaved per thread here: separate colsums_* rows ran slower). */
 
