@@ -192,6 +192,20 @@ class KVCache:
 # --- multi-head attention ---------------------------------------------------------------
 
 
+def qkv_attention_backward(grad_r: Tensor, x2: Tensor, w_qkv: Tensor, qkv: Tensor, r: Tensor,
+                           lse: Tensor, n_head: int, need: tuple[bool, bool, bool]
+                           ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """Backward of qkv = x2·W_qkvᵀ + b (x2 (B·C, E)) followed by the native causal
+    attention r = attention(qkv): from dL/dr (B, C, H·D), the gradients of (x2, W_qkv, b)
+    — each only where ``need`` says so."""
+    grad_qkv, grad_b = kernels.causal_attention_backward(grad_r, qkv, r, lse, n_head,
+                                                         bias_grad=need[2])
+    g = grad_qkv.view(-1, grad_qkv.shape[-1])  # (B·C, 3·H·D)
+    grad_w = g.t() @ x2 if need[1] else None  # (3·H·D, B·C)·(B·C, E)
+    grad_x2 = g @ w_qkv if need[0] else None  # (B·C, 3·H·D)·(3·H·D, E)
+    return grad_x2, grad_w, grad_b
+
+
 class _CausalAttentionFn(torch.autograd.Function):
     """Multi-head causal attention, projections included, as one autograd step:
     x (B, C, E) -> qkv = x·W_qkvᵀ + b -> heads -> R (B, C, H·D) -> R·W_oᵀ + b_o (B, C, E).
@@ -224,11 +238,10 @@ class _CausalAttentionFn(torch.autograd.Function):
         grad_w_out = gy.t() @ r.view(-1, r.shape[-1]) if need[3] else None  # (E, H·D)
         grad_b_out = gy.sum(0) if need[4] else None
         grad_r = (gy @ w_out).view(r.shape)  # (B·C, E)·(E, H·D) -> (B, C, H·D)
-        grad_qkv, grad_b_qkv = kernels.causal_attention_backward(
-            grad_r, qkv, r, lse, ctx.n_head, bias_grad=ctx.has_bias and need[2])
-        g = grad_qkv.view(-1, grad_qkv.shape[-1])  # (B·C, 3·H·D)
-        grad_w_qkv = g.t() @ x2 if need[1] else None  # (3·H·D, B·C)·(B·C, E)
-        grad_x = (g @ w_qkv).view(*grad_y.shape[:-1], x2.shape[1]) if need[0] else None
+        grad_x2, grad_w_qkv, grad_b_qkv = qkv_attention_backward(
+            grad_r, x2, w_qkv, qkv, r, lse, ctx.n_head,
+            (need[0], need[1], ctx.has_bias and need[2]))
+        grad_x = grad_x2.view(*grad_y.shape[:-1], x2.shape[1]) if need[0] else None
         return grad_x, grad_w_qkv, grad_b_qkv, grad_w_out, grad_b_out, None
 
 

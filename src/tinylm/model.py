@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tinylm import kernels
-from tinylm.attention import KVCache, MultiHeadAttention, hooked
+from tinylm.attention import KVCache, MultiHeadAttention, hooked, qkv_attention_backward
 from tinylm.config import ModelConfig
 from tinylm.errors import ConfigError
 
@@ -32,6 +32,20 @@ def _dropout(drop: nn.Dropout, x: Tensor) -> Tensor:
 
 def _layer_norm(config: ModelConfig) -> nn.LayerNorm:
     return nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=config.bias)
+
+
+def _ffn_backward(gy: Tensor, x2: Tensor, h: Tensor, w_up: Tensor, w_down: Tensor,
+                  need: tuple[bool, bool, bool, bool]) -> tuple[Tensor | None, ...]:
+    """Backward of y = GELU(h)·W_downᵀ (+ b_down), h = x2·W_upᵀ + b_up, from dL/dy
+    (B·C, E) and the kept x2, h: the gradients of (x2, W_up, b_up, W_down) — each only
+    where ``need`` says so. GELU(h) is recomputed; b_up's gradient is summed in the
+    same native pass (b_down's is dL/dy summed over rows, left to the caller)."""
+    grad_g = gy @ w_down  # (B·C, E)·(E, 4E) -> (B·C, 4E)
+    grad_h, g, grad_b_up = kernels.gelu_backward(grad_g, h, sum_rows=need[2])
+    grad_w_down = gy.t() @ g if need[3] else None  # (E, B·C)·(B·C, 4E) -> (E, 4E)
+    grad_w_up = grad_h.t() @ x2 if need[1] else None  # (4E, B·C)·(B·C, E) -> (4E, E)
+    grad_x2 = grad_h @ w_up if need[0] else None  # (B·C, 4E)·(4E, E) -> (B·C, E)
+    return grad_x2, grad_w_up, grad_b_up, grad_w_down
 
 
 class _FeedForwardFn(torch.autograd.Function):
@@ -67,16 +81,11 @@ class _FeedForwardFn(torch.autograd.Function):
         dt = h.dtype
         x2, w_up, w_down = x2.to(dt), w_up.to(dt), w_down.to(dt)
         gy = grad_y.to(dt).reshape(-1, grad_y.shape[-1])  # (B, C, E) -> (B·C, E)
-        grad_g = gy @ w_down  # (B·C, E)·(E, 4E) -> (B·C, 4E)
         need = ctx.needs_input_grad
-        # GELU(h) recomputed, (B·C, 4E); the up bias's gradient summed in the same pass
-        grad_h, g, grad_b_up = kernels.gelu_backward(grad_g, h,
-                                                     sum_rows=ctx.biases[0] and need[2])
-        grad_w_down = gy.t() @ g if need[3] else None  # (E, B·C)·(B·C, 4E) -> (E, 4E)
+        grad_x2, grad_w_up, grad_b_up, grad_w_down = _ffn_backward(
+            gy, x2, h, w_up, w_down, (need[0], need[1], ctx.biases[0] and need[2], need[3]))
         grad_b_down = gy.sum(0) if ctx.biases[1] and need[4] else None  # (E,)
-        grad_w_up = grad_h.t() @ x2 if need[1] else None  # (4E, B·C)·(B·C, E) -> (4E, E)
-        grad_x = (grad_h @ w_up).view(grad_y.shape[:-1] + (w_up.shape[1],)) if need[0] \
-            else None  # (B·C, 4E)·(4E, E) -> (B, C, E)
+        grad_x = grad_x2.view(grad_y.shape[:-1] + (w_up.shape[1],)) if need[0] else None
         return grad_x, grad_w_up, grad_b_up, grad_w_down, grad_b_down
 
 
@@ -155,25 +164,21 @@ class _BlockFn(torch.autograd.Function):
         has_b_qkv, has_b_out, has_b_up, has_b_down = ctx.biases
         gy = grad_y.contiguous().view(x0.shape)  # (B·C, E)
         # FFN: y = x1 + GELU(f_in·W_upᵀ + b_up)·W_downᵀ + b_down
-        grad_h, g, grad_b_up = kernels.gelu_backward(gy @ w_down, h,
-                                                     sum_rows=has_b_up and need[13])
-        grad_w_down = gy.t() @ g if need[14] else None
+        grad_f_in, grad_w_up, grad_b_up, grad_w_down = _ffn_backward(
+            gy, f_in, h, w_up, w_down, (True, need[12], has_b_up and need[13], need[14]))
         grad_b_down = gy.sum(0) if has_b_down and need[15] else None
-        grad_w_up = grad_h.t() @ f_in if need[12] else None
         grad_x1, grad_ln2_w, grad_ln2_b = kernels.layer_norm_backward(
-            grad_h @ w_up, x1, ln2_w, mu2, rs2, ln2_w is not None and need[10],
-            need[11])
+            grad_f_in, x1, ln2_w, mu2, rs2, ln2_w is not None and need[10], need[11])
         grad_x1 += gy  # the residual path
         # attention: x1 = x + R·W_oᵀ + b_out, R = attention(LN1(x)·W_qkvᵀ + b_qkv)
         grad_w_out = grad_x1.t() @ r2 if need[8] else None
         grad_b_out = grad_x1.sum(0) if has_b_out and need[9] else None
-        grad_qkv, grad_b_qkv = kernels.causal_attention_backward(
-            (grad_x1 @ w_out).view(*ctx.shape, -1),  # (B·C, E)·(E, H·D) -> (B, C, H·D)
-            qkv, r2, lse, ctx.n_head, bias_grad=has_b_qkv and need[7])
-        gq = grad_qkv.view(x0.shape[0], -1)  # (B·C, 3·H·D)
-        grad_w_qkv = gq.t() @ a_in if need[6] else None
+        grad_r = (grad_x1 @ w_out).view(*ctx.shape, -1)  # (B·C, E)·(E, H·D) -> (B, C, H·D)
+        grad_a_in, grad_w_qkv, grad_b_qkv = qkv_attention_backward(
+            grad_r, a_in, w_qkv, qkv, r2, lse, ctx.n_head,
+            (True, need[6], has_b_qkv and need[7]))
         grad_x, grad_ln1_w, grad_ln1_b = kernels.layer_norm_backward(
-            gq @ w_qkv, x0, ln1_w, mu1, rs1, ln1_w is not None and need[4], need[5])
+            grad_a_in, x0, ln1_w, mu1, rs1, ln1_w is not None and need[4], need[5])
         grad_x += grad_x1  # the residual path
         return (grad_x.view(grad_y.shape), None, None, None, grad_ln1_w, grad_ln1_b,
                 grad_w_qkv, grad_b_qkv, grad_w_out, grad_b_out, grad_ln2_w, grad_ln2_b,
