@@ -38,6 +38,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.modules import module as _torch_module
 
 from tinylm import kernels
 
@@ -248,9 +249,7 @@ class _CausalAttentionFn(torch.autograd.Function):
 def hooked(*modules: nn.Module) -> bool:
     """Whether any forward hook would observe these modules (their own or global ones):
     the fused paths, which skip the modules' own calls, step aside then."""
-    from torch.nn.modules import module as _m
-
-    if _m._global_forward_hooks or _m._global_forward_pre_hooks:
+    if _torch_module._global_forward_hooks or _torch_module._global_forward_pre_hooks:
         return True
     return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
 
