@@ -509,9 +509,16 @@ def _add_explain(sub: argparse._SubParsersAction) -> None:
                    help="print JSON: a list of rows {token, id, position, candidates: "
                    "[{token, id, prob}]} (with --neighbours, their list too)")
     p.add_argument("--attention", metavar="FILE.png",
-                   help="draw all attention maps as a grid of heatmaps (needs matplotlib)")
+                   help="draw all attention maps as a grid of heatmaps, in the format the "
+                   "suffix names: .png, .jpg, .svg or .pdf (needs matplotlib)")
     p.add_argument("--html", metavar="FILE.html",
-                   help="write a self-contained offline page to explore the maps")
+                   help="write the explorer: one offline page that walks every equation of "
+                   "attention on the prompt (steps, heads, maps, logit lens, ablation, low "
+                   "rank, next-token table)")
+    p.add_argument("--layer", type=int, default=0, metavar="L",
+                   help="the layer the page opens on (default: 0)")
+    p.add_argument("--head", type=int, default=0, metavar="H",
+                   help="the head the page opens on (default: 0)")
     p.add_argument("--neighbours", metavar="TOKEN",
                    help="list the tokens nearest to TOKEN by cosine similarity of embeddings")
     p.add_argument("--count", type=int, default=10, metavar="N",
@@ -524,36 +531,26 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     import json
 
     from tinylm import inspection
-    from tinylm.checkpoint import load_checkpoint
-    from tinylm.config import resolve_device
-    from tinylm.errors import CheckpointError, ConfigError
+    from tinylm.explorer import run_explain
 
-    if args.prompt is None and args.neighbours is None:
-        raise ConfigError("nothing to explain; pass --prompt TEXT and/or --neighbours TOKEN")
-    if args.prompt is None and (args.attention or args.html):
-        raise ConfigError("--attention and --html draw the maps of a prompt; pass --prompt TEXT")
-    model, tokenizer = load_checkpoint(args.model, resolve_device(args.device))
-    if tokenizer is None:
-        raise CheckpointError(f"{args.model} has no tokenizer.json; explain needs the model's "
-                              f"tokenizer to show tokens")
+    report = run_explain(args.model, prompt=args.prompt, top_k=args.top_k,
+                         attention=args.attention, html_path=args.html, layer=args.layer,
+                         head=args.head, neighbours=args.neighbours, count=args.count,
+                         device=args.device)
+    for path in report.written:
+        log.info("wrote %s", path)
     out: dict[str, object] = {}
-    if args.prompt is not None:
-        explanation = inspection.explain(model, tokenizer, args.prompt, top_k=args.top_k)
-        out["rows"] = explanation.to_json()
-        if args.attention:
-            log.info("wrote %s", inspection.plot_attention(explanation, args.attention))
-        if args.html:
-            log.info("wrote %s", inspection.write_html(explanation, args.html))
+    if report.explanation is not None:
+        out["rows"] = report.explanation.to_json()
         if not args.json:
-            print(inspection.format_table(explanation))
-    if args.neighbours is not None:
-        neighbours = inspection.nearest_tokens(model, tokenizer, args.neighbours, args.count)
+            print(inspection.format_table(report.explanation))
+    if report.neighbours is not None:
         out["neighbours"] = [{"token": n.token, "id": n.id, "similarity": n.similarity}
-                             for n in neighbours]
+                             for n in report.neighbours]
         if not args.json:
-            if args.prompt is not None:
+            if report.explanation is not None:
                 print()
-            print(inspection.format_neighbours(args.neighbours, neighbours))
+            print(inspection.format_neighbours(args.neighbours, report.neighbours))
     if args.json:
         print(json.dumps(out if len(out) > 1 else next(iter(out.values())), ensure_ascii=False,
                          indent=1))
