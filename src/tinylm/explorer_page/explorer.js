@@ -89,7 +89,7 @@ function colour(v, mode, scale) {
   if (v === -Infinity) { return '#d8d8d8'; }
   var t;
   if (mode === 'prob' || mode === 'log') {
-    t = mode === 'log' ? Math.max(0, 1 + Math.log10(Math.max(v, 1e-6)) / 6) : v;
+    t = mode === 'log' ? Math.max(0, 1 + Math.log10(Math.max(v, 1e-6)) / 6) : Math.sqrt(v);
     return 'rgb(' + Math.round(255 - 225 * t) + ',' + Math.round(255 - 150 * t) + ',' +
       Math.round(255 - 60 * t) + ')';
   }
@@ -99,7 +99,8 @@ function colour(v, mode, scale) {
 }
 function show(m, i, j) {
   var v = m.get(i, j), r = $('readout');
-  var key = m.cols === D.ids.length ? ' key ' + vis(D.tokens[j]) : '';
+  var square = /\.(scores|scaled|masked|attn|avg)$/.test(m.name);
+  var key = square ? ' key ' + vis(D.tokens[j]) : '';
   r.textContent = m.name + ' [' + i + ', ' + j + '] = ' + fmt(v) + '   (query ' +
     vis(D.tokens[i]) + key + ')';
   r.dataset.name = m.name; r.dataset.i = i; r.dataset.j = j; r.dataset.value = String(v);
@@ -298,6 +299,7 @@ function nextTable(box, top, kept) {
     row.forEach(function (c) { tr.appendChild(candCell(c)); });
     if (kept) {
       var base = D.next[t][0];
+      if (row[0][0] !== base[0]) { tr.className = 'changed'; }
       tr.appendChild(el('td', null, vis(tokOf(base[0])) + ' ' + base[1].toFixed(4) +
                         ' \u2192 ' + kept[t].toFixed(4)));
     }
@@ -340,7 +342,8 @@ function renderAblation() {
   sel.value = st.ablate;
   var a = D.ablations.filter(function (x) { return x.key === st.ablate; })[0];
   $('ablation-note').textContent = a ? 'next-token table with ' + ablationLabel(a.key) +
-    ' switched off (precomputed); last column: the probability left to the original top token'
+    ' switched off (precomputed); highlighted rows changed their top token; last column: ' +
+    'the probability left to the original top token'
     : 'pick a part to switch off; every table is precomputed, no server needed';
   nextTable($('ablation-table'), a ? a.top : D.next, a ? a.orig_top_prob : null);
 }
@@ -391,6 +394,9 @@ function render() {
     b.classList.toggle('on', b.dataset.view === st.view);
     $('view-' + b.dataset.view).hidden = b.dataset.view !== st.view;
   });
+  var r = $('readout');
+  r.textContent = 'hover a matrix to read its values';
+  delete r.dataset.name; delete r.dataset.value;
   VIEWS[st.view]();
   document.body.dataset.view = st.view;
 }
