@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -188,6 +189,9 @@ def test_cli_html_writes_the_explorer(checkpoint: Path, tmp_path: Path, capsys) 
     assert not URL.search(text)
     assert '"select":{"layer":1,"head":2}' in text
     assert sorted(p.name for p in page.parent.iterdir()) == ["page.html"]  # no temporary left
+    umask = os.umask(0)
+    os.umask(umask)
+    assert page.stat().st_mode & 0o777 == 0o666 & ~umask  # not mkstemp's private 0600
 
 
 def test_attention_writes_the_format_the_suffix_names(checkpoint: Path, tmp_path: Path,
@@ -240,3 +244,19 @@ def test_cli_bad_input_writes_nothing(checkpoint: Path, tmp_path: Path, capsys, 
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0] and err[0].startswith("tinylm explain: error:")
     assert list(out.iterdir()) == []
+
+
+def test_a_compressed_model_is_explored_through_its_factors(tokenizer: CharTokenizer) -> None:
+    """tinylm compress's LowRankLinear layers go through the same trace: a head whose
+    W_v^i·W_o^i comes from rank-3 factors shows at most 3 non-zero singular values."""
+    from tinylm.lowrank import LowRankLinear
+
+    torch.manual_seed(2)
+    m = GPT(ModelConfig(vocab_size=tokenizer.vocab_size, context_length=16, n_layer=1,
+                        n_head=2, n_embd=16)).eval()
+    m.blocks[0].attn.out = LowRankLinear.from_linear(m.blocks[0].attn.out, 3)
+    m.blocks[0].ffn.up = LowRankLinear.from_linear(m.blocks[0].ffn.up, 5)
+    d = explorer_data(m, tokenizer, PROMPT)
+    s = d["lowrank"]["layer0.head1"]["singular"]
+    assert len(s) == 8 and s[2] > 1e-6 and max(s[3:]) < 1e-9 * s[0]
+    assert d["lowrank"]["layer0.head1"]["weight_error"][3] < 1e-6

@@ -18,7 +18,6 @@ import json
 import logging
 import os
 import re
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
@@ -46,6 +45,7 @@ from tinylm.inspection import (
     plot_attention,
     token_text,
     trace,
+    write_atomically,
 )
 from tinylm.model import GPT
 
@@ -222,25 +222,13 @@ def render_explorer(data: dict[str, Any] | None, *, title: str = "tinylm explore
 
 def write_explorer(data: dict[str, Any], path: str | os.PathLike, *,
                    title: str = "tinylm explorer") -> Path:
-    """Write the static page to ``path`` atomically (a temporary file renamed into place:
-    a failure leaves no half-written page and keeps what was there)."""
+    """Write the static page to ``path`` (atomically: :func:`inspection.write_atomically`)."""
     out = Path(path)
     page = render_explorer(data, title=title)
     if out.is_dir():
         raise ConfigError(f"cannot write the page to {out}: it is a folder; pass a file "
                           f"name such as {out / 'explorer.html'}")
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(page)
-            os.replace(tmp, out)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-    except OSError as exc:
-        raise ConfigError(f"cannot write {out}: {exc.strerror}; choose a writable path") from exc
+    write_atomically(out, lambda tmp: Path(tmp).write_text(page, encoding="utf-8"))
     return out
 
 

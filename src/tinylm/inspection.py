@@ -525,6 +525,28 @@ def format_neighbours(token: str, neighbours: Sequence[Neighbour]) -> str:
 # --- rendering: PNG ---------------------------------------------------------------------
 
 
+def write_atomically(path: str | os.PathLike, write: Any) -> Path:
+    """Call ``write(tmp)`` on a temporary file beside ``path``, then rename it into place:
+    a failure leaves no half-written file and keeps what was there. The file gets the
+    usual permissions (0666 less the umask), not mkstemp's private 0600."""
+    out = Path(path)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+        os.close(fd)
+        try:
+            write(tmp)
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)
+            os.replace(tmp, out)
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"cannot write {out}: {exc.strerror}; choose a writable path") from exc
+    return out
+
+
 # Picture formats --attention writes, by file suffix (matplotlib's own writers).
 PICTURE_FORMATS = {".png": "png", ".jpg": "jpeg", ".jpeg": "jpeg", ".svg": "svg", ".pdf": "pdf"}
 
@@ -593,19 +615,9 @@ def plot_attention(explanation: Explanation, path: str | os.PathLike, *,
     fig.colorbar(image, ax=axes, shrink=0.6, label="attention weight")
     fig.suptitle("attention maps: row = query token, column = key token (causal)", fontsize=10)
     out = Path(path)
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
-        os.close(fd)
-        try:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                fig.savefig(tmp, format=fmt, dpi=110)
-            os.replace(tmp, out)
-        finally:
-            Path(tmp).unlink(missing_ok=True)
-    except OSError as exc:
-        raise ConfigError(f"cannot write {out}: {exc.strerror}; choose a writable path") from exc
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        write_atomically(out, lambda tmp: fig.savefig(tmp, format=fmt, dpi=110))
     missing = {str(w.message) for w in caught if "missing from font" in str(w.message)}
     if missing:
         log.info("%d character(s) in the token labels have no glyph in matplotlib's font and "
@@ -639,4 +651,5 @@ __all__ = [
     "token_id_of",
     "token_text",
     "trace",
+    "write_atomically",
 ]
