@@ -258,5 +258,5 @@ def test_a_compressed_model_is_explored_through_its_factors(tokenizer: CharToken
     m.blocks[0].ffn.up = LowRankLinear.from_linear(m.blocks[0].ffn.up, 5)
     d = explorer_data(m, tokenizer, PROMPT)
     s = d["lowrank"]["layer0.head1"]["singular"]
-    assert len(s) == 8 and s[2] > 1e-6 and max(s[3:]) < 1e-9 * s[0]
-    assert d["lowrank"]["layer0.head1"]["weight_error"][3] < 1e-6
+    assert len(s) == 8 and s[2] > 1e-2 * s[0] and max(s[3:]) < 1e-6 * s[0]  # float32 factors
+    assert d["lowrank"]["layer0.head1"]["weight_error"][3] < 1e-5
