@@ -260,10 +260,12 @@ def test_screenshots_are_not_blank(page, tmp_path: Path) -> None:
     assert page.requests == [] and page.errors == []
 
 
-def test_live_mode_posts_the_prompt_and_renders_the_answer(browser, subject) -> None:
+def test_live_mode_posts_the_prompt_and_renders_the_answer(browser) -> None:
     """One page, two modes: with an endpoint the page asks for a prompt and shows what
     the endpoint answers (here Playwright plays the server, returning explorer_data)."""
-    model, tok = subject
+    tok = CharTokenizer("abcdefghijklmnopqrstuvwxyz ")
+    model = GPT(ModelConfig(vocab_size=tok.vocab_size, context_length=32, n_layer=2, n_head=2,
+                            n_embd=16)).eval()
     context = browser.new_context()
     posted = []
 
