@@ -36,14 +36,14 @@ def model() -> GPT:
 
 
 def _letters(name: str, tr: Trace) -> tuple[int, ...]:
-    sizes = {**tr.sizes, "4E": 4 * tr.sizes["E"], "H·D": tr.sizes["H"] * tr.sizes["D"]}
+    sizes = {**tr.sizes, "H·D": tr.sizes["H"] * tr.sizes["D"]}
     return tuple(sizes[p] for p in Trace.shape(name).strip("()").split(", "))
 
 
 def test_names_and_shapes_in_the_notes_letters(model: GPT) -> None:
     tr = trace(model, IDS)
     cfg = model.config
-    assert tr.sizes == {"C": len(IDS), "E": 32, "H": 4, "D": 6, "V": 17, "L": 3}
+    assert tr.sizes == {"C": len(IDS), "E": 32, "H": 4, "D": 6, "F": 128, "V": 17, "L": 3}
     expected = {"embed.tok", "embed.pos", "embed", "final_norm", "logits"}
     for l in range(cfg.n_layer):
         expected |= {f"layer{l}.{n}" for n in ("resid_pre", "ln1", "concat", "attn_concat",
@@ -183,7 +183,7 @@ def test_bad_ids(model: GPT) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class _VariantConfig(ModelConfig):
-    norm: str = "layernorm"
+    attention_sink: bool = False  # a variant field the trace has never heard of
 
 
 def test_unknown_architectures_are_refused() -> None:
@@ -196,8 +196,8 @@ def test_unknown_architectures_are_refused() -> None:
     with pytest.raises(ConfigError, match="FFN activation"):
         trace(relu, IDS)
     variant = _model()
-    variant.config = _VariantConfig(**variant.config.to_dict(), norm="rmsnorm")
-    with pytest.raises(ConfigError, match="norm='rmsnorm'"):
+    variant.config = _VariantConfig(**variant.config.to_dict(), attention_sink=True)
+    with pytest.raises(ConfigError, match="attention_sink=True"):
         trace(variant, IDS)
     variant.config = _VariantConfig(**_model().config.to_dict())  # at its default: known
     trace(variant, IDS)

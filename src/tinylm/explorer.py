@@ -180,7 +180,7 @@ def explorer_data(model: nn.Module, tokenizer: Any, prompt: str | Sequence[int],
     data = {
         "format": FORMAT, "prompt": prompt if isinstance(prompt, str) else None,
         "ids": ids, "tokens": [token_text(tokenizer, i) for i in ids],
-        "sizes": {**tr.sizes, "F": cfg.ffn_dim}, "select": {"layer": layer, "head": head},
+        "sizes": tr.sizes, "select": {"layer": layer, "head": head},
         "tensors": tensors, "next": nxt, "lens": _logit_lens(base, tr, top_k),
         "ablations": _ablations(base, ids, [row[0][0] for row in nxt], top_k),
         "lowrank": {f"layer{l}.head{i}": low_rank(base, tr, l, i)

@@ -178,10 +178,15 @@ def explain(model: nn.Module, tokenizer: Any, prompt: str | Sequence[int], *,
 
 # --- the trace: every intermediate of one forward pass ----------------------------------
 
-# ModelConfig fields the trace knows; any other field (an architecture variant) must be
-# at its default, else the trace refuses the model rather than compute other numbers.
+# ModelConfig fields the trace knows. Fields of architecture variants (tinylm's arch
+# options) must hold GPT-2's value; any other field must be at its default, else the
+# trace refuses the model rather than compute numbers that are not the model's.
 _KNOWN_FIELDS = frozenset({"vocab_size", "context_length", "n_layer", "n_head", "n_embd",
-                           "head_dim", "dropout", "bias", "tie_embeddings", "layer_norm_eps"})
+                           "head_dim", "dropout", "bias", "tie_embeddings", "layer_norm_eps",
+                           "norm_eps", "rope_theta", "ffn_hidden", "qkv_bias"})
+_GPT2_VALUES = {"norm": lambda c, v: v == "layernorm", "position": lambda c, v: v == "learned",
+                "mlp": lambda c, v: v == "gelu", "qk_norm": lambda c, v: not v,
+                "n_kv_head": lambda c, v: v is None or v == c.n_head}
 
 # The shape of each traced value in the note's letters, by the last part of its name.
 SHAPES = {
@@ -189,7 +194,7 @@ SHAPES = {
     "ln1": "(C, E)", "q": "(C, D)", "k": "(C, D)", "v": "(C, D)", "scores": "(C, C)",
     "scaled": "(C, C)", "masked": "(C, C)", "attn": "(C, C)", "out": "(C, D)",
     "contrib": "(C, E)", "concat": "(C, H·D)", "attn_concat": "(C, E)", "attn_out": "(C, E)",
-    "resid_mid": "(C, E)", "ln2": "(C, E)", "ffn_pre": "(C, 4E)", "ffn_post": "(C, 4E)",
+    "resid_mid": "(C, E)", "ln2": "(C, E)", "ffn_pre": "(C, F)", "ffn_post": "(C, F)",
     "ffn_out": "(C, E)", "resid_post": "(C, E)", "final_norm": "(C, E)", "logits": "(C, V)",
 }
 
@@ -204,9 +209,10 @@ class Trace:
     ``.attn`` = softmax (C, C), ``.out`` = R^i = A·V (C, D), ``.contrib`` = R^i·W_o^i
     (C, E); then ``layer{l}.concat`` [R^1 … R^H] (C, H·D), ``.attn_concat`` (the concat
     form, [R^1 … R^H]·W_o + b_o), ``.attn_out`` (the sum form, Σ_i R^i·W_o^i + b_o, what
-    the residual gets), ``.resid_mid``, ``.ln2``, ``.ffn_pre`` / ``.ffn_post`` (C, 4E,
-    before / after GELU), ``.ffn_out``, ``.resid_post``; finally ``final_norm`` (C, E)
-    and ``logits`` (C, V). ``shape(name)`` gives the letters, ``sizes`` their values.
+    the residual gets), ``.resid_mid``, ``.ln2``, ``.ffn_pre`` / ``.ffn_post`` (C, F,
+    before / after GELU; F = 4E in GPT-2), ``.ffn_out``, ``.resid_post``; finally
+    ``final_norm`` (C, E) and ``logits`` (C, V). ``shape(name)`` gives the letters,
+    ``sizes`` their values.
     """
 
     ids: tuple[int, ...]
@@ -238,7 +244,12 @@ def check_traceable(model: nn.Module) -> GPT:
                           f"load a tinylm checkpoint")
     cfg = base.config
     for f in dataclasses.fields(cfg):
-        if f.name not in _KNOWN_FIELDS and getattr(cfg, f.name) != f.default:
+        value = getattr(cfg, f.name)
+        if f.name in _GPT2_VALUES:
+            known = _GPT2_VALUES[f.name](cfg, value)
+        else:
+            known = f.name in _KNOWN_FIELDS or value == f.default
+        if not known:
             raise ConfigError(f"the explorer does not know the architecture {f.name}="
                               f"{getattr(cfg, f.name)!r} yet (it traces GPT-2's: LayerNorm, "
                               f"learned positions, GELU, multi-head attention)")
@@ -412,7 +423,7 @@ def trace(model: nn.Module, ids: Sequence[int] | Tensor, *,
                               f"(max difference {gap:.3g}); its architecture is not one the "
                               f"trace knows")
     sizes = {"C": len(flat), "E": cfg.n_embd, "H": cfg.n_head, "D": cfg.head_dim,
-             "V": cfg.vocab_size, "L": cfg.n_layer}
+             "F": base.blocks[0].ffn.up.out_features, "V": cfg.vocab_size, "L": cfg.n_layer}
     return Trace(tuple(flat), sizes, values, tuple(ablate))
 
 
