@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -303,15 +304,17 @@ class Plan:
             module.__class__ = cls
         module._tinylm_parts = parts
 
-    def apply(self) -> Plan:
-        """Give each eligible module its accelerated class (idempotent)."""
+    def apply(self, only: Iterable[str] | None = None) -> Plan:
+        """Give each eligible module its accelerated class (idempotent); ``only`` limits
+        this to some of "block", "attention", "ffn" (e.g. to measure or test one)."""
+        want = {"block", "attention", "ffn"} if only is None else set(only)
         for block, paths in zip(self.model.blocks if self.eligibility.blocks else (),
                                 self.eligibility.blocks, strict=True):
-            if paths.ffn:
+            if paths.ffn and "ffn" in want:
                 self._swap(block.ffn, NativeFeedForward)
-            if paths.attention:
+            if paths.attention and "attention" in want:
                 self._swap(block.attn, NativeAttention)
-            if paths.block:
+            if paths.block and "block" in want:
                 self._swap(block, NativeBlock)
         return self
 
