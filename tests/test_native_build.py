@@ -232,3 +232,27 @@ def test_a_library_planted_by_another_user_never_runs(tmp_path) -> None:
             assert "native kernels unavailable" in out.stderr
     finally:
         shutil.rmtree(shared, ignore_errors=True)
+
+
+def test_the_compiler_runs_at_accelerate_never_inside_forward(tmp_path) -> None:
+    log = tmp_path / "cc.log"
+    cc = tmp_path / "cc"
+    cc.write_text(f"#!/bin/sh\necho \"$@\" >> {log}\nexit 1\n")  # logs, then fails
+    cc.chmod(0o755)
+    code = textwrap.dedent(f"""
+        import os, torch
+        from tinylm import GPT, ModelConfig, native
+        m = GPT(ModelConfig(vocab_size=11, context_length=8, n_layer=1, n_head=1, n_embd=16))
+        ids = torch.tensor([[1, 2, 3]])
+        m.loss(ids, ids).backward()
+        with torch.no_grad():
+            m(ids)
+        assert not os.path.exists({str(log)!r}), "the compiler ran inside forward"
+        native.accelerate(m, "cpu")
+        assert os.path.exists({str(log)!r}), "accelerate did not try to build"
+    """)
+    env = dict(os.environ, PYTHONPATH=SRC_DIR, CC=str(cc), XDG_CACHE_HOME=str(tmp_path))
+    env.pop("TINYLM_NATIVE", None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
