@@ -17,10 +17,16 @@ help:
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet -c constraints.txt -e '.[dev]'
+	$(PIP) install --quiet -c constraints.txt -e '.[dev,serve]'
 	@touch $(STAMP)
 
 install: $(STAMP)
+
+# The browser the page tests drive (Playwright, pointed at the system Chromium; it never
+# downloads one). Debian's package; skipped where it is already installed.
+CHROMIUM := /usr/bin/chromium
+$(CHROMIUM):
+	apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium
 
 # data/ and runs/ are gitignored. The run is replaced on each `make demo`.
 demo: $(STAMP)
@@ -32,7 +38,7 @@ demo: $(STAMP)
 		--max-new-tokens 100 --temperature 0.8 --seed 0
 	@echo "loss curve: runs/demo/loss.png"
 
-test: $(STAMP)
+test: $(STAMP) $(CHROMIUM)
 	$(PY) -m ruff check src tests benchmarks
 	$(PY) -m pytest -q
 

@@ -1,0 +1,62 @@
+"""Helpers for the serve tests: a tiny model with a byte-level BPE tokenizer, and a
+live uvicorn server on 127.0.0.1 in a background thread."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from contextlib import contextmanager
+
+import torch
+
+from tinylm.config import ModelConfig
+from tinylm.model import GPT
+from tinylm.serve.app import Server, Settings, create_app
+from tinylm.tokenizers import BPETokenizer
+
+TEXT = ("The cat sat on the mat. A dog ran in the park. Café au lait, naïve façade, "
+        "日本語のテキスト. Numbers 0123456789 and more words: attention is all you need. ")
+
+
+def tiny_model_and_tokenizer(context_length: int = 64):
+    """A random model whose logits are far apart (weights scaled up), so greedy choices
+    are not near-ties that float rounding could flip."""
+    tok = BPETokenizer.train([TEXT * 4], vocab_size=300, special_tokens=["<|endoftext|>"])
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=tok.vocab_size, n_layer=2, n_head=2, n_embd=32,
+                      context_length=context_length, tie_embeddings=False)
+    model = GPT(cfg).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30.0)
+    return model, tok
+
+
+@contextmanager
+def live_server(model=None, tokenizer=None, **settings):
+    """(base URL, Server) of a running server; stopped on exit."""
+    import uvicorn
+
+    if model is None:
+        model, tokenizer = tiny_model_and_tokenizer()
+    server = Server(Settings(**settings))
+    server.load(model, tokenizer)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(create_app(server), log_level="warning", lifespan="on")
+    uv = uvicorn.Server(config)
+    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not uv.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}", server
+    finally:
+        uv.should_exit = True
+        thread.join(10)
+        sock.close()
+        server.stop()
