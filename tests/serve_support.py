@@ -8,6 +8,7 @@ import threading
 import time
 from contextlib import contextmanager
 
+import pytest
 import torch
 
 from tinylm.config import ModelConfig
@@ -32,6 +33,16 @@ def tiny_model_and_tokenizer(context_length: int = 64):
     return model, tok
 
 
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """Tiny models run fastest on one thread, and a busy machine makes more threads
+    spin; the tests' own reference generations use one too."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @contextmanager
 def live_server(model=None, tokenizer=None, **settings):
     """(base URL, Server) of a running server; stopped on exit."""
@@ -39,6 +50,7 @@ def live_server(model=None, tokenizer=None, **settings):
 
     if model is None:
         model, tokenizer = tiny_model_and_tokenizer()
+    settings.setdefault("threads", 1)  # tiny matrices: one thread beats two (and a busy box)
     server = Server(Settings(**settings))
     server.load(model, tokenizer)
     sock = socket.socket()

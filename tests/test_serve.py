@@ -11,8 +11,12 @@ import httpx
 import openai
 import pytest
 import torch
-from serve_support import live_server, tiny_model_and_tokenizer
 
+from serve_support import (
+    live_server,
+    one_torch_thread,  # noqa: F401  (autouse: one torch thread)
+    tiny_model_and_tokenizer,
+)
 from tinylm.inspection import explain
 from tinylm.sampling import generate_text
 

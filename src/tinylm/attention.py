@@ -209,6 +209,10 @@ class RaggedKVCache(KVCache):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        # Zeros, not torch.empty's garbage: a masked key gets weight 0, but 0·NaN in
+        # A·V would still be NaN, and rows read past their own length (up to the longest).
+        self.k.zero_()
+        self.v.zero_()
         self.lengths = torch.zeros(self.k.shape[1], dtype=torch.long, device=self.k.device)
         self.rows = 0
 

@@ -746,6 +746,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="the largest max_tokens a request may ask for (default: 256)")
     p.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
                    help="per-request time limit; generation ends there (default: 60)")
+    p.add_argument("--threads", type=_positive, default=None, metavar="N",
+                   help="torch threads of the decoding loop (default: torch's own choice)")
     p.add_argument("--model-name", default=None, metavar="NAME",
                    help="the model id clients send (default: the folder's name)")
     p.set_defaults(func=_cmd_serve)
@@ -760,7 +762,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     kwargs = {} if args.model_name is None else {"model_name": args.model_name}
     serve(args.model, host=args.host, port=args.port, api_key=args.api_key,
           max_batch=args.max_batch, max_queue=args.max_queue, max_tokens=args.max_tokens,
-          timeout=args.timeout, **kwargs)
+          timeout=args.timeout, threads=args.threads, **kwargs)
     return 0
 
 

@@ -69,6 +69,7 @@ class Settings:
     max_tokens: int = 256
     max_body_bytes: int = 1 << 20
     timeout: float = 60.0  # seconds per request
+    threads: int | None = None  # torch threads of the decoding loop (None: torch's default)
 
 
 class Server:
@@ -92,7 +93,7 @@ class Server:
                              max_body_bytes=s.max_body_bytes)
         self.model, self.tokenizer = model, tokenizer
         self.engine = Engine(model, max_batch=s.max_batch, max_queue=s.max_queue,
-                             metrics=self.metrics).start()
+                             threads=s.threads, metrics=self.metrics).start()
 
     def load_in_background(self) -> None:
         def run() -> None:

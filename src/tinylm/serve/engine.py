@@ -101,14 +101,16 @@ class _Row:
 class Engine:
     """The batching loop over ``model`` (a GPT in eval mode; moved to no device).
 
-    ``max_batch`` rows decode together; ``max_queue`` more may wait for a row. Start with
+    ``max_batch`` rows decode together; ``max_queue`` more may wait for a row;
+    ``threads`` sets torch's intra-op threads of the loop's thread. Start with
     :meth:`start` (or use as a context manager); :meth:`stop` ends the thread and
     every request still in it.
     """
 
     def __init__(self, model: GPT, *, max_batch: int = 16, max_queue: int = 64,
-                 metrics: Metrics | None = None) -> None:
+                 threads: int | None = None, metrics: Metrics | None = None) -> None:
         self.model = model.eval()
+        self.threads = threads
         self.max_batch, self.max_queue = max_batch, max_queue
         self.context = model.config.context_length
         self.metrics = metrics or Metrics()
@@ -165,6 +167,8 @@ class Engine:
     # -- the loop ----------------------------------------------------------------------
 
     def _loop(self) -> None:
+        if self.threads is not None:
+            torch.set_num_threads(self.threads)
         with torch.inference_mode():
             while True:
                 with self._cv:
