@@ -46,13 +46,20 @@ def one_torch_thread():
 @contextmanager
 def live_server(model=None, tokenizer=None, **settings):
     """(base URL, Server) of a running server; stopped on exit."""
-    import uvicorn
-
     if model is None:
         model, tokenizer = tiny_model_and_tokenizer()
     settings.setdefault("threads", 1)  # tiny matrices: one thread beats two (and a busy box)
     server = Server(Settings(**settings))
     server.load(model, tokenizer)
+    with serve_app(server) as url:
+        yield url, server
+
+
+@contextmanager
+def serve_app(server: Server):
+    """The base URL of uvicorn serving ``server``'s app in a thread; stopped on exit."""
+    import uvicorn
+
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
@@ -66,7 +73,7 @@ def live_server(model=None, tokenizer=None, **settings):
             raise RuntimeError("the test server did not start")
         time.sleep(0.01)
     try:
-        yield f"http://127.0.0.1:{port}", server
+        yield f"http://127.0.0.1:{port}"
     finally:
         uv.should_exit = True
         thread.join(10)

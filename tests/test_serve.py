@@ -4,6 +4,7 @@ the same prompt alone, the model's log-softmax, inspection.explain."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
@@ -19,6 +20,8 @@ from serve_support import (
 )
 from tinylm.inspection import explain
 from tinylm.sampling import generate_text
+from tinylm.serve.app import Server, Settings
+from tinylm.serve.schemas import Limits, parse_completion
 
 MODEL = "tiny"
 
@@ -183,6 +186,7 @@ def test_malformed_requests_get_openai_shaped_4xx(served):
 def test_models_health_metrics(served, client):
     url = served[0]
     assert [m.id for m in client.models.list().data] == [MODEL]
+    client.completions.create(model=MODEL, prompt="The", max_tokens=2)
     assert httpx.get(url + "/health").json() == {"status": "ok"}
     text = httpx.get(url + "/metrics").text
     for name in ("tinylm_requests_total", "tinylm_completion_tokens_total",
@@ -239,3 +243,100 @@ def test_api_key_and_rate_limit_and_timeout():
         c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
         r = c.completions.create(model=MODEL, prompt="The", max_tokens=64, temperature=0)
         assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens < 64
+
+
+def test_health_is_503_while_the_model_loads():
+    import threading
+
+    from serve_support import serve_app
+
+    model, tok = tiny_model_and_tokenizer()
+    release = threading.Event()
+
+    def slow_loader():
+        release.wait(30)
+        return model, tok
+    with serve_app(Server(Settings(model_name=MODEL, threads=1), slow_loader)) as url:
+        r = httpx.get(url + "/health")
+        assert r.status_code == 503 and r.json()["status"] == "loading"
+        r = httpx.post(url + "/v1/completions", json={"prompt": "The"})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "model_not_ready"
+        release.set()
+        deadline = time.monotonic() + 30
+        while httpx.get(url + "/health").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        r = httpx.post(url + "/v1/completions", json={"prompt": "The", "max_tokens": 3})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_a_split_multibyte_character_is_never_streamed_in_halves(served):
+    """Two byte-level tokens that each hold half of 'ж' give no text for the first and
+    the whole character for the second."""
+    from tinylm.serve.engine import Token
+    from tinylm.serve.responses import Run
+
+    _, _, _, tok = served
+    ids = tok.encode("ж")
+    assert len(ids) == 2 and tok.decode(ids[:1]).endswith("\ufffd")  # one byte each
+
+    class Engine:
+        def submit(self, requests):
+            pass
+
+    async def go():
+        gen = parse_completion({"prompt": "x", "max_tokens": 4}, Limits(64)).gen
+        run = Run(Engine(), tok, [[1]], gen, [], 10.0)
+        pieces = [run._apply(run.choices[0], Token(i)).text for i in ids]
+        return pieces
+    assert asyncio.run(go()) == ["", "ж"]
+
+
+def test_cli_serve_end_to_end(tmp_path):
+    """`tinylm serve` as a user runs it: a subprocess on a checkpoint folder."""
+    import socket
+    import subprocess
+    import sys
+
+    from tinylm.checkpoint import save_checkpoint
+
+    model, tok = tiny_model_and_tokenizer()
+    save_checkpoint(tmp_path / "ckpt", model, tok)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "tinylm", "-q", "serve", "--model",
+                             str(tmp_path / "ckpt"), "--port", str(port), "--threads", "1"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.stderr.read().decode()
+            assert time.monotonic() < deadline, "the server did not become healthy"
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        assert [m.id for m in c.models.list().data] == ["ckpt"]
+        r = c.completions.create(model="ckpt", prompt="The cat", max_tokens=8, temperature=0)
+        assert r.choices[0].text == expected(model, tok, "The cat", 8, temperature=0)
+        assert "<title>tinylm</title>" in httpx.get(url + "/").text
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--host", "0.0.0.0"], "needs an API key"),
+    ([], "does not exist"),
+])
+def test_cli_serve_refuses_bad_setups(tmp_path, capsys, monkeypatch, argv, message):
+    from tinylm.cli import main
+
+    monkeypatch.delenv("TINYLM_API_KEY", raising=False)
+    assert main(["serve", "--model", str(tmp_path / "missing"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
