@@ -74,14 +74,6 @@ def test_streaming_text_equals_non_streamed(served, client):
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] >= 1
 
 
-def test_chat_streaming_shape_role_first_finish_last(served):
-    """Chat chunks on a model without a template are a 400; the role-first shape is
-    tested in test_chat_with_template below."""
-    r = httpx.post(served[0] + "/v1/chat/completions",
-                   json={"messages": [{"role": "user", "content": "hi"}], "stream": True})
-    assert r.status_code == 400
-
-
 def test_chat_without_template_is_a_400_that_says_so(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user",
@@ -340,3 +332,75 @@ def test_cli_serve_refuses_bad_setups(tmp_path, capsys, monkeypatch, argv, messa
     assert main(["serve", "--model", str(tmp_path / "missing"), *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+class _TemplateTokenizer:
+    """A tokenizer with a chat template, through the interface tinylm.chat provides
+    (``tokenizer.chat_template``, ``render_chat``, ``stop_ids``): role tokens, then the
+    content, then <|end|>."""
+
+    chat_template = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<|end|>{% endfor %}"
+
+    def __init__(self, tok):
+        self._tok = tok
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+
+def _standin_chat(tok):
+    import types
+
+    ids = {n: tok.token_to_id(f"<|{n}|>") for n in ("user", "assistant", "end", "system")}
+
+    def render_chat(tokenizer, messages, add_generation_prompt=True):
+        out = []
+        for m in messages:
+            out += [ids[m["role"]], *tokenizer.encode(m["content"]), ids["end"]]
+        return out + ([ids["assistant"]] if add_generation_prompt else [])
+    return types.SimpleNamespace(render_chat=render_chat, stop_ids=lambda t: [ids["end"]])
+
+
+def test_chat_completions_through_the_chat_interface(monkeypatch):
+    import sys
+
+    import tinylm
+    from serve_support import TEXT
+    from serve_support import tiny_model_and_tokenizer as tiny
+    from tinylm import generate
+    from tinylm.tokenizers import BPETokenizer
+
+    base = BPETokenizer.train([TEXT * 4], vocab_size=300, special_tokens=[
+        "<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"])
+    tok = _TemplateTokenizer(base)
+    chat = _standin_chat(base)
+    monkeypatch.setitem(sys.modules, "tinylm.chat", chat)
+    monkeypatch.setattr(tinylm, "chat", chat, raising=False)
+    model, _ = tiny()
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "The cat?"}]
+    ids = chat.render_chat(base, messages)
+    stops = [base.token_to_id("<|end|>"), base.eos_id]
+    out = generate(model, ids, 24, temperature=0, stop_ids=stops,
+                   vocab_size=base.vocab_size)[0, len(ids):].tolist()
+    cut = next((i for i, t in enumerate(out) if t in stops), len(out))
+    want = base.decode(out[:cut])
+    with live_server(model, tok, model_name=MODEL) as (url, _):
+        c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        r = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=24,
+                                      temperature=0, logprobs=True, top_logprobs=2)
+        assert r.object == "chat.completion"
+        assert r.choices[0].message.role == "assistant"
+        assert r.choices[0].message.content == want
+        assert r.choices[0].finish_reason == ("stop" if cut < len(out) else "length")
+        assert r.usage.prompt_tokens == len(ids)
+        assert len(r.choices[0].logprobs.content) == r.usage.completion_tokens
+        assert all(len(e.top_logprobs) == 2 for e in r.choices[0].logprobs.content)
+        chunks = list(c.chat.completions.create(model=MODEL, messages=messages,
+                                                max_tokens=24, temperature=0, stream=True))
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert chunks[-1].choices[0].finish_reason == r.choices[0].finish_reason
+        assert all(ch.choices[0].finish_reason is None for ch in chunks[:-1])
+        assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == want
+        with pytest.raises(openai.BadRequestError):  # a role the template does not know
+            c.chat.completions.create(model=MODEL, messages=[{"role": 3, "content": "x"}])

@@ -254,7 +254,8 @@ def _chat_ids(server: Server, req: ChatRequest) -> tuple[list[int], list[int]]:
                            code="no_chat_template")
     ids = list(chat.render_chat(tok, list(req.messages), add_generation_prompt=True))
     check_prompt(ids, server.limits.context_length, server.model.config.vocab_size)
-    return ids, sorted(set(chat.stop_ids(tok)) | set(_eos(server)))
+    ends = getattr(chat, "stop_ids", None)  # the end-of-turn token(s) of the chat format
+    return ids, sorted(set(ends(tok) if ends else ()) | set(_eos(server)))
 
 
 async def chat_completions(server: Server, request: Request) -> Response:
