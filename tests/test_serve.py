@@ -12,6 +12,8 @@ import httpx
 import openai
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from serve_support import (
     live_server,
@@ -404,3 +406,30 @@ def test_chat_completions_through_the_chat_interface(monkeypatch):
         assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == want
         with pytest.raises(openai.BadRequestError):  # a role the template does not know
             c.chat.completions.create(model=MODEL, messages=[{"role": 3, "content": "x"}])
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers(-2 ** 70, 2 ** 70)
+                    | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=8),
+                    lambda kids: st.lists(kids, max_size=3)
+                    | st.dictionaries(st.text(max_size=6), kids, max_size=3), max_leaves=6)
+FIELDS = ["prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p",
+          "top_k", "n", "stop", "seed", "logprobs", "top_logprobs", "echo", "stream",
+          "stream_options", "model", "presence_penalty", "logit_bias"]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                 HealthCheck.function_scoped_fixture])
+@given(route=st.sampled_from(["/v1/completions", "/v1/chat/completions", "/v1/explain"]),
+       body=st.dictionaries(st.sampled_from(FIELDS), JSON, max_size=6))
+def test_no_body_gets_a_server_error(served, route, body):
+    if not isinstance(body.get("max_tokens", 0), (str, list, dict, float)):
+        body = dict(body, max_tokens=2)  # keep the valid ones short (others are tested above)
+    r = httpx.post(served[0] + route, json=body, timeout=30)
+    assert r.status_code < 500, (body, r.text)
+    if r.status_code >= 400:
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_deeply_nested_json_is_a_400(served):
+    r = httpx.post(served[0] + "/v1/completions", content=b"[" * 100_000 + b"]" * 100_000)
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]

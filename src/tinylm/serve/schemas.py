@@ -86,7 +86,7 @@ def parse_json(raw: bytes) -> dict[str, Any]:
     """The body as a JSON object, or a RequestError saying what is wrong with it."""
     try:
         body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, bad UTF-8, deep nesting
         raise RequestError(f"the request body is not valid JSON ({exc}); send a JSON object "
                            f"with Content-Type: application/json") from exc
     if not isinstance(body, dict):
