@@ -153,8 +153,9 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=2, help="requests per client")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=16)
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
-                        help="torch threads of the server's decoding loop")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads of the server's decoding loop (default 1: the "
+                             "model is small, and the HTTP side needs a core too)")
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args()
     load = os.getloadavg()[0]
