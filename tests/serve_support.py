@@ -20,10 +20,12 @@ TEXT = ("The cat sat on the mat. A dog ran in the park. Café au lait, naïve fa
         "日本語のテキスト. Numbers 0123456789 and more words: attention is all you need. ")
 
 
-def tiny_model_and_tokenizer(context_length: int = 64):
+def tiny_model_and_tokenizer(context_length: int = 64, eos: bool = True):
     """A random model whose logits are far apart (weights scaled up), so greedy choices
-    are not near-ties that float rounding could flip."""
-    tok = BPETokenizer.train([TEXT * 4], vocab_size=300, special_tokens=["<|endoftext|>"])
+    are not near-ties that float rounding could flip. Without ``eos`` the tokenizer has
+    no end-of-text token, so a generation runs until max_tokens (a row held on purpose)."""
+    tok = BPETokenizer.train([TEXT * 4], vocab_size=300,
+                             special_tokens=["<|endoftext|>"] if eos else [])
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=tok.vocab_size, n_layer=2, n_head=2, n_embd=32,
                       context_length=context_length, tie_embeddings=False)

@@ -216,9 +216,9 @@ def test_disconnect_frees_the_row(served):
 
 
 def test_api_key_and_rate_limit_and_timeout():
-    model, tok = tiny_model_and_tokenizer()
+    model, tok = tiny_model_and_tokenizer(eos=False)  # the held stream runs to max_tokens
     with live_server(model, tok, model_name=MODEL, api_key="s3cret", max_batch=1,
-                     max_queue=0, max_tokens=64) as (url, _):
+                     max_queue=0, max_tokens=10**6) as (url, _):
         bad = openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0)
         with pytest.raises(openai.AuthenticationError):
             bad.completions.create(model=MODEL, prompt="The", max_tokens=2)
@@ -227,9 +227,10 @@ def test_api_key_and_rate_limit_and_timeout():
         assert good.completions.create(model=MODEL, prompt="The", max_tokens=2).choices
         # one row, no queue: while a stream holds the row, the next request is refused
         with httpx.stream("POST", url + "/v1/completions", headers={
-                "Authorization": "Bearer s3cret"}, json={"prompt": "The", "max_tokens": 64,
+                "Authorization": "Bearer s3cret"}, json={"prompt": "The", "max_tokens": 10**6,
                                                          "stream": True}) as held:
-            next(held.iter_lines())
+            lines = held.iter_lines()  # kept: a dropped iterator closes the stream
+            next(lines)
             with pytest.raises(openai.RateLimitError) as e:
                 good.completions.create(model=MODEL, prompt="The", max_tokens=2)
             assert int(e.value.response.headers["retry-after"]) >= 1
@@ -433,3 +434,24 @@ def test_no_body_gets_a_server_error(served, route, body):
 def test_deeply_nested_json_is_a_400(served):
     r = httpx.post(served[0] + "/v1/completions", content=b"[" * 100_000 + b"]" * 100_000)
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+
+
+def test_a_client_that_leaves_while_queued_is_never_prefilled():
+    """One row: a stream holds it; a non-streamed request waits in the queue, its client
+    gives up; when the row frees, the abandoned request is dropped unprefilled."""
+    model, tok = tiny_model_and_tokenizer(eos=False)
+    with live_server(model, tok, max_batch=1, max_queue=4, max_tokens=10**6) as (url, srv):
+        with httpx.stream("POST", url + "/v1/completions", json={  # far more than 0.5 s
+                "prompt": "The", "max_tokens": 10**6, "stream": True}) as held:
+            lines = held.iter_lines()  # kept: a dropped iterator closes the stream
+            next(lines)
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(url + "/v1/completions", json={"prompt": "A dog ran",
+                                                          "max_tokens": 8}, timeout=0.5)
+            assert len(srv.engine.pending) == 1
+            prompt_tokens = srv.metrics.prompt_tokens
+        deadline = time.monotonic() + 10
+        while srv.engine.rows or srv.engine.pending:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert srv.metrics.prompt_tokens == prompt_tokens
