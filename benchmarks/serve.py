@@ -199,6 +199,9 @@ def main() -> int:
         lines.append(f"| {r['clients']} | {r['tps']:.1f} | {s['tps']:.1f} | "
                      f"{r['tps'] / s['tps']:.2f}x | {r['p50'] * 1e3:.0f} / {r['p99'] * 1e3:.0f} "
                      f"| {s['p50'] * 1e3:.0f} / {s['p99'] * 1e3:.0f} |")
+    if load > (os.cpu_count() or 1):
+        lines += ["", f"(The machine was busy — load average {load:.1f} on {os.cpu_count()} "
+                      f"cores — so these figures are noisy; rerun on a quiet machine.)"]
     lines += ["", "![serving throughput](benchmarks/serve.png)",
               "", "Command: `python benchmarks/serve.py " + " ".join(sys.argv[1:]) + "`"]
     text = "\n".join(lines)
