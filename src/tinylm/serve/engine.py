@@ -211,6 +211,9 @@ class Engine:
         if req.cancelled:
             req.emit(End("cancelled"))
             return
+        if time.monotonic() > req.deadline:  # it waited in the queue for all its time
+            req.emit(End("length", "the request's time limit was reached in the queue"))
+            return
         row = _Row(req)
         logits, cache = self._prefill(row.seq[-self.context:])
         self.metrics.prompt_tokens += len(row.seq)
