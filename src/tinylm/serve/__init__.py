@@ -14,6 +14,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from tinylm.checkpoint import (
+    TOKENIZER_FILE,
+    load_checkpoint,
+    read_config,
+    resolve_checkpoint_dir,
+)
 from tinylm.errors import CheckpointError, ConfigError
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -65,7 +71,7 @@ def serve(model_dir: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 
     answers 503 until it is ready). ``settings`` are :class:`~tinylm.serve.app.Settings`
     fields (max_batch, max_queue, max_tokens, timeout, ...)."""
     uvicorn = _require_serve_extra()
-    from tinylm.serve.app import create_app
+    from tinylm.serve.app import create_app  # Starlette: the optional [serve] extra
 
     server = make_server(model_dir, host=host, api_key=api_key, **settings)
     uvicorn.run(create_app(server), host=host, port=port, log_level="info")
