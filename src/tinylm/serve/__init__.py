@@ -44,12 +44,6 @@ def make_server(model_dir: str | os.PathLike, *, host: str = "127.0.0.1",
     the checks that can fail fast: the folder and its tokenizer exist, and a host other
     than loopback has an API key (``api_key`` or ``$TINYLM_API_KEY``)."""
     _require_serve_extra()
-    from tinylm.checkpoint import (
-        TOKENIZER_FILE,
-        load_checkpoint,
-        read_config,
-        resolve_checkpoint_dir,
-    )
     from tinylm.serve.app import Server, Settings
 
     api_key = api_key or os.environ.get(API_KEY_ENV) or None
