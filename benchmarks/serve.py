@@ -203,7 +203,7 @@ def main() -> int:
         lines += ["", f"(The machine was busy — load average {load:.1f} on {os.cpu_count()} "
                       f"cores — so these figures are noisy; rerun on a quiet machine.)"]
     lines += ["", "![serving throughput](benchmarks/serve.png)",
-              "", "Command: `python benchmarks/serve.py " + " ".join(sys.argv[1:]) + "`"]
+              "", "Command: `" + " ".join(["python", "benchmarks/serve.py", *sys.argv[1:]]) + "`"]
     text = "\n".join(lines)
     print(text)
     if not args.no_write:
