@@ -17,7 +17,7 @@ help:
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet -c constraints.txt -e '.[dev]'
+	$(PIP) install --quiet -c constraints.txt -e '.[dev,serve]'
 	@touch $(STAMP)
 
 install: $(STAMP)
@@ -27,7 +27,7 @@ install: $(STAMP)
 # missing (a fresh Debian CI machine); a no-op where it is already there.
 browser:
 	@test -x /usr/bin/chromium || { apt-get update && \
-		DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium; }
+		DEBIAN_FRONTEND=noninteractive apt-get install -y chromium; }
 
 # data/ and runs/ are gitignored. The run is replaced on each `make demo`.
 demo: $(STAMP)

@@ -711,6 +711,58 @@ def _cmd_sample(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return n
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server (continuous batching) and a web page",
+        description="Serve a checkpoint over HTTP: POST /v1/completions, /v1/chat/completions "
+                    "(models with a chat template), /v1/explain; GET /v1/models, /health, "
+                    "/metrics; the playground and explorer page at /. Concurrent requests "
+                    "decode together in one batched step. Needs the [serve] extra.")
+    p.add_argument("--model", required=True, metavar="DIR", help="checkpoint folder")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default: 127.0.0.1; any other needs an API key)")
+    p.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' (default: $TINYLM_API_KEY; "
+                        "none on 127.0.0.1)")
+    p.add_argument("--max-batch", type=_positive, default=16, metavar="N",
+                   help="requests decoded together in one step (default: 16)")
+    p.add_argument("--max-queue", type=_positive, default=64, metavar="N",
+                   help="requests waiting beyond the batch; more get 429 (default: 64)")
+    p.add_argument("--max-tokens", type=_positive, default=256, metavar="N",
+                   help="the largest max_tokens a request may ask for (default: 256)")
+    p.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="per-request time limit; generation ends there (default: 60)")
+    p.add_argument("--threads", type=_positive, default=None, metavar="N",
+                   help="torch threads of the decoding loop (default: torch's own choice)")
+    p.add_argument("--model-name", default=None, metavar="NAME",
+                   help="the model id clients send (default: the folder's name)")
+    p.set_defaults(func=_cmd_serve)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from tinylm.errors import ConfigError
+    from tinylm.serve import serve
+
+    if not args.timeout > 0:
+        raise ConfigError(f"--timeout must be > 0 seconds, got {args.timeout}")
+    kwargs = {} if args.model_name is None else {"model_name": args.model_name}
+    serve(args.model, host=args.host, port=args.port, api_key=args.api_key,
+          max_batch=args.max_batch, max_queue=args.max_queue, max_tokens=args.max_tokens,
+          timeout=args.timeout, threads=args.threads, **kwargs)
+    return 0
+
+
 COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_prepare,
     _add_train,
@@ -720,6 +772,7 @@ COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_explain,
     _add_compress,
     _add_convert,
+    _add_serve,
     _add_info,
 ]
 
