@@ -1,6 +1,8 @@
 """The HTTP app: OpenAI-style routes on Starlette, served by uvicorn.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/explain``,
+``POST /v1/explore`` (the explorer's data, :func:`tinylm.explorer.explorer_data`), the
+explorer page in live mode at ``/explorer``,
 ``GET /v1/models``, ``GET /health`` (503 while the model loads), ``GET /metrics``
 (Prometheus text) and the web page at ``/``. With an API key every ``/v1`` route and
 ``/metrics`` need ``Authorization: Bearer KEY`` (compared in constant time). Every
@@ -34,6 +36,7 @@ from starlette.responses import (
 from starlette.routing import Route
 
 from tinylm.errors import TinyLMError
+from tinylm.explorer import explorer_data, render_explorer
 from tinylm.inspection import explain
 from tinylm.serve.engine import Engine, QueueFull
 from tinylm.serve.metrics import Metrics
@@ -343,6 +346,23 @@ async def explain_route(server: Server, request: Request) -> Response:
                          "attention": attention})
 
 
+async def explore_route(server: Server, request: Request) -> Response:
+    """The explorer's data for a prompt: exactly what explorer_data returns (the page at
+    /explorer posts {"prompt", "top_k"} here and draws the answer)."""
+    req = parse_explain(await _body(server, request))
+    _check_model(server, req.model)
+    ids = server.tokenizer.encode(req.prompt)
+    check_prompt(ids, server.limits.context_length, server.model.config.vocab_size)
+    data = await asyncio.to_thread(explorer_data, server.model, server.tokenizer, req.prompt,
+                                   top_k=req.top_k)
+    return JSONResponse(data)
+
+
+async def explorer_page(request: Request) -> Response:
+    """The explorer page in live mode: a prompt box that POSTs to /v1/explore."""
+    return HTMLResponse(render_explorer(None, endpoint="/v1/explore"))
+
+
 async def models(server: Server, request: Request) -> Response:
     return JSONResponse({"object": "list", "data": [
         {"id": server.settings.model_name, "object": "model", "created": 0,
@@ -396,12 +416,14 @@ def create_app(server: Server) -> Starlette:
 
     routes = [
         Route("/", page),
+        Route("/explorer", explorer_page),
         Route("/health", health),
         Route("/metrics", metrics),
         Route("/v1/models", _endpoint("models", models)),
         Route("/v1/completions", _endpoint("completions", completions), methods=["POST"]),
         Route("/v1/chat/completions", _endpoint("chat", chat_completions), methods=["POST"]),
         Route("/v1/explain", _endpoint("explain", explain_route), methods=["POST"]),
+        Route("/v1/explore", _endpoint("explore", explore_route), methods=["POST"]),
     ]
     app = Starlette(routes=routes, lifespan=asynccontextmanager(lifespan),
                     exception_handlers={HTTPException: _http_error, Exception: _server_error})
