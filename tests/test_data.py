@@ -53,7 +53,9 @@ def test_prepare_builtin_corpus_matches_one_shot_char_encoding(tmp_path) -> None
     assert meta["val_tokens"] == round(len(text) * 0.1)
     assert meta["sha256"] == hashlib.sha256(
         hashlib.sha256(text.encode()).hexdigest().encode()).hexdigest()
-    assert sorted(p.name for p in (tmp_path / "py").iterdir()) == sorted(data_mod.OUTPUT_NAMES)
+    assert sorted(p.name for p in (tmp_path / "py").iterdir()) == [
+        "meta.json", "tokenizer.json", "train-00000.bin", "val-00000.bin"]
+    assert meta["split"] == "tokens" and meta["documents"]["read"] == 1  # one document
 
 
 def test_bpe_streaming_in_small_pieces_equals_one_shot(tmp_path, monkeypatch) -> None:
@@ -64,7 +66,7 @@ def test_bpe_streaming_in_small_pieces_equals_one_shot(tmp_path, monkeypatch) ->
     src = tmp_path / "in.txt"
     src.write_text(text, encoding="utf-8", newline="")
     monkeypatch.setattr(data_mod, "PIECE_CHARS", 997)
-    monkeypatch.setattr(data_mod, "BATCH_PIECES", 5)
+    monkeypatch.setattr(data_mod, "TASK_CHARS", 5000)
     d = prepare(tmp_path / "out", [src], tokenizer="bpe", vocab_size=400, chunk_bytes=4099,
                 progress=False)
     assert d.tokenizer.kind == "bpe" and d.vocab_size == 400
@@ -89,15 +91,18 @@ def test_shard_dtype_follows_vocab_size(tmp_path) -> None:
     assert _all_tokens(d).tolist() == list(range(70_000)) + list(range(69_999, -1, -1))
 
 
-def test_folder_input_sorted_with_newlines_between_files(tmp_path) -> None:
+def test_folder_input_sorted_one_document_per_file(tmp_path) -> None:
     (tmp_path / "in" / "sub").mkdir(parents=True)
     (tmp_path / "in" / "b.txt").write_text("second file" * 40)
     (tmp_path / "in" / "a.txt").write_text("first file\n" * 40)
     (tmp_path / "in" / "sub" / "c.md").write_text("third 日本" * 40)
     (tmp_path / "in" / ".hidden").write_text("\x00binary")
     d = prepare(tmp_path / "out", [tmp_path / "in"], context_length=8, progress=False)
-    expected = "first file\n" * 40 + "second file" * 40 + "\n" + "third 日本" * 40
+    # No end-of-text token in this char vocabulary: a line break separates documents.
+    expected = "first file\n" * 40 + "\n" + "second file" * 40 + "\n" + "third 日本" * 40
     assert d.tokenizer.decode(_all_tokens(d)) == expected
+    assert d.meta["documents"]["read"] == 3 and d.meta["doc_separator"] == [
+        d.tokenizer.token_to_id("\n")]
     assert [i["name"].split("/")[-1] for i in d.meta["inputs"]] == ["a.txt", "b.txt", "c.md"]
     only_md = prepare(tmp_path / "md", [tmp_path / "in"], glob="*.md", context_length=8,
                       progress=False)
@@ -153,11 +158,11 @@ def test_load_prepared_rejects_missing_incomplete_corrupt(tmp_path) -> None:
         load_prepared(tmp_path / "nope")
     out = tmp_path / "out"
     prepare(out, progress=False)
-    train = (out / "train.bin").read_bytes()
-    (out / "train.bin").write_bytes(train[:-2])
-    with pytest.raises(DataError, match="train.bin has"):
+    train = (out / "train-00000.bin").read_bytes()
+    (out / "train-00000.bin").write_bytes(train[:-2])
+    with pytest.raises(DataError, match="train-00000.bin has"):
         load_prepared(out)
-    (out / "train.bin").write_bytes(train)
+    (out / "train-00000.bin").write_bytes(train)
     (out / "meta.json").write_text("{broken")
     with pytest.raises(DataError, match="unreadable meta.json"):
         load_prepared(out)

@@ -67,8 +67,8 @@ def test_stdin_and_rerun_of_same_dataset(text_file, tmp_path) -> None:
     d = load_prepared(out)
     assert d.meta["source"] == "-"
     assert d.tokenizer.decode(np.concatenate([d.train, d.val])) == text_file.read_text()
-    assert sorted(p.name for p in out.iterdir()) == ["meta.json", "tokenizer.json", "train.bin",
-                                                     "val.bin"]
+    assert sorted(p.name for p in out.iterdir()) == ["meta.json", "tokenizer.json",
+                                                     "train-00000.bin", "val-00000.bin"]
 
 
 @pytest.mark.parametrize("case", ["missing", "empty", "short", "non_utf8", "non_utf8_bpe",
