@@ -100,6 +100,8 @@ def test_each_format_gives_the_documents_joined_by_the_separator(fmt, tokenizer,
         "read": len(DOCS) + 2, "train": len(DOCS), "val": 2, "duplicates_removed": 0,
         "skipped_records": 0, "first_skipped": None}
     assert d.meta["split"] == "files"
+    if tokenizer == "bpe":  # trained on the documents, whatever the format's reading pace
+        assert d.vocab_size == 400 and d.meta["tokenizer"]["trained_on_chars"] > 2000
 
 
 def test_mixed_folder_and_glob_in_sorted_order(tmp_path) -> None:

@@ -38,6 +38,7 @@ import hashlib
 import itertools
 import json
 import logging
+import math
 import multiprocessing
 import os
 import shutil
@@ -598,19 +599,16 @@ def _char_tokenizer(o: _Options, seen: np.ndarray, scan: _Scan) -> Tokenizer:
 
 
 def _train_bpe(o: _Options, texts: Iterator[str], total: int, scan: _Scan) -> Tokenizer:
-    """Train on at most bpe_train_mb, taken evenly along the input (bounded time and
-    memory on huge corpora); every byte is still read, hashed and encoded."""
-    budget = total if o.bpe_train_mb is None else int(o.bpe_train_mb * 1e6)
-    share = min(1.0, max(budget, 1) / max(total, 1))
+    """Train on about bpe_train_mb million characters taken evenly along the input
+    (bounded time and memory on huge corpora); every byte is still read and encoded."""
+    budget = math.inf if o.bpe_train_mb is None else o.bpe_train_mb * 1e6
     fed = 0
 
     def sample() -> Iterator[str]:
         nonlocal fed
-        last = 0
         for text in texts:  # cut points do not matter here: they only split a few words
-            new, last = scan.read - last, scan.read
-            if fed < scan.read * share:
-                fed += new
+            if fed < budget * scan.read / max(total, 1):  # keep pace with the reading
+                fed += len(text)
                 yield text
 
     tok = BPETokenizer.train(sample(), o.vocab_size, o.special_tokens)
@@ -959,7 +957,7 @@ def _meta(o: _Options, sources: Sequence[Source], scan: _Scan, enc: _Encoded) ->
         "input_chars": scan.chars,
         "tokenizer": {"kind": tok.kind, "vocab_size": tok.vocab_size,
                       "special_tokens": list(tok.special_tokens), "eos_id": tok.eos_id,
-                      "trained_on_bytes": scan.trained_on},
+                      "trained_on_chars": scan.trained_on},
         "vocab_size": tok.vocab_size,
         "dtype": dtype_for_vocab(tok.vocab_size).name,
         "train_tokens": enc.tokens["train"],
@@ -977,6 +975,26 @@ def _meta(o: _Options, sources: Sequence[Source], scan: _Scan, enc: _Encoded) ->
         "errors": o.errors,
         "workers": enc.workers,
     }
+
+
+def _phases(o: _Options, stage: Path, old_meta: dict[str, Any] | None) -> int:
+    """scan -> encode (+ split) -> commit, staged in ``stage``; returns the input bytes."""
+    sources, val_source = _sources(o, stage)  # what to read
+    scan = _scan(o, sources)  # pass 1: hash, count, build the tokenizer
+    _after_scan(o, sources, scan, old_meta)
+    enc = _encode(o, sources, val_source, scan, stage)  # pass 2: encode, split
+    if [s.stamp() for s in sources] != scan.stamps:
+        raise DataError("an input file changed while it was being prepared; "
+                        "run tinylm prepare again when it is not being written")
+    _check_lengths(o, enc)
+    meta = _meta(o, sources, scan, enc)
+    scan.tokenizer.save(stage / "tokenizer.json")  # type: ignore[union-attr]
+    (stage / "meta.json").write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n",
+                                     encoding="utf-8")
+    names = ["tokenizer.json", "meta.json",
+             *(e["file"] for split in enc.shards.values() for e in split)]
+    _commit(o.out, stage, names)  # move in, meta.json last
+    return meta["input_bytes"]
 
 
 def prepare(
@@ -1035,13 +1053,8 @@ def prepare(
     Nothing in ``out_dir`` changes unless the whole run succeeds.
     """
     t0 = time.perf_counter()
-    o = _options(out_dir, inputs, tokenizer, {
-        "corpus": corpus, "vocab_size": vocab_size, "val_fraction": val_fraction,
-        "val_files": val_files, "context_length": context_length, "unknown": unknown,
-        "errors": errors, "special_tokens": special_tokens, "glob": glob, "force": force,
-        "progress": progress, "bpe_train_mb": bpe_train_mb, "chunk_bytes": chunk_bytes,
-        "text_field": text_field, "skip_bad": skip_bad, "doc_separator": doc_separator,
-        "dedup": dedup, "shard_tokens": shard_tokens, "workers": workers})
+    kw = {k: v for k, v in locals().items() if k not in ("out_dir", "inputs", "tokenizer", "t0")}
+    o = _options(out_dir, inputs, tokenizer, kw)
     old_meta = _check_out(o)
     created = not o.out.exists()
     o.out.mkdir(parents=True, exist_ok=True)
@@ -1049,21 +1062,7 @@ def prepare(
     stage = _stage_name(o.out)
     stage.mkdir()
     try:
-        sources, val_source = _sources(o, stage)  # phase 0: what to read
-        scan = _scan(o, sources)  # phase 1: hash, count, build the tokenizer
-        _after_scan(o, sources, scan, old_meta)
-        enc = _encode(o, sources, val_source, scan, stage)  # phase 2: encode + split
-        if [s.stamp() for s in sources] != scan.stamps:
-            raise DataError("an input file changed while it was being prepared; "
-                            "run tinylm prepare again when it is not being written")
-        _check_lengths(o, enc)
-        meta = _meta(o, sources, scan, enc)
-        scan.tokenizer.save(stage / "tokenizer.json")  # type: ignore[union-attr]
-        (stage / "meta.json").write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n",
-                                         encoding="utf-8")
-        names = ["tokenizer.json", "meta.json",
-                 *(e["file"] for split in enc.shards.values() for e in split)]
-        _commit(o.out, stage, names)  # phase 3: move in, meta.json last
+        total = _phases(o, stage, old_meta)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         if created:
@@ -1072,7 +1071,7 @@ def prepare(
     shutil.rmtree(stage, ignore_errors=True)
     seconds = time.perf_counter() - t0
     log.debug("prepared %s in %.2f s (%.1f MB/s)", display_path(o.out), seconds,
-              meta["input_bytes"] / 1e6 / max(seconds, 1e-9))
+              total / 1e6 / max(seconds, 1e-9))
     return load_prepared(o.out)
 
 

@@ -386,6 +386,10 @@ def _parquet(src: Source, path: Sequence[str], errors: str, bad: BadRecords,
     n_rows = max(pf.metadata.num_rows, 1)
     for g in range(pf.num_row_groups):
         size = pf.metadata.row_group(g).num_rows
+        if on_bytes is not None:  # counted as the group is read, before its records
+            step = total * (row + size) // n_rows - done
+            done += step
+            on_bytes(step)
         if path[0] not in names:
             bad.add(f"{src.name} row {row}", f"field {path[0]!r} is missing (columns: "
                     f"{', '.join(names[:8])})", size)
@@ -394,10 +398,6 @@ def _parquet(src: Source, path: Sequence[str], errors: str, bad: BadRecords,
             yield from _arrow_texts(column, path, lambda j, r=row: f"{src.name} row {r + j}",
                                     bad, errors)
         row += size
-        if on_bytes is not None:
-            step = total * row // n_rows - done
-            done += step
-            on_bytes(step)
 
 
 def _arrow(src: Source, path: Sequence[str], errors: str, bad: BadRecords,
@@ -416,6 +416,10 @@ def _arrow(src: Source, path: Sequence[str], errors: str, bad: BadRecords,
         batches = (reader.get_batch(i) for i in range(reader.num_record_batches)) \
             if hasattr(reader, "num_record_batches") else reader
         for batch in batches:
+            if on_bytes is not None:  # counted as the batch is read, before its records
+                pos = min(mm.tell(), src.size)
+                on_bytes(pos - done)
+                done = pos
             if path[0] not in batch.schema.names:
                 bad.add(f"{src.name} row {row}", f"field {path[0]!r} is missing (columns: "
                         f"{', '.join(batch.schema.names[:8])})", batch.num_rows)
@@ -423,10 +427,6 @@ def _arrow(src: Source, path: Sequence[str], errors: str, bad: BadRecords,
                 yield from _arrow_texts(batch.column(path[0]), path,
                                         lambda j, r=row: f"{src.name} row {r + j}", bad, errors)
             row += batch.num_rows
-            if on_bytes is not None:
-                pos = min(mm.tell(), src.size)
-                on_bytes(pos - done)
-                done = pos
         if on_bytes is not None and src.size > done:
             on_bytes(src.size - done)
 
