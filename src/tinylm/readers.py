@@ -208,7 +208,7 @@ def _open(src: Source, on_bytes: Progress | None) -> IO[bytes]:
     """The file's bytes, decompressed; ``on_bytes`` counts the bytes read from disk."""
     raw = src.open_raw()
     if on_bytes is not None:
-        raw = _Counting(raw, on_bytes)  # type: ignore[assignment]
+        raw = io.BufferedReader(_Counting(raw, on_bytes), 1 << 20)  # type: ignore[assignment]
     if src.compression == "gzip":
         import gzip
 
