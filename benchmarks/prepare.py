@@ -59,7 +59,8 @@ MONITOR = textwrap.dedent("""
             peak[0] = max(peak[0], pss())
             time.sleep(0.25)
     def cpu():
-        a, b = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        a = resource.getrusage(resource.RUSAGE_SELF)
+        b = resource.getrusage(resource.RUSAGE_CHILDREN)
         return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime
     def measure(run):
         base = pss()
@@ -225,9 +226,10 @@ def main() -> None:
     tok_path = train_bpe(work)
     same = check_tiktoken(work, tok_path)
     load = os.getloadavg()[0]
-    print(f"{n_docs:,} documents, {mb:.1f} MB of text (jsonl {(work / 'docs.jsonl').stat().st_size / 1e6:.0f} MB, "
-          f"parquet {(work / 'docs.parquet').stat().st_size / 1e6:.0f} MB); tiktoken ids == tinylm "
-          f"ids: {same}; load average {load:.2f}", flush=True)
+    sizes = {f: (work / f"docs.{f}").stat().st_size / 1e6 for f in ("jsonl", "parquet")}
+    print(f"{n_docs:,} documents, {mb:.1f} MB of text (jsonl {sizes['jsonl']:.0f} MB, parquet "
+          f"{sizes['parquet']:.0f} MB); tiktoken ids == tinylm ids: {same}; load average "
+          f"{load:.2f}", flush=True)
 
     rows: list[tuple[str, str, str, int, dict]] = []
 

@@ -217,6 +217,7 @@ def test_big_jsonl_corpus_prepares_in_flat_memory(tmp_path) -> None:
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          check=True)
     rss = json.loads(run.stdout.strip().splitlines()[-1])
+    print(f"{BIG_MB} MB corpus: memory {rss}")  # shown with pytest -s
     assert rss["peak_mb"] - rss["base_mb"] < 300, rss  # flat: not growing with the corpus
 
     d = load_prepared(tmp_path / "out")

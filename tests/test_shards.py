@@ -18,6 +18,8 @@ from tinylm.config import ModelConfig, TrainConfig
 from tinylm.corpora import load_corpus
 from tinylm.data import get_batch, iter_windows, load_prepared, prepare
 from tinylm.errors import DataError
+from tinylm.evaluation import evaluate
+from tinylm.model import GPT
 from tinylm.shards import TokenShards
 from tinylm.training import train
 
@@ -79,6 +81,10 @@ def test_tiny_shards_same_tokens_batches_and_windows_as_one(jsonl, tmp_path) -> 
         assert torch.equal(x1, x2) and torch.equal(y1, y2)
     for a, b in zip(iter_windows(one.val, 50, 4), iter_windows(many.val, 50, 4), strict=True):
         assert all(torch.equal(u, v) for u, v in zip(a, b, strict=True))
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(vocab_size=one.vocab_size, n_layer=1, n_head=2, n_embd=16,
+                            context_length=32))
+    assert evaluate(model, many.val).loss == evaluate(model, one.val).loss  # eval reads shards
 
 
 @pytest.mark.parametrize("tokenizer", ["char", "bpe"])

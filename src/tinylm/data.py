@@ -643,7 +643,7 @@ def _separator_ids(o: _Options, tok: Tokenizer, documents: int) -> np.ndarray:
                         f"it with --special-token '{sep}' (or pass plain text, or '')")
     text = _separator_text(o, tok)
     if sep is None:
-        log.info("the tokenizer has no end-of-text token: documents are separated by a line "
+        log.debug("the tokenizer has no end-of-text token: documents are separated by a line "
                  "break; add --special-token '<|endoftext|>' or pass --doc-separator")
     return tok.encode_array([text]) if text else np.zeros(0, dtype=np.uint32)
 
@@ -671,7 +671,7 @@ def _route(o: _Options, scan: _Scan) -> _Route:
     n_val = round(kept * o.val_fraction)
     if 0 < n_val < kept:
         return _Route("documents", kept, n_val)
-    log.info("%d document(s): too few to split by documents; val is the last %g of the "
+    log.debug("%d document(s): too few to split by documents; val is the last %g of the "
              "tokens", kept, o.val_fraction)
     return _Route("tokens", kept, 0)
 
