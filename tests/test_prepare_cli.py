@@ -76,7 +76,7 @@ def test_stdin_and_rerun_of_same_dataset(text_file, tmp_path) -> None:
                                   "vocab_small", "bad_val_fraction", "unknown_corpus",
                                   "different_dataset", "different_text", "missing_tokenizer",
                                   "shard_tokens", "workers", "no_text_field", "bad_parquet",
-                                  "no_glob_match", "separator"])
+                                  "no_glob_match", "separator", "json_file"])
 def test_bad_input_one_line_exit_2_nothing_overwritten(case, prepared, text_file, tmp_path,
                                                        capsys) -> None:
     before = _snapshot(prepared)
@@ -92,6 +92,7 @@ def test_bad_input_one_line_exit_2_nothing_overwritten(case, prepared, text_file
     records.write_text('{"body": "no text field here"}\n' * 50)
     parquet = tmp_path / "broken.parquet"
     parquet.write_bytes(b"PAR1 but not really")
+    (tmp_path / "x.json").write_text('[{"text": "a list of records"}]')
     args = {
         "missing": ["--input", str(tmp_path / "nope.txt")],
         "empty": ["--input", str(empty)],
@@ -112,6 +113,7 @@ def test_bad_input_one_line_exit_2_nothing_overwritten(case, prepared, text_file
         "no_glob_match": ["--input", str(tmp_path / "*.parquet.nope")],
         "separator": ["--input", str(text_file), "--input", str(short), "--doc-separator",
                       "<|endoftext|>"],
+        "json_file": ["--input", str(tmp_path / "x.json")],
     }[case]
     expect = {
         "missing": "does not exist",
@@ -133,6 +135,7 @@ def test_bad_input_one_line_exit_2_nothing_overwritten(case, prepared, text_file
         "bad_parquet": f"{parquet} is not a readable Parquet file",
         "no_glob_match": "matches no files",
         "separator": "--doc-separator <|endoftext|> is not a special token",
+        "json_file": "x.json is a .json file, which prepare does not read as text",
     }[case]
     if not case.startswith("different"):  # --force: only the bad input may stop the run
         args.append("--force")

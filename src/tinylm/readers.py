@@ -77,6 +77,10 @@ def file_source(path: Path, fmt: str | None = None) -> Source:
     if fmt is None:
         fmt = ("jsonl" if inner in _JSONL else "parquet" if inner == ".parquet"
                else "arrow" if inner == ".arrow" else "text")
+    if fmt == "text" and inner == ".json":
+        raise DataError(f"{display_path(path)} is a .json file, which prepare does not read "
+                        f"as text (it would learn the braces); name it .jsonl if it holds one "
+                        f"record per line, or leave it out with --glob")
     if fmt in ("parquet", "arrow") and compression:
         raise DataError(f"{display_path(path)}: compressed {fmt} files are not supported; "
                         f"Parquet compresses its own columns, so decompress it first")
