@@ -54,18 +54,28 @@ def _cmd_info(args: argparse.Namespace) -> int:
 def _add_prepare(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "prepare",
-        help="text -> tokenizer.json + train.bin/val.bin token shards + meta.json",
-        description="Tokenize a file, a folder of files, standard input or a built-in "
-        "corpus (default: python-docs, no download) into --out: tokenizer.json, "
-        "train.bin and val.bin (uint16 when the vocabulary fits, else uint32) and "
-        "meta.json. Streams the input, so it scales to multi-GB corpora; writes "
-        "atomically, so an interrupted run leaves the folder as it was.",
+        help="text/JSONL/Parquet/datasets -> tokenizer.json + token shards + meta.json",
+        description="Tokenize files (text, .jsonl, .jsonl.gz, .jsonl.zst, .parquet, a "
+        "datasets save_to_disk folder), folders or globs of them, standard input or a "
+        "built-in corpus (default: python-docs, no download) into --out: tokenizer.json, "
+        "train-NNNNN.bin and val-NNNNN.bin shards (uint16 when the vocabulary fits, else "
+        "uint32) and meta.json. Each record or text file is one document; documents are "
+        "joined with the end-of-text token. Streams the input in two passes with flat "
+        "memory, encodes on every core, and writes atomically, so an interrupted run "
+        "leaves the folder as it was.",
     )
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--input", action="append", metavar="FILE|DIR|-",
-                     help="text file, folder of text files, or - for stdin (repeatable)")
+    src.add_argument("--input", action="append", metavar="FILE|DIR|GLOB|-",
+                     help="a text, JSONL or Parquet file, a folder of them (or a datasets "
+                     "folder), a quoted glob, or - for stdin (repeatable)")
     src.add_argument("--corpus", metavar="NAME",
                      help="a built-in corpus (python-docs); the default without --input")
+    p.add_argument("--text-field", default="text", metavar="NAME",
+                   help="the records' text field in JSONL/Parquet/datasets inputs; dotted "
+                   "for nested fields, e.g. meta.text (default: text)")
+    p.add_argument("--skip-bad", action="store_true",
+                   help="skip records whose text field is missing, null or not a string "
+                   "(counted and reported) instead of refusing the input")
     p.add_argument("--tokenizer", default="char", metavar="char|bpe|PATH",
                    help="char (one token per character), bpe (byte-level BPE trained on "
                    "the input), or an existing tokenizer.json / folder with vocab.json + "
@@ -73,10 +83,24 @@ def _add_prepare(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--vocab-size", type=int, default=4096, metavar="N",
                    help="BPE vocabulary size, at least 256 + special tokens (default: 4096)")
     p.add_argument("--val-fraction", type=float, default=0.1, metavar="F",
-                   help="fraction of tokens held out in val.bin (default: 0.1)")
+                   help="fraction of the documents held out for validation, whole and "
+                   "spread evenly; a single document splits by tokens (default: 0.1)")
+    p.add_argument("--val-files", action="append", default=[], metavar="FILE|DIR|GLOB",
+                   help="validation documents from these inputs instead (repeatable)")
     p.add_argument("--context-length", type=int, default=256, metavar="C",
                    help="context length the data is for: each split needs at least C + 1 "
                    "tokens (default: 256)")
+    p.add_argument("--doc-separator", default=None, metavar="TEXT",
+                   help="what goes between documents: a special token, any text, or '' for "
+                   "nothing (default: the tokenizer's end-of-text token, a line break if it "
+                   "has none)")
+    p.add_argument("--dedup", action="store_true",
+                   help="drop exact duplicate documents (by hash), counted in meta.json")
+    p.add_argument("--shard-tokens", type=int, default=100_000_000, metavar="N",
+                   help="at most N tokens per shard file (default: 100000000)")
+    p.add_argument("--workers", type=int, default=None, metavar="N",
+                   help="encoding processes; the output is the same for any N (default: "
+                   "every core for inputs over 16 MB, else 1)")
     p.add_argument("--unknown", choices=("error", "replace"), default="error",
                    help="char tokenizer, later text with unseen characters: error, or "
                    "replace them with <unk> (default: error)")
@@ -112,22 +136,31 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
     import time
 
     from tinylm.data import prepare
+    from tinylm.readers import display_path
 
     start = time.perf_counter()
     data = prepare(
         args.out, args.input, corpus=args.corpus, tokenizer=args.tokenizer,
-        vocab_size=args.vocab_size, val_fraction=args.val_fraction,
+        vocab_size=args.vocab_size, val_fraction=args.val_fraction, val_files=args.val_files,
         context_length=args.context_length, unknown=args.unknown, errors=args.errors,
         special_tokens=args.special_tokens, glob=args.glob, force=args.force,
         bpe_train_mb=args.bpe_train_mb, progress=False if args.no_progress else None,
+        text_field=args.text_field, skip_bad=args.skip_bad, doc_separator=args.doc_separator,
+        dedup=args.dedup, shard_tokens=args.shard_tokens, workers=args.workers,
     )
     seconds = time.perf_counter() - start
     meta = data.meta
     mb = meta["input_bytes"] / 1e6
-    print(f"prepared {data.dir}: {meta['train_tokens']:,} train + {meta['val_tokens']:,} val "
-          f"tokens ({meta['dtype']}), {data.tokenizer.kind} tokenizer with "
-          f"{data.vocab_size:,} tokens, from {meta['source']} ({mb:.2f} MB) in {seconds:.1f} s "
-          f"({mb / max(seconds, 1e-9):.1f} MB/s)")
+    docs = meta["documents"]
+    extra = "".join(f", {n:,} {what}" for what, n in (
+        ("duplicates removed", docs["duplicates_removed"]),
+        ("bad records skipped", docs["skipped_records"])) if n)
+    shards = sum(len(v) for v in meta["shards"].values())
+    print(f"prepared {display_path(data.dir)}: {meta['train_tokens']:,} train + "
+          f"{meta['val_tokens']:,} val tokens ({meta['dtype']}, {shards} shard(s)) from "
+          f"{docs['train']:,} + {docs['val']:,} documents{extra}, {data.tokenizer.kind} "
+          f"tokenizer with {data.vocab_size:,} tokens, from {meta['source']} ({mb:.2f} MB) in "
+          f"{seconds:.1f} s ({mb / max(seconds, 1e-9):.1f} MB/s, {meta['workers']} worker(s))")
     return 0
 
 
