@@ -19,6 +19,36 @@ from tinylm.errors import TinyLMError
 log = logging.getLogger("tinylm")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (exit 2, as for every TinyLMError) and '--' read as
+    a flag's value in ``--flag=--`` (argparse before 3.12 turns it into an empty list)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}; see '{self.prog} --help'\n")
+
+    def _get_values(self, action, arg_strings):  # type: ignore[override]
+        if arg_strings == ["--"] and action.option_strings and action.nargs is None:
+            value = self._get_value(action, "--")
+            self._check_value(action, value)
+            return value
+        return super()._get_values(action, arg_strings)
+
+
+def _count(value: str) -> int:
+    """An integer flag that also takes integral scientific notation ("1e6")."""
+    try:
+        return int(value)
+    except ValueError:
+        pass
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
+    if number != number or number in (float("inf"), float("-inf")) or number != int(number):
+        raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}")
+    return int(number)
+
+
 # --- subcommands ------------------------------------------------------------------------
 # Each entry: (name, adder). The adder creates the subparser and sets func=<handler>.
 # Keep one _add_/_cmd_ pair per command below, in the order of the list.
@@ -27,28 +57,88 @@ log = logging.getLogger("tinylm")
 def _add_info(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "info",
-        help="show versions, the device tinylm would use, and a model's shape",
-        description="Print tinylm/torch versions and the device tinylm picks "
-        "(cuda > mps > cpu). With --model DIR, also the checkpoint's config and "
-        "parameter count.",
+        help="show versions, the device and native kernels, and what a model is",
+        description="Print tinylm/torch versions, the device tinylm picks (cuda > mps > "
+        "cpu) and whether its native kernels are active. Given a checkpoint or run folder, "
+        "also its architecture, parameter count, tokenizer kind and size, training step "
+        "and validation loss, and low-rank ranks.",
     )
-    p.add_argument("--model", metavar="DIR", help="a checkpoint folder to describe")
+    p.add_argument("run", nargs="?", metavar="RUN",
+                   help="a checkpoint folder or training run folder to describe")
+    p.add_argument("--model", metavar="DIR", help="the same as RUN")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_cmd_info)
 
 
+def _native_status() -> str:
+    """'active' or 'off' for the native kernels, whichever module provides them."""
+    import importlib
+
+    for name in ("tinylm.native", "tinylm.kernels"):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        available = getattr(module, "available", None)
+        if callable(available):
+            try:
+                return "active" if available() else "off (torch's kernels)"
+            except Exception:  # a broken build must not break `info`
+                return "off (torch's kernels)"
+    return "unknown"
+
+
 def _cmd_info(args: argparse.Namespace) -> int:
+    import json
+
     import torch
 
+    from tinylm.checkpoint import describe_checkpoint
     from tinylm.config import resolve_device
+    from tinylm.errors import ConfigError
 
-    print(f"tinylm {__version__}, torch {torch.__version__}, device {resolve_device()}")
-    if args.model:
-        from tinylm.checkpoint import load_checkpoint
-
-        model, _tok = load_checkpoint(args.model)
-        print(model.config.to_json())
-        print(f"parameters: {model.num_parameters():,}")
+    if args.run and args.model and args.run != args.model:
+        raise ConfigError(f"give the folder once: RUN ({args.run}) or --model ({args.model})")
+    folder = args.run or args.model
+    runtime = {"tinylm": __version__, "torch": torch.__version__,
+               "device": str(resolve_device()), "native_kernels": _native_status()}
+    info = describe_checkpoint(folder) if folder else None
+    if args.json:
+        print(json.dumps({**runtime, **({"checkpoint": info} if info else {})}))
+        return 0
+    print(f"tinylm {runtime['tinylm']}, torch {runtime['torch']}, device {runtime['device']}, "
+          f"native kernels {runtime['native_kernels']}")
+    if info is not None:
+        for label, text in _info_lines(info):
+            print(f"{label:<13} {text}")
     return 0
+
+
+def _info_lines(info: dict) -> list[tuple[str, str]]:
+    m = dict(info["model"])
+    sizes = [f"{m.pop(k)} {label}" for k, label in (
+        ("n_layer", "layers"), ("n_head", "heads"), ("head_dim", "dims/head"),
+        ("n_embd", "n_embd"), ("context_length", "context"), ("vocab_size", "vocab"))
+        if k in m]
+    options = ", ".join(f"{k}={v}" for k, v in sorted(m.items()))
+    tok = info["tokenizer"]
+    tok_text = "none (no tokenizer.json)" if tok is None else (
+        f"{tok['kind']}, {tok['vocab_size']:,} tokens, end-of-text "
+        f"{tok['eos'] if tok['eos'] is not None else 'none'}")
+    step, val = info["step"], info["val_loss"]
+    training = ", ".join(([f"step {step:,}"] if step is not None else [])
+                         + ([f"val loss {val:.4f}"] if val is not None else [])) or "unknown"
+    ranks = info["lowrank"]
+    lowrank = "none (full-rank)" if not ranks else (
+        f"{len(ranks)} layers, ranks {min(ranks.values())}..{max(ranks.values())}: "
+        + ", ".join(f"{k} {v}" for k, v in list(ranks.items())[:6])
+        + (", ..." if len(ranks) > 6 else ""))
+    lines = [("checkpoint", info["folder"]), ("architecture", ", ".join(sizes)),
+             ("options", options), ("parameters", f"{info['parameters']:,}"),
+             ("tokenizer", tok_text), ("training", training), ("low-rank", lowrank)]
+    if info["nonfinite"]:
+        lines.append(("WARNING", f"{info['nonfinite']:,} weights are NaN or infinite"))
+    return lines
 
 
 def _add_prepare(sub: argparse._SubParsersAction) -> None:
@@ -442,9 +532,10 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
                    help="windows per forward pass (default: 16)")
     p.add_argument("--max-windows", type=int, metavar="N",
                    help="stop after N windows: a quick estimate instead of the exact value")
-    p.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, ...")
+    _device_flag(p)
     p.add_argument("--json", action="store_true",
                    help="print one JSON object: loss, perplexity, bits_per_byte, tokens")
+    _allow_nonfinite_flag(p)
     p.set_defaults(func=_cmd_eval)
 
 
@@ -458,7 +549,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from tinylm.evaluation import evaluate_split, evaluate_text
 
     device = resolve_device(args.device)
-    model, tokenizer = load_checkpoint(args.model, device)
+    model, tokenizer = load_checkpoint(args.model, device, allow_nonfinite=args.allow_nonfinite)
     options = {"stride": args.stride, "batch_size": args.batch_size,
                "max_windows": args.max_windows}
     if args.text is not None:
@@ -624,22 +715,37 @@ def _add_sample(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--prompt", metavar="TEXT", help="the text to continue")
     src.add_argument("--prompt-file", metavar="FILE",
                      help="read the prompt from a UTF-8 file ('-' = stdin), used as is")
-    p.add_argument("--max-new-tokens", type=int, default=200, metavar="N",
+    p.add_argument("--max-new-tokens", type=_count, default=200, metavar="N",
                    help="tokens to generate per sample (default: 200)")
     p.add_argument("--temperature", type=float, default=1.0, metavar="T",
                    help="0 = greedy; <1 sharper, >1 more random (default: 1.0)")
-    p.add_argument("--top-k", type=int, metavar="K", help="sample among the K most likely")
+    p.add_argument("--top-k", type=_count, metavar="K",
+                   help="sample among the K most likely (default: all)")
     p.add_argument("--top-p", type=float, metavar="P",
                    help="sample among the smallest set of tokens whose probability reaches P "
-                   "(0 < P <= 1)")
-    p.add_argument("--seed", type=int, metavar="S", help="random seed: same seed, same text")
-    p.add_argument("--num-samples", type=int, default=1, metavar="N",
-                   help="samples generated together in one batch, printed one after another")
+                   "(0 < P <= 1) (default: all)")
+    p.add_argument("--seed", type=_count, metavar="S",
+                   help="random seed in [0, 2^63 - 1]: same seed, same text (default: random)")
+    p.add_argument("--num-samples", type=_count, default=1, metavar="N",
+                   help="samples generated together in one batch, printed one after another "
+                   "(default: 1)")
     p.add_argument("--stop", action="append", default=[], metavar="STRING",
                    help="end a sample before this string (repeatable; escapes like \\n work)")
     p.add_argument("--no-echo", action="store_true", help="print only the continuation")
-    p.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, ...")
+    _allow_nonfinite_flag(p)
+    _device_flag(p)
     p.set_defaults(func=_cmd_sample)
+
+
+def _allow_nonfinite_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--allow-nonfinite", action="store_true",
+                   help="load a model whose weights hold NaN or inf (refused otherwise)")
+
+
+def _device_flag(p: argparse.ArgumentParser) -> None:
+    """--device, with the same default and help in every command that computes."""
+    p.add_argument("--device", default="auto", metavar="DEVICE",
+                   help="auto (cuda > mps > cpu), cpu, cuda, cuda:N or mps (default: auto)")
 
 
 def _read_prompt(args: argparse.Namespace) -> str:
@@ -673,19 +779,20 @@ def _cmd_sample(args: argparse.Namespace) -> int:
     from tinylm.checkpoint import load_checkpoint
     from tinylm.config import resolve_device
     from tinylm.errors import CheckpointError, ConfigError
-    from tinylm.sampling import SamplingConfig, generate_text
+    from tinylm.sampling import SamplingConfig, check_generation, generate_text
 
     SamplingConfig(args.temperature, args.top_k, args.top_p)  # check flags before loading
-    if args.max_new_tokens < 1:
-        raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.num_samples < 1:
-        raise ConfigError(f"--num-samples must be >= 1, got {args.num_samples}")
+    device = resolve_device(args.device)
+    check_generation(args.max_new_tokens, args.num_samples, args.seed, device=device)
     escapes = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
     stop = [re.sub(r"\\([ntr\\])", lambda m: escapes[m.group(1)], s) for s in args.stop]
     if any(not s for s in stop):
         raise ConfigError("--stop needs a non-empty string")
     prompt = _read_prompt(args)
-    model, tokenizer = load_checkpoint(args.model, resolve_device(args.device))
+    check_generation(args.max_new_tokens, args.num_samples, args.seed,
+                     prompt_tokens=len(prompt.encode("utf-8")) + 1, device=device)
+    model, tokenizer = load_checkpoint(args.model, device,
+                                       allow_nonfinite=args.allow_nonfinite)
     if tokenizer is None:
         raise CheckpointError(f"{args.model} has no tokenizer.json; sample needs the model's "
                               f"tokenizer to turn text into ids")
@@ -731,18 +838,41 @@ COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="tinylm",
         description="GPT-style language models from the attention equations up.",
         epilog="Run 'tinylm COMMAND --help' for the flags of one command.",
     )
     parser.add_argument("--version", action="version", version=f"tinylm {__version__}")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log debug details")
-    parser.add_argument("-q", "--quiet", action="store_true", help="log warnings only")
+    _verbosity_flags(parser, argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for add in COMMANDS:
         add(sub)
+    for command in sub.choices.values():  # -v/-q also after the command
+        _verbosity_flags(command, argparse.SUPPRESS)
     return parser
+
+
+def _verbosity_flags(parser: argparse.ArgumentParser, default: object) -> None:
+    parser.add_argument("-v", "--verbose", action="store_true", default=default,
+                        help="log tinylm's debug details")
+    parser.add_argument("-q", "--quiet", action="store_true", default=default,
+                        help="log warnings and errors only")
+
+
+#: Libraries whose debug/info lines are noise on tinylm's stderr, even with -v.
+_QUIET_LOGGERS = ("matplotlib", "PIL", "filelock", "urllib3", "httpx", "httpcore",
+                  "asyncio", "fsspec", "torch", "h5py")
+
+
+def _configure_logging(verbose: bool, quiet: bool) -> None:
+    """tinylm's own lines at INFO (DEBUG with -v, WARNING with -q); others at WARNING."""
+    level = logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO
+    logging.basicConfig(level=logging.WARNING if quiet else logging.INFO,
+                        format="%(message)s", stream=sys.stderr)
+    logging.getLogger("tinylm").setLevel(level)
+    for name in _QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -751,8 +881,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    level = logging.DEBUG if args.verbose else logging.WARNING if args.quiet else logging.INFO
-    logging.basicConfig(level=level, format="%(message)s", stream=sys.stderr)
+    _configure_logging(getattr(args, "verbose", False), getattr(args, "quiet", False))
     try:
         return int(args.func(args) or 0)
     except TinyLMError as exc:

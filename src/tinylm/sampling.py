@@ -44,6 +44,7 @@ __all__ = [
     "SamplingConfig",
     "TextStream",
     "apply_temperature",
+    "check_generation",
     "encode_prompt",
     "filter_logits",
     "generate",
@@ -100,6 +101,14 @@ def top_p_filter(logits: Tensor, p: float) -> Tensor:
     return logits.masked_fill(drop, float("-inf"))
 
 
+_F32_TINY = float(torch.finfo(torch.float32).tiny)  # smallest normal float32, ~1.18e-38
+_F32_MAX = float(torch.finfo(torch.float32).max)  # ~3.40e38
+_INT64_MAX = 2**63 - 1
+#: Host memory per generated token per sample: the int64 id buffer, the Python list of
+#: ids and the decoded text each sample's TextStream keeps (measured ~50 bytes).
+_BYTES_PER_TOKEN = 64
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
     """How the next token is chosen from the logits, validated on construction.
@@ -119,19 +128,69 @@ class SamplingConfig:
                 or t == float("inf"):
             raise ConfigError(f"temperature must be a number >= 0 (0 = greedy), got {t!r}; "
                               f"try --temperature 0.8")
+        if 0 < t < _F32_TINY or t > _F32_MAX:
+            raise ConfigError(f"temperature {t!r} is outside what float32 logits can be "
+                              f"divided by ({_F32_TINY:.3g} to {_F32_MAX:.3g}); use "
+                              f"--temperature 0 for greedy decoding, or e.g. 0.8")
         k = self.top_k
-        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
-            raise ConfigError(f"top_k must be an integer >= 1, got {k!r}; try --top-k 40, "
-                              f"or leave it out to keep every token")
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1
+                              or k > _INT64_MAX):
+            raise ConfigError(f"top_k must be an integer in [1, {_INT64_MAX}], got {k!r}; try "
+                              f"--top-k 40, or leave it out to keep every token")
         p = self.top_p
         if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float))
                               or not 0 < p <= 1):
             raise ConfigError(f"top_p must be a number in (0, 1], got {p!r}; try --top-p 0.9,"
                               f" or leave it out to keep every token")
+        if p is not None and p < _F32_TINY:
+            raise ConfigError(f"top_p {p!r} is below float32's smallest normal number "
+                              f"({_F32_TINY:.3g}), so probabilities cannot be compared with "
+                              f"it; use --temperature 0 (greedy) to keep only the top token")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n:,} {word}" + ("" if n == 1 else "s")
+
+
+def check_generation(max_new_tokens: Any, num_samples: Any = 1, seed: Any = None, *,
+                     prompt_tokens: int = 1, device: Any = "cpu") -> None:
+    """ConfigError unless a request for ``num_samples`` x ``max_new_tokens`` tokens is
+    well-formed: positive integers, a seed within int64, and the generated ids and text
+    fitting in the memory available (the message gives the estimate)."""
+    from tinylm.config import available_memory, format_bytes
+
+    for name, value, flag in (("max_new_tokens", max_new_tokens, "--max-new-tokens 200"),
+                              ("num_samples", num_samples, "--num-samples 4")):
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value \
+                <= _INT64_MAX:
+            raise ConfigError(f"{name} must be an integer in [1, {_INT64_MAX}], got "
+                              f"{value!r}; e.g. {flag}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
+                             or not 0 <= seed <= _INT64_MAX):
+        raise ConfigError(f"seed must be an integer in [0, {_INT64_MAX}] (int64), got "
+                          f"{seed!r}; e.g. --seed 1")
+    tokens = num_samples * (prompt_tokens + max_new_tokens)
+    need = tokens * _BYTES_PER_TOKEN
+    have = available_memory("cpu")
+    if tokens > _INT64_MAX or (have is not None and need > have):
+        room = "" if have is None else f" but only {format_bytes(have)} is available"
+        raise ConfigError(
+            f"{_plural(num_samples, 'sample')} of {max_new_tokens:,} new tokens need about "
+            f"{format_bytes(need)} of memory for their ids and text{room}; ask for fewer "
+            f"--num-samples or --max-new-tokens (a sample also ends at the end-of-text token "
+            f"or a --stop string)")
+    on_device = available_memory(device) if getattr(device, "type", str(device)) != "cpu" \
+        else None
+    if on_device is not None and tokens * 8 > on_device:
+        raise ConfigError(f"{_plural(num_samples, 'sample')} of {max_new_tokens:,} new "
+                          f"tokens need "
+                          f"{format_bytes(tokens * 8)} on {device} for their ids but only "
+                          f"{format_bytes(on_device)} is free; ask for fewer --num-samples "
+                          f"or --max-new-tokens")
 
 
 def filter_logits(logits: Tensor, config: SamplingConfig) -> Tensor:
@@ -155,7 +214,10 @@ def next_token_probs(logits: Tensor, config: SamplingConfig) -> Tensor:
     """
     if config.greedy:
         return F.one_hot(logits.argmax(-1), logits.shape[-1]).to(torch.float32)
-    return F.softmax(filter_logits(logits.float(), config), dim=-1)
+    logits = logits.float()
+    if config.temperature < 1:  # shift first so that logits / t cannot overflow to inf
+        logits = logits - logits.amax(-1, keepdim=True)  # softmax is shift-invariant
+    return F.softmax(filter_logits(logits, config), dim=-1)
 
 
 def sample_next(logits: Tensor, config: SamplingConfig,
