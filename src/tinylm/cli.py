@@ -9,6 +9,7 @@ library. Only this module prints. Errors a user can cause are ``TinyLMError``s:
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import sys
 from collections.abc import Callable, Sequence
@@ -23,6 +24,9 @@ class _Parser(argparse.ArgumentParser):
     """argparse with one-line errors (exit 2, as for every TinyLMError) and '--' read as
     a flag's value in ``--flag=--`` (argparse before 3.12 turns it into an empty list)."""
 
+    def _get_formatter(self):  # argparse asks the terminal's size once per flag otherwise
+        return self.formatter_class(prog=self.prog, width=_help_width())
+
     def error(self, message: str):  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message}; see '{self.prog} --help'\n")
 
@@ -32,6 +36,13 @@ class _Parser(argparse.ArgumentParser):
             self._check_value(action, value)
             return value
         return super()._get_values(action, arg_strings)
+
+
+@functools.lru_cache(maxsize=1)
+def _help_width() -> int:
+    import shutil
+
+    return max(shutil.get_terminal_size().columns - 2, 20)  # what argparse itself uses
 
 
 def _count(value: str) -> int:
@@ -155,7 +166,7 @@ def _add_prepare(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--input", action="append", metavar="FILE|DIR|-",
                      help="text file, folder of text files, or - for stdin (repeatable)")
     src.add_argument("--corpus", metavar="NAME",
-                     help="a built-in corpus (python-docs); the default without --input")
+                     help="a built-in corpus (default: python-docs, when no --input is given)")
     p.add_argument("--tokenizer", default="char", metavar="char|bpe|PATH",
                    help="char (one token per character), bpe (byte-level BPE trained on "
                    "the input), or an existing tokenizer.json / folder with vocab.json + "
@@ -266,7 +277,7 @@ def _add_compress(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--fractions", default="0.9,0.75,0.5,0.35,0.25", metavar="P,P,...",
                    help="parameter fractions of --sweep (default: 0.9,0.75,0.5,0.35,0.25)")
     p.add_argument("--plot", metavar="FILE.png", help="with --sweep: write the loss/speed plot")
-    p.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:N or mps")
+    _device_flag(p)
     p.set_defaults(func=_cmd_compress)
 
 
@@ -388,7 +399,7 @@ _MODEL_FLAG_HELP = {
     "n_layer": "number of Transformer blocks",
     "n_head": "H, attention heads per block",
     "n_embd": "E, embedding width",
-    "head_dim": "D per head (default n_embd // n_head)",
+    "head_dim": "D per head (default: n_embd // n_head)",
     "dropout": "dropout probability while training",
     "bias": "biases in Linear layers and LayerNorms",
     "tie_embeddings": "share the token embedding with the LM head",
@@ -410,7 +421,7 @@ def _config_flags(group: argparse._ArgumentGroup, cls: type, helps: dict[str, st
         kind = str(f.type).replace(" | None", "")
         default = f.default if f.default is not dataclasses.MISSING else None
         if default is not None:
-            help_text = f"{help_text} (default {default})"
+            help_text = f"{help_text} (default: {default})"
         if kind == "bool":
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
                                help=help_text)
@@ -498,7 +509,7 @@ def _add_plot(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run folders (tinylm train --out)")
     p.add_argument("--out", default="loss-comparison.png", metavar="FILE.png",
-                   help="the PNG to write (default loss-comparison.png)")
+                   help="the PNG to write (default: loss-comparison.png)")
     p.add_argument("--log-scale", action="store_true", help="log-scale loss axis")
     p.set_defaults(func=_cmd_plot)
 
@@ -607,7 +618,7 @@ def _add_explain(sub: argparse._SubParsersAction) -> None:
                    help="list the tokens nearest to TOKEN by cosine similarity of embeddings")
     p.add_argument("--count", type=int, default=10, metavar="N",
                    help="how many neighbours (default: 10)")
-    p.add_argument("--device", default="cpu", help="cpu (default), cuda, mps or auto")
+    _device_flag(p)
     p.set_defaults(func=_cmd_explain)
 
 
@@ -850,6 +861,7 @@ def build_parser() -> argparse.ArgumentParser:
         add(sub)
     for command in sub.choices.values():  # -v/-q also after the command
         _verbosity_flags(command, argparse.SUPPRESS)
+    parser.commands = dict(sub.choices)
     return parser
 
 
@@ -870,14 +882,27 @@ def _configure_logging(verbose: bool, quiet: bool) -> None:
     level = logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO
     logging.basicConfig(level=logging.WARNING if quiet else logging.INFO,
                         format="%(message)s", stream=sys.stderr)
-    logging.getLogger("tinylm").setLevel(level)
-    for name in _QUIET_LOGGERS:
-        logging.getLogger(name).setLevel(logging.WARNING)
+    for name, want in (("tinylm", level), *((n, logging.WARNING) for n in _QUIET_LOGGERS)):
+        logger = logging.getLogger(name)
+        if logger.level != want:  # setLevel clears every logger's cache
+            logger.setLevel(want)
+
+
+@functools.lru_cache(maxsize=1)
+def _cached_parser() -> argparse.ArgumentParser:
+    """One parser per process (parsing leaves it unchanged; building costs ~30 ms)."""
+    return build_parser()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    parser = _cached_parser()
+    try:
+        args, extra = parser.parse_known_args(argv)
+        if extra:  # named by the command's parser, so the hint points at its --help
+            parser.commands.get(args.command, parser).error(
+                f"unrecognized arguments: {' '.join(extra)}")
+    except SystemExit as exc:  # --help, --version, or a bad flag (one line, status 2)
+        return exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 2
     if args.command is None:
         parser.print_help()
         return 2

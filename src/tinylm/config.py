@@ -338,9 +338,12 @@ def estimate_parameters(config: ModelConfig) -> int:
     kv = getattr(config, "kv_dim", inner)
     ffn = getattr(config, "ffn_dim", 4 * E)
     mats = 3 if getattr(config, "mlp", "gelu") in ("swiglu", "geglu") else 2
-    per_block = E * (inner + 2 * kv) + inner * E + mats * E * ffn
-    per_block += inner + 2 * kv + E + ffn + 4 * E  # biases and the two norms
-    total = V * E + L * per_block + 2 * E
+    bias = bool(getattr(config, "bias", True))
+    norm = 2 * E if bias else E  # a norm's weight (and bias)
+    per_block = E * (inner + 2 * kv) + inner * E + mats * E * ffn + 2 * norm
+    if bias:
+        per_block += (inner + 2 * kv) + E + (mats - 1) * ffn + E
+    total = V * E + L * per_block + norm
     if getattr(config, "position", "learned") == "learned":
         total += C * E
     if not config.tie_embeddings:

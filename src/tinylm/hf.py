@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import pickle
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -138,7 +139,9 @@ def _load_pickled_weights(path: Path) -> dict[str, torch.Tensor]:
                               f"pickles safely (needs >= {'.'.join(map(str, SAFE_PICKLE_TORCH))}"
                               f"); upgrade torch, or {fix.split('; ', 1)[1]}")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch warns, in several lines, about protocols
+            warnings.simplefilter("ignore")
+            state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         found = re.search(r"GLOBAL ([\w.]+)", str(exc))
         what = f" (it refers to {found.group(1)})" if found else ""
