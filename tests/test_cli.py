@@ -195,3 +195,9 @@ def test_sample_hint_for_unseen_characters_names_what_sample_can_do(run_dir, cap
     assert "'日' (U+65E5)" in line
     assert "tinylm prepare --unknown replace" in line and "remove them" in line
     assert "use --unknown replace" not in line
+
+
+def test_explain_hint_for_unseen_characters_names_tinylm_prepare(run_dir, capsys) -> None:
+    line = one_line(main(["explain", "--model", str(run_dir), "--prompt", "日本"]),
+                    capsys.readouterr().err, "explain")
+    assert "tinylm prepare --unknown replace" in line and "use --unknown replace" not in line

@@ -426,3 +426,47 @@ def test_fuzz_sample_flags_on_a_real_model(pairs, ckpt, capsys) -> None:
     assert "Traceback" not in err
     if code == 2:
         assert len(err.strip().splitlines()) == 1 and out == "", (argv, err)
+
+
+# --- files and names -----------------------------------------------------------------------
+
+
+def test_prompt_file_is_bounded(ckpt, tmp_path, capsys, monkeypatch) -> None:
+    monkeypatch.setattr("tinylm.cli.PROMPT_MAX_BYTES", 100)
+    big = tmp_path / "big.txt"
+    big.write_text("hello " * 50)
+    line = one_line_exit_2(["sample", "--model", str(ckpt), "--prompt-file", str(big)],
+                           capsys, "sample")
+    assert "larger than" in line
+    line = one_line_exit_2(["sample", "--model", str(ckpt), "--prompt-file", str(tmp_path)],
+                           capsys, "sample")
+    assert "cannot read" in line
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"hel\xff")
+    line = one_line_exit_2(["sample", "--model", str(ckpt), "--prompt-file", str(bad)],
+                           capsys, "sample")
+    assert "not UTF-8 text (invalid start byte at byte 3)" in line
+
+
+@pytest.mark.skipif(os.uname().sysname == "Darwin", reason="macOS refuses non-UTF-8 names")
+def test_checkpoint_folder_with_undecodable_bytes_in_its_name(ckpt, tmp_path, capsys) -> None:
+    folder = Path(os.fsdecode(os.fsencode(str(tmp_path)) + b"/m\xff"))
+    shutil.copytree(ckpt, folder)
+    assert main(["sample", "--model", str(folder), "--prompt", "hel", "--max-new-tokens",
+                 "3", "--temperature", "0"]) == 0
+    assert capsys.readouterr().out.startswith("hel")
+    assert main(["info", str(folder)]) == 0
+    assert "parameters" in capsys.readouterr().out
+    missing = Path(os.fsdecode(os.fsencode(str(tmp_path)) + b"/nope\xfe"))
+    one_line_exit_2(["sample", "--model", str(missing), "--prompt", "a"], capsys, "sample")
+
+
+def test_eval_counts_take_scientific_notation(ckpt, tmp_path, capsys) -> None:
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT * 4)
+    assert main(["eval", "--model", str(ckpt), "--text", str(text), "--batch-size", "1e3",
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] > 0
+    line = one_line_exit_2(["eval", "--model", str(ckpt), "--text", str(text),
+                            "--batch-size", "2.5"], capsys, "eval")
+    assert "expected an integer, got '2.5'" in line

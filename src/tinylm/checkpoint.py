@@ -239,6 +239,12 @@ def read_tensors(path: str | os.PathLike) -> dict[str, Tensor]:
     if not p.is_file():
         raise CheckpointError(f"{p} is missing; the checkpoint is incomplete")
     try:
+        try:
+            str(p).encode("utf-8")
+        except UnicodeEncodeError:  # safetensors takes UTF-8 paths only: read the bytes
+            from safetensors.torch import load as load_bytes
+
+            return load_bytes(p.read_bytes())
         return load_file(str(p))
     except Exception as exc:  # safetensors raises several types for corrupt headers/data
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]

@@ -536,12 +536,12 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", required=True, metavar="DIR", help="a checkpoint or run folder")
     p.add_argument("--split", choices=("val", "train"), default="val",
                    help="which split of --data (default: val)")
-    p.add_argument("--stride", type=int, metavar="N",
+    p.add_argument("--stride", type=_count, metavar="N",
                    help="sliding-window step, 1..C; each scored token then sees at least "
                    "C - N tokens of context (default: C, non-overlapping windows)")
-    p.add_argument("--batch-size", type=int, default=16, metavar="B",
+    p.add_argument("--batch-size", type=_count, default=16, metavar="B",
                    help="windows per forward pass (default: 16)")
-    p.add_argument("--max-windows", type=int, metavar="N",
+    p.add_argument("--max-windows", type=_count, metavar="N",
                    help="stop after N windows: a quick estimate instead of the exact value")
     _device_flag(p)
     p.add_argument("--json", action="store_true",
@@ -759,6 +759,11 @@ def _device_flag(p: argparse.ArgumentParser) -> None:
                    help="auto (cuda > mps > cpu), cpu, cuda, cuda:N or mps (default: auto)")
 
 
+#: The most prompt text read from --prompt-file (a prompt uses at most its last C - 1
+#: tokens; this only stops /dev/zero or a huge file from filling memory).
+PROMPT_MAX_BYTES = 16 * 1024 * 1024
+
+
 def _read_prompt(args: argparse.Namespace) -> str:
     from pathlib import Path
 
@@ -766,22 +771,32 @@ def _read_prompt(args: argparse.Namespace) -> str:
 
     if args.prompt_file is None:
         return args.prompt or ""
-    if args.prompt_file == "-":
-        if sys.stdin is None or sys.stdin.isatty():
-            raise DataError("--prompt-file - reads the prompt from stdin, but stdin is a "
-                            "terminal; pipe text in or use --prompt")
-        try:
-            return sys.stdin.read()
-        except UnicodeDecodeError as exc:
-            raise DataError(f"stdin is not UTF-8 text ({exc}); convert it to UTF-8") from exc
+    name = "stdin" if args.prompt_file == "-" else f"prompt file {args.prompt_file}"
     try:
-        return Path(args.prompt_file).read_text(encoding="utf-8")
+        if args.prompt_file == "-":
+            if sys.stdin is None or sys.stdin.isatty():
+                raise DataError("--prompt-file - reads the prompt from stdin, but stdin is a "
+                                "terminal; pipe text in or use --prompt")
+            raw = getattr(sys.stdin, "buffer", None)  # text-only streams (tests) have none
+            data = raw.read(PROMPT_MAX_BYTES + 1) if raw is not None else \
+                sys.stdin.read(PROMPT_MAX_BYTES + 1).encode("utf-8", "surrogateescape")
+        else:
+            with open(Path(args.prompt_file), "rb") as f:
+                data = f.read(PROMPT_MAX_BYTES + 1)
     except FileNotFoundError as exc:
-        raise DataError(f"prompt file {args.prompt_file} does not exist; pass a UTF-8 text "
-                        f"file to --prompt-file") from exc
-    except (OSError, UnicodeDecodeError) as exc:
-        raise DataError(f"cannot read {args.prompt_file} as UTF-8 text ({exc}); convert it "
-                        f"to UTF-8") from exc
+        raise DataError(f"{name} does not exist; pass a UTF-8 text file to --prompt-file") \
+            from exc
+    except OSError as exc:
+        raise DataError(f"cannot read {name} ({exc.strerror or exc}); pass a UTF-8 text file "
+                        f"to --prompt-file") from exc
+    if len(data) > PROMPT_MAX_BYTES:
+        raise DataError(f"{name} is larger than {PROMPT_MAX_BYTES // 2**20} MB; a prompt uses "
+                        f"only its last context-length tokens, so pass the end of the text")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{name} is not UTF-8 text ({exc.reason} at byte {exc.start}); "
+                        f"convert it to UTF-8") from exc
 
 
 def _cmd_sample(args: argparse.Namespace) -> int:
@@ -907,6 +922,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     _configure_logging(getattr(args, "verbose", False), getattr(args, "quiet", False))
+    for stream in (sys.stdout, sys.stderr):  # a path with undecodable bytes must print
+        if hasattr(stream, "reconfigure") and getattr(stream, "errors", "") == "strict":
+            stream.reconfigure(errors="backslashreplace")
     try:
         return int(args.func(args) or 0)
     except TinyLMError as exc:
