@@ -470,3 +470,17 @@ def test_eval_counts_take_scientific_notation(ckpt, tmp_path, capsys) -> None:
     line = one_line_exit_2(["eval", "--model", str(ckpt), "--text", str(text),
                             "--batch-size", "2.5"], capsys, "eval")
     assert "expected an integer, got '2.5'" in line
+
+
+def test_huge_hugging_face_config_is_refused_before_allocating(hf_config_dir, tmp_path,
+                                                               capsys) -> None:
+    folder = tmp_path / "hf"
+    shutil.copytree(hf_config_dir, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.update(n_layer=5000, n_embd=4096, n_head=4)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    save_file({"transformer.wte.weight": torch.zeros(2, 2)}, folder / "model.safetensors")
+    line = one_line_exit_2(["convert", "--from-hf", str(folder), "--out",
+                            str(tmp_path / "o")], capsys, "convert")
+    assert "too large to load" in line and "needs about" in line
+    assert not (tmp_path / "o").exists()

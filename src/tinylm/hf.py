@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from tinylm.config import ModelConfig
+from tinylm.config import ModelConfig, check_model_fits
 from tinylm.errors import CheckpointError, ConfigError
 from tinylm.model import GPT
 
@@ -188,6 +188,11 @@ def from_hf(model_or_folder: Any) -> GPT:
     else:
         hf_config, state = model_or_folder.config, model_or_folder.state_dict()
     config = config_from_hf(hf_config)
+    try:  # estimated before allocating, as for a tinylm config.json
+        check_model_fits(config, "cpu")
+    except ConfigError as exc:
+        raise CheckpointError(f"the GPT-2 config.json describes a model too large to load: "
+                              f"{exc}") from None
     model = GPT(config)
     ours = _hf_state_to_tinylm(state, config)
     missing = set(model.state_dict()) - set(ours) - (
