@@ -484,3 +484,15 @@ def test_huge_hugging_face_config_is_refused_before_allocating(hf_config_dir, tm
                             str(tmp_path / "o")], capsys, "convert")
     assert "too large to load" in line and "needs about" in line
     assert not (tmp_path / "o").exists()
+
+
+def test_pickles_are_refused_on_a_torch_with_known_weights_only_bypasses(
+        hf_config_dir, tmp_path, capsys, monkeypatch) -> None:
+    folder = tmp_path / "hf"
+    shutil.copytree(hf_config_dir, folder)
+    torch.save({"transformer.wte.weight": torch.zeros(2)}, folder / "pytorch_model.bin")
+    monkeypatch.setattr("tinylm.hf._torch_version", lambda: (2, 5))
+    line = one_line_exit_2(["convert", "--from-hf", str(folder), "--out",
+                            str(tmp_path / "o")], capsys, "convert")
+    assert "cannot read pickles safely (needs >= 2.10)" in line
+    assert "weights_only" not in line

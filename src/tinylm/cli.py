@@ -82,20 +82,25 @@ def _add_info(sub: argparse._SubParsersAction) -> None:
 
 
 def _native_status() -> str:
-    """'active' or 'off' for the native kernels, whichever module provides them."""
+    """'active' or 'off' for the native kernels, asked through the acceleration door
+    (``tinylm.acceleration``; before it existed, ``tinylm.kernels``)."""
     import importlib
 
-    for name in ("tinylm.native", "tinylm.kernels"):
+    for name in ("tinylm.acceleration", "tinylm.kernels"):
         try:
             module = importlib.import_module(name)
         except ImportError:
             continue
         available = getattr(module, "available", None)
+        if available is None and getattr(module, "native", None) is not None:
+            available = getattr(module.native, "available", None)
         if callable(available):
             try:
                 return "active" if available() else "off (torch's kernels)"
             except Exception:  # a broken build must not break `info`
                 return "off (torch's kernels)"
+        if name == "tinylm.acceleration":
+            return "off (no native package)"
     return "unknown"
 
 

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from tinylm import kernels
+from tinylm.config import available_memory, format_bytes
 from tinylm.decoding import Decoder
 from tinylm.errors import ConfigError, DataError
 from tinylm.model import GPT
@@ -161,8 +162,6 @@ def check_generation(max_new_tokens: Any, num_samples: Any = 1, seed: Any = None
     """ConfigError unless a request for ``num_samples`` x ``max_new_tokens`` tokens is
     well-formed: positive integers, a seed within int64, and the generated ids and text
     fitting in the memory available (the message gives the estimate)."""
-    from tinylm.config import available_memory, format_bytes
-
     for name, value, flag in (("max_new_tokens", max_new_tokens, "--max-new-tokens 200"),
                               ("num_samples", num_samples, "--num-samples 4")):
         if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value \
