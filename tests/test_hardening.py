@@ -345,11 +345,19 @@ def test_tiny_temperature_is_greedy_not_nan() -> None:
 
 
 def test_generation_memory_estimate(monkeypatch) -> None:
-    monkeypatch.setattr(config_module, "available_memory", lambda device="cpu": 64 * 10**6)
+    monkeypatch.setattr("tinylm.sampling.available_memory", lambda device="cpu": 64 * 10**6)
     check_generation(100_000, 9)  # 900k tokens x 64 bytes = 57.6 MB fits
     with pytest.raises(ConfigError, match=r"10 samples of 100,000 new tokens need about "
-                                          r"64\.0 MB .* only 64\.0 MB"):
+                                          r"64\.0 MB of memory on cpu .* only 64\.0 MB"):
         check_generation(100_000, 10, prompt_tokens=1)
+    # GPT-2 small's KV cache is 2 x 12 layers x 1024 positions x 768 x 4 bytes = 75.5 MB
+    # per sample: 1 fits in 100 MB, 2 do not
+    gpt2 = ModelConfig(vocab_size=50257, context_length=1024, n_layer=12, n_head=12,
+                       n_embd=768)
+    monkeypatch.setattr("tinylm.sampling.available_memory", lambda device="cpu": 100 * 10**6)
+    check_generation(10, 1, model_config=gpt2)
+    with pytest.raises(ConfigError, match=r"2 samples of 10 new tokens need about 151\.8 MB"):
+        check_generation(10, 2, model_config=gpt2)
 
 
 # --- hypothesis fuzz -----------------------------------------------------------------------

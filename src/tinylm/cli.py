@@ -820,10 +820,11 @@ def _cmd_sample(args: argparse.Namespace) -> int:
     if any(not s for s in stop):
         raise ConfigError("--stop needs a non-empty string")
     prompt = _read_prompt(args)
-    check_generation(args.max_new_tokens, args.num_samples, args.seed,
-                     prompt_tokens=len(prompt.encode("utf-8")) + 1, device=device)
     model, tokenizer = load_checkpoint(args.model, device,
                                        allow_nonfinite=args.allow_nonfinite)
+    check_generation(args.max_new_tokens, args.num_samples, args.seed,
+                     prompt_tokens=len(prompt.encode("utf-8")) + 1, device=device,
+                     model_config=model.config)
     if tokenizer is None:
         raise CheckpointError(f"{args.model} has no tokenizer.json; sample needs the model's "
                               f"tokenizer to turn text into ids")

@@ -158,10 +158,13 @@ def _plural(n: int, word: str) -> str:
 
 
 def check_generation(max_new_tokens: Any, num_samples: Any = 1, seed: Any = None, *,
-                     prompt_tokens: int = 1, device: Any = "cpu") -> None:
+                     prompt_tokens: int = 1, device: Any = "cpu",
+                     model_config: Any = None) -> None:
     """ConfigError unless a request for ``num_samples`` x ``max_new_tokens`` tokens is
-    well-formed: positive integers, a seed within int64, and the generated ids and text
-    fitting in the memory available (the message gives the estimate)."""
+    well-formed: positive integers, a seed within int64, and what it allocates fitting
+    in the memory available (the message gives the estimate): the ids and text of every
+    sample on the host and, given the ``model_config``, the KV cache (float32,
+    2·L·B·C·kv_dim) and the logits (B·V) on ``device``."""
     for name, value, flag in (("max_new_tokens", max_new_tokens, "--max-new-tokens 200"),
                               ("num_samples", num_samples, "--num-samples 4")):
         if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value \
@@ -173,23 +176,23 @@ def check_generation(max_new_tokens: Any, num_samples: Any = 1, seed: Any = None
         raise ConfigError(f"seed must be an integer in [0, {_INT64_MAX}] (int64), got "
                           f"{seed!r}; e.g. --seed 1")
     tokens = num_samples * (prompt_tokens + max_new_tokens)
-    need = tokens * _BYTES_PER_TOKEN
-    have = available_memory("cpu")
-    if tokens > _INT64_MAX or (have is not None and need > have):
-        room = "" if have is None else f" but only {format_bytes(have)} is available"
-        raise ConfigError(
-            f"{_plural(num_samples, 'sample')} of {max_new_tokens:,} new tokens need about "
-            f"{format_bytes(need)} of memory for their ids and text{room}; ask for fewer "
-            f"--num-samples or --max-new-tokens (a sample also ends at the end-of-text token "
-            f"or a --stop string)")
-    on_device = available_memory(device) if getattr(device, "type", str(device)) != "cpu" \
-        else None
-    if on_device is not None and tokens * 8 > on_device:
-        raise ConfigError(f"{_plural(num_samples, 'sample')} of {max_new_tokens:,} new "
-                          f"tokens need "
-                          f"{format_bytes(tokens * 8)} on {device} for their ids but only "
-                          f"{format_bytes(on_device)} is free; ask for fewer --num-samples "
-                          f"or --max-new-tokens")
+    cache = 0  # the KV cache and two rows of logits per sample
+    if model_config is not None:
+        c = model_config
+        kv = getattr(c, "kv_dim", c.n_head * c.head_dim)
+        cache = 4 * num_samples * (2 * c.n_layer * c.context_length * kv + 2 * c.vocab_size)
+    what = f"{_plural(num_samples, 'sample')} of {max_new_tokens:,} new tokens"
+    fix = ("ask for fewer --num-samples or --max-new-tokens (a sample also ends at the "
+           "end-of-text token or a --stop string)")
+    cpu = getattr(device, "type", str(device).split(":")[0]) == "cpu"
+    host = tokens * _BYTES_PER_TOKEN + (cache if cpu else 0)
+    on_device = 0 if cpu else 8 * tokens + cache  # the int64 id buffer lives there too
+    for need, where in ((host, "cpu"), (on_device, device)):
+        have = available_memory(where) if need else None
+        if tokens > _INT64_MAX or (have is not None and need > have):
+            room = "" if have is None else f" but only {format_bytes(have)} is available"
+            raise ConfigError(f"{what} need about {format_bytes(need)} of memory on {where} "
+                              f"for their ids, text and KV cache{room}; {fix}")
 
 
 def filter_logits(logits: Tensor, config: SamplingConfig) -> Tensor:
