@@ -109,32 +109,28 @@ def test_device_flag_is_the_same_in_every_command() -> None:
 # --- logging --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("where", ["before", "after"])
-def test_verbosity_flags_work_before_and_after_the_command(where) -> None:
+def test_verbosity_flags_work_before_and_after_the_command() -> None:
     script = (
         "import logging, sys\n"
         "from tinylm.cli import main\n"
-        "flag = sys.argv[1]\n"
-        "argv = [flag, 'info'] if sys.argv[2] == 'before' else ['info', flag]\n"
-        "assert main(argv) == 0\n"
-        "logging.getLogger('tinylm.x').debug('TINYLM-DEBUG')\n"
-        "logging.getLogger('tinylm.x').info('TINYLM-INFO')\n"
-        "logging.getLogger('tinylm.x').warning('TINYLM-WARNING')\n"
-        "for name in ('matplotlib.font_manager', 'filelock', 'PIL.PngImagePlugin'):\n"
-        "    logging.getLogger(name).debug('NOISE-' + name)\n"
-        "    logging.getLogger(name).info('NOISE-' + name)\n"
+        "for argv in (['-v', 'info'], ['info', '-v'], ['-q', 'info'], ['info', '-q']):\n"
+        "    print('== ' + ' '.join(argv), file=sys.stderr, flush=True)\n"
+        "    assert main(argv) == 0\n"
+        "    log = logging.getLogger('tinylm.x')\n"
+        "    log.debug('TINYLM-DEBUG'); log.info('TINYLM-INFO'); log.warning('TINYLM-WARN')\n"
+        "    for name in ('matplotlib.font_manager', 'filelock', 'PIL.PngImagePlugin'):\n"
+        "        logging.getLogger(name).debug('NOISE'); logging.getLogger(name).info('NOISE')\n"
     )
-
-    def stderr(flag: str) -> str:
-        return subprocess.run([sys.executable, "-c", script, flag, where], capture_output=True,
-                              text=True, check=True, env={"PYTHONPATH": str(SRC),
-                                                          "TINYLM_NATIVE": "0"}).stderr
-
-    verbose, quiet = stderr("-v"), stderr("-q")
-    assert "TINYLM-DEBUG" in verbose and "TINYLM-INFO" in verbose
-    assert "NOISE" not in verbose  # third-party debug/info lines stay out, even with -v
-    assert "TINYLM-DEBUG" not in quiet and "TINYLM-INFO" not in quiet
-    assert "TINYLM-WARNING" in quiet
+    err = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         check=True, env={"PYTHONPATH": str(SRC), "TINYLM_NATIVE": "0"}).stderr
+    parts = dict(part.split("\n", 1) for part in err.split("== ")[1:])
+    assert set(parts) == {"-v info", "info -v", "-q info", "info -q"}, err
+    for argv in ("-v info", "info -v"):
+        assert "TINYLM-DEBUG" in parts[argv] and "TINYLM-INFO" in parts[argv], argv
+    for argv in ("-q info", "info -q"):
+        assert "TINYLM-DEBUG" not in parts[argv] and "TINYLM-INFO" not in parts[argv], argv
+        assert "TINYLM-WARN" in parts[argv]
+    assert "NOISE" not in err  # third-party debug/info lines stay out, even with -v
 
 
 # --- info -----------------------------------------------------------------------------------

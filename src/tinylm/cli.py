@@ -934,7 +934,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except TinyLMError as exc:
-        print(f"tinylm {args.command}: error: {exc}", file=sys.stderr)
+        message = " ".join(str(exc).split())  # one line, whatever a message quoted
+        print(f"tinylm {args.command}: error: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"tinylm {args.command}: interrupted", file=sys.stderr)
