@@ -351,11 +351,13 @@ def estimate_parameters(config: ModelConfig) -> int:
     return total
 
 
-def estimate_model_bytes(config: ModelConfig, *, training: bool = False) -> int:
+def estimate_model_bytes(config: ModelConfig, *, training: bool = False,
+                         parameters: int | None = None) -> int:
     """Bytes a float32 model of ``config`` needs: weights (x4 when ``training``: gradients
-    and two AdamW moments) plus a fixed overhead per block."""
-    weights = 4 * estimate_parameters(config) * (4 if training else 1)
-    return weights + config.n_layer * _BLOCK_OVERHEAD_BYTES
+    and two AdamW moments) plus a fixed overhead per block. ``parameters`` replaces the
+    closed-form estimate when the caller knows the count."""
+    count = estimate_parameters(config) if parameters is None else parameters
+    return 4 * count * (4 if training else 1) + config.n_layer * _BLOCK_OVERHEAD_BYTES
 
 
 def available_memory(device: Any = "cpu") -> int | None:
@@ -404,14 +406,15 @@ def format_bytes(n: float) -> str:
     return f"{n:.1f} PB"
 
 
-def check_model_fits(config: ModelConfig, device: Any = "cpu", *, training: bool = False
-                     ) -> int:
+def check_model_fits(config: ModelConfig, device: Any = "cpu", *, training: bool = False,
+                     parameters: int | None = None) -> int:
     """The estimated bytes of a model of ``config``; ConfigError when they cannot fit in
-    the memory available on ``device`` (the message gives the estimate)."""
-    need = estimate_model_bytes(config, training=training)
+    the memory available on ``device`` (the message gives the estimate). Call it before
+    allocating: ``training=True`` counts gradients and optimizer moments too."""
+    need = estimate_model_bytes(config, training=training, parameters=parameters)
     have = available_memory(device)
     if have is not None and need > have:
-        params = estimate_parameters(config)
+        params = estimate_parameters(config) if parameters is None else parameters
         extra = " with gradients and AdamW moments" if training else ""
         raise ConfigError(
             f"a model of this config needs about {format_bytes(need)} "
