@@ -82,26 +82,17 @@ def _add_info(sub: argparse._SubParsersAction) -> None:
 
 
 def _native_status() -> str:
-    """'active' or 'off' for the native kernels, asked through the acceleration door
-    (``tinylm.acceleration``; before it existed, ``tinylm.kernels``)."""
-    import importlib
+    """'active' or 'off' for the native kernels, asked through the acceleration door."""
+    from tinylm import acceleration
 
-    for name in ("tinylm.acceleration", "tinylm.kernels"):
-        try:
-            module = importlib.import_module(name)
-        except ImportError:
-            continue
-        available = getattr(module, "available", None)
-        if available is None and getattr(module, "native", None) is not None:
-            available = getattr(module.native, "available", None)
-        if callable(available):
-            try:
-                return "active" if available() else "off (torch's kernels)"
-            except Exception:  # a broken build must not break `info`
-                return "off (torch's kernels)"
-        if name == "tinylm.acceleration":
-            return "off (no native package)"
-    return "unknown"
+    native = getattr(acceleration, "native", None)
+    available = getattr(acceleration, "available", None) or getattr(native, "available", None)
+    if native is None or not callable(available):
+        return "off (no native package)"
+    try:
+        return "active" if available() else "off (torch's kernels)"
+    except Exception:  # a broken build must not break `info`
+        return "off (torch's kernels)"
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
