@@ -156,23 +156,33 @@ def test_run_folder_metrics_and_checkpoints(reference_run, data_dir) -> None:
         assert math.isfinite(r["train_loss"]) and r["grad_norm"] > 0 and r["tokens_per_s"] > 0
     assert train_records[0]["lr"] == pytest.approx(1e-3)  # warm-up step 1 of 3
     assert train_records[0]["train_loss"] > train_records[-1]["train_loss"]
-    val_steps = [r["step"] for r in records if "val_loss" in r]
-    assert val_steps == [8, 16, 24]  # periodic, then the final whole-split evaluation
+    # Periodic estimates (a fixed random sample of windows) and the exact final value are
+    # different measurements, kept under different keys.
+    est_steps = [r["step"] for r in records if "val_loss_estimate" in r]
+    assert est_steps == [8, 16, 24]  # periodic ones, then the final model's estimate
+    assert [r["step"] for r in records if "val_loss" in r] == [24]
     assert records[-1]["final"] is True
     assert records[-1]["val_ppl"] == pytest.approx(math.exp(records[-1]["val_loss"]))
     # The final val loss is the exact mean over the whole validation split.
     from tinylm.data import load_prepared
-    from tinylm.evaluation import evaluate
+    from tinylm.evaluation import estimate_loss, evaluate, sample_windows
 
     model, tok = load_checkpoint(reference_run)  # a run folder resolves to latest/
     assert tok is not None and tok.vocab_size == model.config.vocab_size
-    exact = evaluate(model, load_prepared(data_dir).val).loss
+    val = load_prepared(data_dir).val
+    exact = evaluate(model, val).loss
     assert records[-1]["val_loss"] == pytest.approx(exact, rel=1e-6)
+    # best/ is chosen like for like: the lowest estimate on the same sample.
     _tensors, meta = load_train_state(reference_run / "latest")
-    assert meta["step"] == 24 and meta["best_val_loss"] == pytest.approx(
-        min(r["val_loss"] for r in records if "val_loss" in r))
+    estimates = [r["val_loss_estimate"] for r in records if "val_loss_estimate" in r]
+    assert meta["step"] == 24 and meta["best_val_loss"] == pytest.approx(min(estimates))
     best = read_config(reference_run / "best")
-    assert best["best"]["val_loss"] == pytest.approx(meta["best_val_loss"])
+    assert best["best"]["val_loss_estimate"] == pytest.approx(meta["best_val_loss"])
+    starts = sample_windows(len(val), 32, TRAIN["eval_windows"], TRAIN["seed"])
+    assert len(starts) == 4 and starts[-1] > 4 * 32  # spread over the split, not its head
+    best_model, _ = load_checkpoint(reference_run / "best")
+    again = estimate_loss(best_model, val, starts, context_length=32)
+    assert again.loss == pytest.approx(best["best"]["val_loss_estimate"], rel=1e-5)
     assert read_config(reference_run)["train"]["lr"] == TRAIN["lr"]
     model_kw, train_kw = read_toml(reference_run / "run.toml")  # effective config, reusable
     assert model_kw["n_embd"] == 32 and train_kw["max_steps"] == 24
