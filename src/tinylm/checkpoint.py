@@ -227,6 +227,44 @@ def _swap_in(tmp: Path, dest: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+#: The files a checkpoint folder may hold (what save_checkpoint writes).
+CHECKPOINT_FILES = frozenset({CONFIG_FILE, WEIGHTS_FILE, TOKENIZER_FILE, STATE_TENSORS_FILE,
+                              STATE_JSON_FILE})
+
+
+def check_target(path: str | os.PathLike, *, force: bool = False, flag: str = "--out") -> Path:
+    """Refuse to write a checkpoint where it would lose a user's files.
+
+    Allowed: a new path, an empty folder, or (with ``force``) an existing checkpoint
+    folder holding nothing but checkpoint files — the only files a replacement deletes
+    are ones tinylm wrote. A regular file, a training run folder, or a folder with any
+    other file is refused, even with ``force``. Nothing is written here.
+    """
+    dest = Path(path)
+    if not dest.exists():
+        return dest
+    if not dest.is_dir():
+        raise CheckpointError(f"{flag} {dest} is a file; choose a new folder name (nothing "
+                              f"was written)")
+    names = sorted(p.name for p in dest.iterdir())
+    if not names:
+        return dest
+    if RUN_LATEST in names or ".lock" in names or "metrics.jsonl" in names:
+        raise CheckpointError(f"{flag} {dest} is a training run folder; write the checkpoint "
+                              f"to a new folder (nothing was written)")
+    others = [n for n in names if n not in CHECKPOINT_FILES]
+    if others or not is_complete(dest):
+        shown = ", ".join(others[:3]) + (" ..." if len(others) > 3 else "") if others \
+            else ", ".join(names[:3])
+        raise CheckpointError(f"{flag} {dest} is not empty and not a tinylm checkpoint (it "
+                              f"holds {shown}); choose a new or empty folder (nothing was "
+                              f"written)")
+    if not force:
+        raise CheckpointError(f"{flag} {dest} already holds a checkpoint; pass --force to "
+                              f"replace it, or choose a new folder")
+    return dest
+
+
 # --- recovery ------------------------------------------------------------------------------
 
 

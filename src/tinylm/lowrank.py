@@ -1,4 +1,4 @@
-"""Low-rank factorisation (SEED-MATH.md section 2): W ≈ W1·W2, applied to a whole model.
+"""Low-rank factorisation (docs/compress.md): W ≈ W1·W2, applied to a whole model.
 
 The seed's idea: a weight W of shape (E, F) (the layer computes x·W, E -> F) is replaced
 by two thin matrices W1 (E, r) and W2 (r, F), so that x·W1·W2 ≈ x·W. Parameters go from
@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tinylm.errors import CheckpointError, ConfigError
+from tinylm.plotting import figure_path, new_figure, save_figure
 
 log = logging.getLogger(__name__)
 
@@ -625,18 +626,14 @@ def format_sweep(rows: Sequence[SweepRow]) -> str:
 
 
 def plot_sweep(rows: Sequence[SweepRow], path: str | Path, title: str | None = None) -> Path:
-    """PNG: validation loss vs share of parameters kept, speed on a second axis."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise ConfigError("plotting needs matplotlib; install it with: "
-                          "pip install 'tinylm[plot]'") from exc
+    """Validation loss vs share of parameters kept, speed on a second axis; written in
+    the format of ``path``'s suffix (:func:`tinylm.plotting.save_figure`), returns the
+    file really written."""
+    figure_path(path)
     rows = sorted(rows, key=lambda r: r.params_fraction)
     x = [r.params_fraction for r in rows]
-    fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
+    fig = new_figure(6.4, 4.2, dpi=120)
+    ax = fig.add_subplot(1, 1, 1)
     ax.plot(x, [r.loss for r in rows], "o-", color="C0", label="validation loss")
     ax.set_xlabel("share of parameters kept")
     ax.set_ylabel("validation loss (nats/token)", color="C0")
@@ -647,8 +644,5 @@ def plot_sweep(rows: Sequence[SweepRow], path: str | Path, title: str | None = N
     ax2.set_ylabel("forward pass tokens/s", color="C1")
     ax.set_title(title or "tinylm compress: loss and speed vs parameters kept")
     fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out)
-    plt.close(fig)
-    return out
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    return save_figure(fig, path)

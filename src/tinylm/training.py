@@ -1216,7 +1216,7 @@ def train(
         if ctx.is_main:
             _prepare_out(out)
             lock = FolderLock(out).acquire()
-        with _threads(cfg.threads):
+        with using_threads(cfg.threads):
             found = _find_run(out, resume_mode(resume), ctx)
             if found.resuming:
                 saved = ModelConfig.from_dict(read_config(out / RUN_LATEST)["model"])
@@ -1236,7 +1236,7 @@ def train(
 
 
 @contextlib.contextmanager
-def _threads(n: int | None) -> Iterator[None]:
+def using_threads(n: int | None) -> Iterator[None]:
     """torch's intra-op threads set to ``n`` for the block (None: left as they are)."""
     before = torch.get_num_threads()
     if n is not None:
@@ -1292,7 +1292,7 @@ def train_run(data_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     model_config, train_config = layer_configs(out_dir, config_file=config_file,
                                                overrides=overrides, resume=resume)
     if train_config.threads is None:
-        with _threads(default_threads()):
+        with using_threads(default_threads()):
             return train(model_config, train_config, data_dir, out_dir, resume=resume,
                          progress=progress)
     return train(model_config, train_config, data_dir, out_dir, resume=resume,
