@@ -169,7 +169,7 @@ def save_checkpoint(
     current = parent
     try:
         parent.mkdir(parents=True, exist_ok=True)
-        _op("mkdir tmp")
+        _op(f"mkdir tmp for {dest.name}")
         tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-{os.getpid()}-", dir=parent))
     except OSError as exc:
         raise write_error(parent, exc) from exc

@@ -366,8 +366,11 @@ class _MetricsLog:
             return
         self.records.append(record)
         with disk_errors(self.path):
-            self._file.write(json.dumps(record) + "\n")
-            self._file.flush()
+            self._append(json.dumps(record) + "\n")
+
+    def _append(self, line: str) -> None:
+        self._file.write(line)
+        self._file.flush()
 
     def close(self) -> None:
         if self.enabled:
