@@ -457,7 +457,7 @@ def test_kill_at_every_point_of_the_save_protocol_resumes_bitwise(data_dir, tmp_
             try:
                 count = {"latest": 0, "ops": 0}
 
-                def die(label: str) -> None:
+                def die(label: str, count=count, k=k) -> None:
                     count["latest"] += label == "mkdir tmp for latest"
                     if count["latest"] == 2:
                         if count["ops"] == k:
@@ -691,7 +691,7 @@ def test_loss_mask_and_frozen_parameters(data_dir, tmp_path) -> None:
     frozen = {n: p.detach().clone() for n, p in model.named_parameters()
               if not n.startswith("blocks.0.ffn")}
     for n, p in model.named_parameters():
-        p.requires_grad_(not (n in frozen))
+        p.requires_grad_(n not in frozen)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     train(model.config, cfg, data_dir, tmp_path / "frozen", model=model, progress=False)
     for n, p in model.named_parameters():
