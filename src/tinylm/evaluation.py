@@ -114,16 +114,7 @@ def evaluate(
     base = unwrap_model(model)
     config = base.config
     C = config.context_length if context_length is None else context_length
-    if isinstance(C, bool) or not isinstance(C, int) or not 1 <= C <= config.context_length:
-        raise ConfigError(f"context length must be between 1 and the model's "
-                          f"{config.context_length}, got {C!r}")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ConfigError(f"batch size must be an integer >= 1, got {batch_size!r}")
-    if max_windows is not None and (isinstance(max_windows, bool)
-                                    or not isinstance(max_windows, int) or max_windows < 1):
-        raise ConfigError(f"max_windows must be an integer >= 1 or None, got {max_windows!r}")
-    if stride is not None and (isinstance(stride, bool) or not isinstance(stride, int)):
-        raise ConfigError(f"stride must be an integer, got {stride!r}")
+    _check_options(config.context_length, C, batch_size, max_windows, stride)
     arr = _as_numpy(tokens)
     if arr.size < 2:
         raise DataError(f"evaluation needs at least 2 tokens (one input and its next-token "
@@ -143,39 +134,12 @@ def evaluate(
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" \
         else torch.autocast(device.type, enabled=False)
 
-    V = config.vocab_size
-    total = 0.0  # sum of per-target nats, accumulated in float64
-    scored = 0
-    windows = 0
     was_training = model.training
     model.eval()
     try:
         with torch.inference_mode(), autocast:
-            for x, y, mask in iter_windows(arr, C, batch_size, stride, device=device):
-                if max_windows is not None:  # x, y, mask: (b, C) inputs, targets, scored
-                    x, y, mask = x[:max_windows - windows], y[:max_windows - windows], \
-                        mask[:max_windows - windows]
-                ids = torch.cat([x[:, :1], y], dim=1)  # (b, C + 1): every token of the window
-                outside = (ids < 0) | (ids >= V)
-                if outside.any():
-                    bad = int(ids[outside][0])
-                    raise DataError(
-                        f"token id {bad} is outside the model's vocabulary of {V}; the "
-                        f"tokens were made with a different tokenizer than the model's — "
-                        f"prepare the data with the model's tokenizer")
-                # Scored targets are a suffix of each window: project only the columns
-                # from the first scored one onto the vocabulary.
-                first = int(mask.any(0).nonzero()[0])
-                h = base.hidden_states(x)[:, first:]  # (b, C, E) -> (b, n, E)
-                logits = base.lm_head(h).float()  # (b, n, V)
-                nll = F.cross_entropy(logits.reshape(-1, V), y[:, first:].reshape(-1),
-                                      reduction="none")  # (b·n, V) -> (b·n,)
-                keep = mask[:, first:].reshape(-1)  # (b, n) -> (b·n,)
-                total += float(nll[keep].double().sum())
-                scored += int(keep.sum())
-                windows += x.shape[0]
-                if max_windows is not None and windows >= max_windows:
-                    break
+            total, scored, windows = _score_windows(base, arr, C, batch_size, stride,
+                                                    max_windows, device)
     finally:
         model.train(was_training)
 
@@ -187,6 +151,56 @@ def evaluate(
         bpb = bits_per_byte(loss, scored, covered) if covered > 0 else None
     log.debug("evaluated %d targets in %d windows", scored, windows)
     return EvalResult(loss=loss, perplexity=perplexity(loss), bits_per_byte=bpb, tokens=scored)
+
+
+def _check_options(model_context: int, C: Any, batch_size: Any, max_windows: Any,
+                   stride: Any) -> None:
+    if isinstance(C, bool) or not isinstance(C, int) or not 1 <= C <= model_context:
+        raise ConfigError(f"context length must be between 1 and the model's "
+                          f"{model_context}, got {C!r}")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ConfigError(f"batch size must be an integer >= 1, got {batch_size!r}")
+    if max_windows is not None and (isinstance(max_windows, bool)
+                                    or not isinstance(max_windows, int) or max_windows < 1):
+        raise ConfigError(f"max_windows must be an integer >= 1 or None, got {max_windows!r}")
+    if stride is not None and (isinstance(stride, bool) or not isinstance(stride, int)):
+        raise ConfigError(f"stride must be an integer, got {stride!r}")
+
+
+def _score_windows(base: nn.Module, arr: np.ndarray, C: int, batch_size: int,
+                   stride: int | None, max_windows: int | None,
+                   device: torch.device) -> tuple[float, int, int]:
+    """(sum of nats, targets scored, windows) over the windows of :func:`iter_windows`."""
+    V = base.config.vocab_size
+    total = 0.0  # sum of per-target nats, accumulated in float64
+    scored = 0
+    windows = 0
+    for x, y, mask in iter_windows(arr, C, batch_size, stride, device=device):
+        if max_windows is not None:  # x, y, mask: (b, C) inputs, targets, scored
+            x, y, mask = x[:max_windows - windows], y[:max_windows - windows], \
+                mask[:max_windows - windows]
+        ids = torch.cat([x[:, :1], y], dim=1)  # (b, C + 1): every token of the window
+        outside = (ids < 0) | (ids >= V)
+        if outside.any():
+            bad = int(ids[outside][0])
+            raise DataError(
+                f"token id {bad} is outside the model's vocabulary of {V}; the "
+                f"tokens were made with a different tokenizer than the model's — "
+                f"prepare the data with the model's tokenizer")
+        # Scored targets are a suffix of each window: project only the columns
+        # from the first scored one onto the vocabulary.
+        first = int(mask.any(0).nonzero()[0])
+        h = base.hidden_states(x)[:, first:]  # (b, C, E) -> (b, n, E)
+        logits = base.lm_head(h).float()  # (b, n, V)
+        nll = F.cross_entropy(logits.reshape(-1, V), y[:, first:].reshape(-1),
+                              reduction="none")  # (b·n, V) -> (b·n,)
+        keep = mask[:, first:].reshape(-1)  # (b, n) -> (b·n,)
+        total += float(nll[keep].double().sum())
+        scored += int(keep.sum())
+        windows += x.shape[0]
+        if max_windows is not None and windows >= max_windows:
+            break
+    return total, scored, windows
 
 
 # --- texts and prepared splits ----------------------------------------------------------

@@ -420,19 +420,7 @@ def compress(
     """
     if isinstance(layers, str):
         layers = [layers]
-    given = [k for k, v in (("rank", rank), ("energy", energy),
-                            ("params_fraction", params_fraction)) if v is not None]
-    if len(given) != 1:
-        raise ConfigError(f"choose exactly one of rank, energy or params_fraction "
-                          f"(--rank, --energy, --params-fraction), got "
-                          f"{', '.join(given) or 'none'}")
-    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 1):
-        raise ConfigError(f"rank must be an integer >= 1, got {rank!r}; e.g. --rank 16")
-    if energy is not None:
-        _check_fraction("energy", energy)
-    if params_fraction is not None:
-        _check_fraction("params fraction", params_fraction)
-
+    _check_mode(rank, energy, params_fraction)
     chosen = select_layers(model, layers)
     if rank is not None:
         too_big = [(n, m) for n, m in chosen if rank > min(m.in_features, m.out_features)]
@@ -467,6 +455,31 @@ def compress(
                 f"choose a fraction >= {math.ceil(floor / params_before * 1000) / 1000:g}")
         wanted = ranks_for_budget(spectra, params_fraction * params_before - fixed)
 
+    rows = _factorise(model, chosen, spectra, wanted)
+    params_after = sum(p.numel() for p in model.parameters())
+    return CompressReport(mode, tuple(rows), params_before, params_after, bytes_before,
+                          _payload_bytes(model))
+
+
+def _check_mode(rank: int | None, energy: float | None, params_fraction: float | None) -> None:
+    given = [k for k, v in (("rank", rank), ("energy", energy),
+                            ("params_fraction", params_fraction)) if v is not None]
+    if len(given) != 1:
+        raise ConfigError(f"choose exactly one of rank, energy or params_fraction "
+                          f"(--rank, --energy, --params-fraction), got "
+                          f"{', '.join(given) or 'none'}")
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 1):
+        raise ConfigError(f"rank must be an integer >= 1, got {rank!r}; e.g. --rank 16")
+    if energy is not None:
+        _check_fraction("energy", energy)
+    if params_fraction is not None:
+        _check_fraction("params fraction", params_fraction)
+
+
+def _factorise(model: nn.Module, chosen: list[tuple[str, nn.Module]],
+               spectra: list[LayerSpectrum], wanted: list[int | None]) -> list[LayerReport]:
+    """Replace each chosen layer by its rank-r factorisation where that saves parameters;
+    one report row per layer."""
     rows = []
     for (name, layer), spec, r in zip(chosen, spectra, wanted, strict=True):
         E, Fo, full = spec.in_features, spec.out_features, min(spec.in_features,
@@ -490,10 +503,7 @@ def compress(
         rows.append(LayerReport(name, E, Fo, r, full, before, lowrank_params(E, Fo, r, False)
                                 + bias, truncation_error(spec.sigma, r)))
         log.debug("factorised %s (%d->%d) at rank %d", name, E, Fo, r)
-
-    params_after = sum(p.numel() for p in model.parameters())
-    return CompressReport(mode, tuple(rows), params_before, params_after, bytes_before,
-                          _payload_bytes(model))
+    return rows
 
 
 def format_report(report: CompressReport) -> str:
