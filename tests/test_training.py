@@ -312,6 +312,7 @@ def test_sigint_saves_a_checkpoint_and_exits_cleanly(data_dir, tmp_path) -> None
     stdout, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 130, stderr
     assert "Traceback" not in stderr and "--resume" in stderr
+    assert stderr.count("interrupted") == 1, stderr  # said once
     step = load_train_state(out / "latest")[1]["step"]
     assert 1 <= step < 100000
     assert max(r["step"] for r in read_metrics(out)) == step
@@ -599,6 +600,11 @@ def test_resume_refuses_data_with_another_tokenizer(reference_run, data_dir, tmp
     with pytest.raises(DataError, match=r"token ids map to different strings, e\.g\. id"):
         train(ModelConfig(**MODEL), TrainConfig(**dict(TRAIN, max_steps=30)), tmp_path / "other",
               out, resume=True, progress=False)
+    model, tok = load_checkpoint(reference_run)  # fine-tuning checks the same way
+    with pytest.raises(DataError, match="different strings"):
+        train(model.config, TrainConfig(**dict(TRAIN, max_steps=2)), tmp_path / "other",
+              tmp_path / "ft", model=model, model_tokenizer=tok, progress=False)
+    assert not (tmp_path / "ft").exists()
 
 
 def test_token_ids_outside_the_vocabulary_are_refused(data_dir, tmp_path) -> None:

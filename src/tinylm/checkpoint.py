@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from tinylm.config import ModelConfig
 from tinylm.errors import CheckpointError, ConfigError, TinyLMError
-from tinylm.files import fsync_dir, umask_mode, write_error
+from tinylm.files import fsync_dir, is_locked, umask_mode, write_error
 from tinylm.lowrank import apply_structure, structure_of
 from tinylm.model import GPT
 
@@ -378,6 +378,12 @@ def resolve_checkpoint_dir(path: str | os.PathLike) -> Path:
     if (folder / CONFIG_FILE).is_file():
         return folder
     if folder.is_dir() and ((folder / RUN_LATEST).exists() or leftovers(folder / RUN_LATEST)):
+        if is_locked(folder):  # a live training owns the folder: read, never tidy
+            if is_complete(folder / RUN_LATEST):
+                return folder / RUN_LATEST
+            done = [p for p in leftovers(folder / RUN_LATEST) if is_complete(p)]
+            if done:  # mid-swap: the previous checkpoint, read where it is
+                return max(done, key=_saved_step)
         recover_checkpoint(folder / RUN_LATEST)
         if is_complete(folder / RUN_LATEST):
             return folder / RUN_LATEST

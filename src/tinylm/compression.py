@@ -61,11 +61,12 @@ def finetune_config(source_config: dict[str, Any], steps: int, *, lr: float | No
 
 
 def finetune(model: nn.Module, data_dir: str | os.PathLike, config: TrainConfig,
-             scratch: str | os.PathLike) -> None:
+             scratch: str | os.PathLike, tokenizer: Any | None = None) -> None:
     """Train ``model`` in place with ``config``; the run folder is a temporary one under
-    ``scratch`` (removed afterwards)."""
+    ``scratch`` (removed afterwards). ``tokenizer`` (the model's) must match the data's."""
     with tempfile.TemporaryDirectory(prefix=".finetune-", dir=scratch) as run:
-        train(model.config, config, data_dir, run, model=model, progress=False)
+        train(model.config, config, data_dir, run, model=model, model_tokenizer=tokenizer,
+              progress=False)
 
 
 @dataclass(frozen=True)
@@ -116,7 +117,7 @@ def compress_checkpoint(model_dir: str | os.PathLike, out: str | os.PathLike, *,
             dest_parent.mkdir(parents=True, exist_ok=True)
             cfg = finetune_config(read_config(model_dir), finetune_steps, lr=lr,
                                   batch_size=batch_size, device=str(dev))
-            finetune(model, data_dir, cfg, dest_parent)
+            finetune(model, data_dir, cfg, dest_parent, tokenizer)
             tuned = measure(model)
         dest = save_checkpoint(out, model, tokenizer, extra_config={"compress": {
             "source": str(model_dir), "mode": report.mode, "finetune_steps": finetune_steps}})

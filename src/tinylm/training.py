@@ -1192,6 +1192,7 @@ def train(
     progress: bool | None = None,
     on_step: Callable[[int], None] | None = None,
     extra_config: dict[str, Any] | None = None,
+    model_tokenizer: Any | None = None,
 ) -> TrainResult:
     """Train a GPT on ``data_dir`` (a ``tinylm prepare`` folder, or any :class:`TrainData`
     object, e.g. with a loss mask); write the run to ``out_dir``.
@@ -1206,6 +1207,8 @@ def train(
     (continue if there is a checkpoint, else start), None ("auto" under a torchrun
     restart, else False). ``progress``: True for a tqdm bar, False for log lines, None
     to pick by terminal. ``on_step(step)`` runs after every optimizer step.
+    ``model_tokenizer`` (the tokenizer ``model`` was trained with) is compared with the
+    data's by content hash, as resume does (fine-tuning on mismatched data is refused).
 
     The run folder is locked for the call (a second writer is refused with this
     process's pid). Under torchrun, every rank calls this; rank 0 writes all files.
@@ -1213,6 +1216,9 @@ def train(
     cfg = train_config
     out = Path(out_dir)
     data = _load_data(data_dir)
+    check_same_tokenizer(model_tokenizer, data.tokenizer, _data_name(data),
+                         fix="prepare the data with the model's tokenizer (tinylm prepare "
+                             "--tokenizer MODEL_DIR/tokenizer.json)")
     ctx = distributed.init_from_env(resolve_device(cfg.device).type)
     lock = None
     try:
