@@ -290,9 +290,36 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(data_dir, tmp_path
     finally:
         training.build_optimizer = original
     assert "step 10" in str(info.value) and "--lr" in str(info.value)
+    assert "--resume" in str(info.value) and "--grad-clip" not in str(info.value)  # clip is on
     assert load_train_state(out / "latest")[1]["step"] == 10
     for t in _weights(out).values():
         assert torch.isfinite(t).all()
+
+
+def test_non_finite_loss_before_any_checkpoint_does_not_suggest_resume(data_dir,
+                                                                        tmp_path) -> None:
+    import tinylm.training as training
+
+    holder: dict = {}
+    original = training.build_optimizer
+
+    def capture(model, config, device):
+        holder["model"] = model
+        return original(model, config, device)
+
+    def poison(step: int) -> None:
+        if step == 1:
+            with torch.no_grad():
+                holder["model"].final_norm.weight.fill_(float("nan"))
+
+    training.build_optimizer = capture
+    try:
+        with pytest.raises(NonFiniteLossError, match="no checkpoint had been written") as info:
+            train(ModelConfig(**TINY), TrainConfig(**dict(SHORT, grad_clip=0.0)), data_dir,
+                  tmp_path / "run", progress=False, on_step=poison)
+    finally:
+        training.build_optimizer = original
+    assert "--resume" not in str(info.value) and "--grad-clip" in str(info.value)
 
 
 def test_sigint_saves_a_checkpoint_and_exits_cleanly(data_dir, tmp_path) -> None:
