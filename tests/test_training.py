@@ -524,6 +524,7 @@ def test_an_interrupted_save_is_recovered_on_load(data_dir, tmp_path, caplog) ->
 
     shutil.copytree(out / ".latest.old-999999999", out / ".latest.tmp-999999998-x")
     os.remove(out / ".latest.tmp-999999998-x" / "config.json")  # incomplete: never used
+    (out / ".metrics.jsonl.tmp-abc").write_text("torn")  # a killed atomic write's temporary
     model, _ = load_checkpoint(out)
     assert latest.is_dir() and sorted(p.name for p in out.iterdir() if p.name.startswith(
         ".latest")) == []
@@ -531,6 +532,10 @@ def test_an_interrupted_save_is_recovered_on_load(data_dir, tmp_path, caplog) ->
     shutil.rmtree(latest)
     with pytest.raises(CheckpointError, match="best/ beside it"):
         load_checkpoint(out)
+    with pytest.raises(CheckpointError, match="would overwrite best/"):  # and tidies up
+        train(ModelConfig(**TINY), TrainConfig(**dict(SHORT, max_steps=2)), data_dir, out,
+              progress=False)
+    assert not (out / ".metrics.jsonl.tmp-abc").exists()
     afile = tmp_path / "afile.txt"
     afile.write_text("x")
     with pytest.raises(CheckpointError, match="afile.txt is a file, not a checkpoint folder"):

@@ -69,6 +69,7 @@ from tinylm.checkpoint import (
     RUN_BEST,
     RUN_LATEST,
     STATE_JSON_FILE,
+    is_complete,
     load_model,
     load_optimizer_state,
     load_tokenizer_of,
@@ -658,6 +659,7 @@ def _find_run(out: Path, resume: bool | str, ctx: distributed.DistContext) -> _F
     if ctx.is_main:
         recover_checkpoint(latest)  # an interrupted save's complete copy wins
         recover_checkpoint(out / RUN_BEST)
+        _remove_stale_files(out)
     distributed.barrier(ctx)
     step = _existing_step(latest) if latest.is_dir() else None
     if latest.is_dir() and step is None:
@@ -668,6 +670,11 @@ def _find_run(out: Path, resume: bool | str, ctx: distributed.DistContext) -> _F
                               f"step {step}); pass --resume to continue it or choose a new "
                               f"--out")
     traces = _earlier_traces(out)
+    if step is None and is_complete(out / RUN_BEST):  # never overwrite an earlier best/
+        raise CheckpointError(f"{out} holds best/ of an earlier run but no latest/ checkpoint "
+                              f"to resume, and a new run would overwrite best/; use "
+                              f"{out / RUN_BEST} where a model is wanted, or choose a new "
+                              f"--out")
     if step is None and resume is True:
         found = f"; it holds {', '.join(traces)} of a run stopped before its first save" \
             if traces else ""
@@ -682,6 +689,16 @@ def _find_run(out: Path, resume: bool | str, ctx: distributed.DistContext) -> _F
         return _Found(False)
     _tensors, meta = load_train_state(latest)
     return _Found(True, step, meta)
+
+
+def _remove_stale_files(out: Path) -> None:
+    """Temporaries of small writes a killed run left (we hold the lock: none is live)."""
+    names = (f".{METRICS_FILE}.tmp-", f".{RUN_CONFIG_FILE}.tmp-", f".{PLOT_FILE}.tmp-",
+             ".write-test-")
+    for p in out.iterdir():
+        if p.name.startswith(names) and p.is_file():
+            with contextlib.suppress(OSError):
+                p.unlink()
 
 
 def _finished(found: _Found, cfg: TrainConfig) -> bool:
