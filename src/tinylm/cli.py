@@ -373,7 +373,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if result.rank != 0:
         return 0
     if result.stop_reason == "finished":
-        print(f"{result.out_dir} was already finished at step {result.steps}; nothing changed")
+        print(f"{result.out_dir} was already finished at step {result.steps}; nothing changed "
+              f"(pass a larger --max-steps or --time-budget to train further)")
         return 0
     mins, secs = divmod(int(result.elapsed), 60)
     if result.interrupted:

@@ -314,6 +314,8 @@ def plot_losses(runs: Sequence[tuple[str, Sequence[dict[str, Any]]]], out: str |
         color = f"C{i % 10}"
         tr = _series(records, "train_loss")
         est = _series(records, "val_loss_estimate")
+        if not est:  # a run folder from before the estimates had their own key
+            est = _series([r for r in records if not r.get("final")], "val_loss")
         exact = _series([r for r in records if r.get("final")], "val_loss")
         if tr:
             ax.plot(*zip(*tr, strict=True), color=color, alpha=0.6, lw=1,
@@ -1183,10 +1185,9 @@ def _loop(run: _Run, on_step: Callable[[int], None] | None) -> TrainResult:
 def _finished_result(out: Path, found: _Found, cfg: TrainConfig,
                      ctx: distributed.DistContext) -> TrainResult:
     meta = found.meta or {}
-    if ctx.is_main:
-        log.warning("%s is already finished at step %d (%s); nothing was changed — pass a "
-                    "larger --max-steps (or --time-budget) to train further", out, found.step,
-                    meta.get("stop_reason"))
+    if ctx.is_main:  # the CLI prints its own line from the result
+        log.debug("%s is already finished at step %d (%s); nothing was changed", out,
+                  found.step, meta.get("stop_reason"))
     final = meta.get("final_val_loss")
     return TrainResult(out_dir=out, steps=int(found.step or 0), final_val_loss=final,
                        final_val_perplexity=perplexity(final) if final is not None else None,
