@@ -332,8 +332,10 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         "train",
         help="train a model on prepared data; writes checkpoints, metrics.jsonl, loss.png",
         description="Train a GPT on a folder written by 'tinylm prepare'. The run folder "
-        "--out gets latest/ (resumable checkpoint), best/ (lowest val loss), metrics.jsonl, "
-        "loss.png and run.toml. Values come from the defaults, then the saved run (with "
+        "--out gets latest/ (resumable checkpoint), best/ (lowest periodic validation "
+        "estimate), metrics.jsonl, "
+        "loss.png and run.toml; one process at a time (a lock). Values come from the "
+        "defaults, then the saved run (with "
         "--resume), then --config, then flags. Under torchrun every process runs this.",
     )
     p.add_argument("--data", required=True, metavar="DIR", help="prepared data folder")

@@ -158,7 +158,8 @@ class TrainConfig(_JSONMixin):
     optimizer: str = _field("adamw", f"optimizer: {', '.join(OPTIMIZERS)}")
     eval_every: int = _field(250, "evaluate on the validation split every N steps")
     eval_windows: int | None = _field(
-        64, "windows per periodic evaluation (the final one covers the whole split)")
+        64, "a fixed random sample of this many validation windows for each periodic "
+            "estimate (the final evaluation covers the whole split)")
     save_every: int = _field(500, "write OUT/latest every N steps")
     log_every: int = _field(10, "log train loss, lr, tokens/s every N steps")
     seed: int = _field(1337, "seed for init, batches and dropout")
