@@ -9,6 +9,7 @@ of D, exactly as ``MultiHeadAttention.qkv``. ``transformers`` is imported lazily
 from __future__ import annotations
 
 import os
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -136,8 +137,6 @@ def _load_pickled_weights(path: Path) -> dict[str, torch.Tensor]:
             warnings.simplefilter("ignore")
             return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
-        import re
-
         found = re.search(r"GLOBAL ([\w.]+)", str(exc))
         what = f" (it references {found.group(1)})" if found else ""
         raise CheckpointError(f"{path} holds more than tensors{what}, so tinylm refuses to "

@@ -63,7 +63,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from tinylm import distributed
+from tinylm import acceleration, distributed
 from tinylm.checkpoint import (
     CONFIG_FILE,
     RUN_BEST,
@@ -820,6 +820,7 @@ def _setup(model_config: ModelConfig, cfg: TrainConfig, data: TrainData, out: Pa
         preflight(out, n_params)
     distributed.barrier(ctx)
     raw.to(device)
+    acceleration.accelerate(raw, device)  # the fast paths, decided once (tinylm.native)
     B, world = cfg.batch_size, ctx.world_size
     accum = cfg.grad_accum
     if cfg.tokens_per_step is not None:
