@@ -512,9 +512,16 @@ def _add_explain(sub: argparse._SubParsersAction) -> None:
                    help="print JSON: a list of rows {token, id, position, candidates: "
                    "[{token, id, prob}]} (with --neighbours, their list too)")
     p.add_argument("--attention", metavar="FILE.png",
-                   help="draw all attention maps as a grid of heatmaps (needs matplotlib)")
+                   help="draw all attention maps as a grid of heatmaps, in the format the "
+                   "suffix names: .png, .jpg, .svg or .pdf (needs matplotlib)")
     p.add_argument("--html", metavar="FILE.html",
-                   help="write a self-contained offline page to explore the maps")
+                   help="write the explorer: one offline page that walks every equation of "
+                   "attention on the prompt (steps, heads, maps, logit lens, ablation, low "
+                   "rank, next-token table)")
+    p.add_argument("--layer", type=int, default=0, metavar="L",
+                   help="the layer the page opens on (default: 0)")
+    p.add_argument("--head", type=int, default=0, metavar="H",
+                   help="the head the page opens on (default: 0)")
     p.add_argument("--neighbours", metavar="TOKEN",
                    help="list the tokens nearest to TOKEN by cosine similarity of embeddings")
     p.add_argument("--count", type=int, default=10, metavar="N",
@@ -527,36 +534,26 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     import json
 
     from tinylm import inspection
-    from tinylm.checkpoint import load_checkpoint
-    from tinylm.config import resolve_device
-    from tinylm.errors import CheckpointError, ConfigError
+    from tinylm.explorer import run_explain
 
-    if args.prompt is None and args.neighbours is None:
-        raise ConfigError("nothing to explain; pass --prompt TEXT and/or --neighbours TOKEN")
-    if args.prompt is None and (args.attention or args.html):
-        raise ConfigError("--attention and --html draw the maps of a prompt; pass --prompt TEXT")
-    model, tokenizer = load_checkpoint(args.model, resolve_device(args.device))
-    if tokenizer is None:
-        raise CheckpointError(f"{args.model} has no tokenizer.json; explain needs the model's "
-                              f"tokenizer to show tokens")
+    report = run_explain(args.model, prompt=args.prompt, top_k=args.top_k,
+                         attention=args.attention, html_path=args.html, layer=args.layer,
+                         head=args.head, neighbours=args.neighbours, count=args.count,
+                         device=args.device)
+    for path in report.written:
+        log.info("wrote %s", path)
     out: dict[str, object] = {}
-    if args.prompt is not None:
-        explanation = inspection.explain(model, tokenizer, args.prompt, top_k=args.top_k)
-        out["rows"] = explanation.to_json()
-        if args.attention:
-            log.info("wrote %s", inspection.plot_attention(explanation, args.attention))
-        if args.html:
-            log.info("wrote %s", inspection.write_html(explanation, args.html))
+    if report.explanation is not None:
+        out["rows"] = report.explanation.to_json()
         if not args.json:
-            print(inspection.format_table(explanation))
-    if args.neighbours is not None:
-        neighbours = inspection.nearest_tokens(model, tokenizer, args.neighbours, args.count)
+            print(inspection.format_table(report.explanation))
+    if report.neighbours is not None:
         out["neighbours"] = [{"token": n.token, "id": n.id, "similarity": n.similarity}
-                             for n in neighbours]
+                             for n in report.neighbours]
         if not args.json:
-            if args.prompt is not None:
+            if report.explanation is not None:
                 print()
-            print(inspection.format_neighbours(args.neighbours, neighbours))
+            print(inspection.format_neighbours(args.neighbours, report.neighbours))
     if args.json:
         print(json.dumps(out if len(out) > 1 else next(iter(out.values())), ensure_ascii=False,
                          indent=1))
@@ -722,6 +719,58 @@ def _cmd_sample(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return n
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server (continuous batching) and a web page",
+        description="Serve a checkpoint over HTTP: POST /v1/completions, /v1/chat/completions "
+                    "(models with a chat template), /v1/explain; GET /v1/models, /health, "
+                    "/metrics; the playground and explorer page at /. Concurrent requests "
+                    "decode together in one batched step. Needs the [serve] extra.")
+    p.add_argument("--model", required=True, metavar="DIR", help="checkpoint folder")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default: 127.0.0.1; any other needs an API key)")
+    p.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' (default: $TINYLM_API_KEY; "
+                        "none on 127.0.0.1)")
+    p.add_argument("--max-batch", type=_positive, default=16, metavar="N",
+                   help="requests decoded together in one step (default: 16)")
+    p.add_argument("--max-queue", type=_positive, default=64, metavar="N",
+                   help="requests waiting beyond the batch; more get 429 (default: 64)")
+    p.add_argument("--max-tokens", type=_positive, default=256, metavar="N",
+                   help="the largest max_tokens a request may ask for (default: 256)")
+    p.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="per-request time limit; generation ends there (default: 60)")
+    p.add_argument("--threads", type=_positive, default=None, metavar="N",
+                   help="torch threads of the decoding loop (default: torch's own choice)")
+    p.add_argument("--model-name", default=None, metavar="NAME",
+                   help="the model id clients send (default: the folder's name)")
+    p.set_defaults(func=_cmd_serve)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from tinylm.errors import ConfigError
+    from tinylm.serve import serve
+
+    if not args.timeout > 0:
+        raise ConfigError(f"--timeout must be > 0 seconds, got {args.timeout}")
+    kwargs = {} if args.model_name is None else {"model_name": args.model_name}
+    serve(args.model, host=args.host, port=args.port, api_key=args.api_key,
+          max_batch=args.max_batch, max_queue=args.max_queue, max_tokens=args.max_tokens,
+          timeout=args.timeout, threads=args.threads, **kwargs)
+    return 0
+
+
 COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_prepare,
     _add_train,
@@ -731,6 +780,7 @@ COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_explain,
     _add_compress,
     _add_convert,
+    _add_serve,
     _add_info,
 ]
 
