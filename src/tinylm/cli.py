@@ -475,8 +475,8 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--resume", nargs="?", const=True, default=None, type=_resume_arg,
                    metavar="auto",
                    help="continue from OUT/latest (an error when there is none); "
-                   "'--resume auto' continues if a checkpoint exists, else starts (the "
-                   "default when torchrun reports a restart)")
+                   "'--resume auto' continues if a checkpoint exists, else starts; after a "
+                   "torchrun restart, auto is what a plain run does")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="force the progress bar on/off (default: on a terminal)")
     _config_flags(p.add_argument_group("model"), ModelConfig, _MODEL_FLAG_HELP)
