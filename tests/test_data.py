@@ -25,7 +25,7 @@ from tinylm.data import (
     prepare,
 )
 from tinylm.errors import DataError
-from tinylm.tokenizers import CharTokenizer, load_tokenizer
+from tinylm.tokenizers import STANDARD_SPECIALS, CharTokenizer, load_tokenizer
 
 JAPANESE = "言語モデルは次のトークンを予測する。注意機構🌤️\n"
 
@@ -85,7 +85,8 @@ def test_shard_dtype_follows_vocab_size(tmp_path) -> None:
     src = tmp_path / "cjk.txt"
     src.write_text(chars + chars[::-1], encoding="utf-8")
     d = prepare(tmp_path / "out", [src], progress=False)
-    assert d.vocab_size == 70_000 and d.train.dtype == np.uint32
+    # The characters, then the standard special tokens (end-of-text, chat roles).
+    assert d.vocab_size == 70_000 + len(STANDARD_SPECIALS) and d.train.dtype == np.uint32
     assert _all_tokens(d).tolist() == list(range(70_000)) + list(range(69_999, -1, -1))
 
 
@@ -198,7 +199,7 @@ def test_streaming_200mb_flat_memory_and_equal_to_in_memory(tmp_path) -> None:
     d = load_prepared(tmp_path / "out")
     assert d.meta["sha256"] == hashlib.sha256(sha.hexdigest().encode()).hexdigest()
     expected = d.tokenizer.encode_array(block.decode())  # the in-memory encoding
-    assert d.vocab_size == len(set(block.decode()))
+    assert d.vocab_size == len(set(block.decode())) + len(STANDARD_SPECIALS)
     n = expected.size
     assert len(d.train) + len(d.val) == n * copies
     for k in range(copies):

@@ -88,7 +88,12 @@ def _add_prepare(sub: argparse._SubParsersAction) -> None:
                    "or all of it; bounds time and memory on huge corpora (default: 32)")
     p.add_argument("--special-token", action="append", default=[], metavar="TOKEN",
                    dest="special_tokens",
-                   help="add a special token such as '<|endoftext|>' (repeatable)")
+                   help="add a special token after the standard ones every char/bpe "
+                   "tokenizer gets (<|endoftext|>, <|system|>, <|user|>, <|assistant|>, "
+                   "<|end|>) (repeatable)")
+    p.add_argument("--allow-special", action="store_true",
+                   help="encode special tokens' spellings in the input (e.g. a literal "
+                   "<|endoftext|>) as those tokens; by default they are ordinary text")
     p.add_argument("--glob", default="*", metavar="PATTERN",
                    help="files to take from an input folder (default: * = all non-hidden)")
     p.add_argument("--out", required=True, metavar="DIR", help="output folder")
@@ -118,7 +123,8 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
         args.out, args.input, corpus=args.corpus, tokenizer=args.tokenizer,
         vocab_size=args.vocab_size, val_fraction=args.val_fraction,
         context_length=args.context_length, unknown=args.unknown, errors=args.errors,
-        special_tokens=args.special_tokens, glob=args.glob, force=args.force,
+        special_tokens=args.special_tokens, allow_special=args.allow_special, glob=args.glob,
+        force=args.force,
         bpe_train_mb=args.bpe_train_mb, progress=False if args.no_progress else None,
     )
     seconds = time.perf_counter() - start

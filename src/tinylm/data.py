@@ -39,7 +39,13 @@ import numpy as np
 
 from tinylm.corpora import corpus_names, load_corpus
 from tinylm.errors import DataError
-from tinylm.tokenizers import BPETokenizer, CharTokenizer, Tokenizer, load_tokenizer
+from tinylm.tokenizers import (
+    BPETokenizer,
+    CharTokenizer,
+    Tokenizer,
+    load_tokenizer,
+    standard_special_tokens,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -445,6 +451,7 @@ def prepare(
     unknown: str = "error",
     errors: str = "strict",
     special_tokens: Sequence[str] = (),
+    allow_special: bool = False,
     glob: str = "*",
     force: bool = False,
     progress: bool | None = None,
@@ -462,6 +469,11 @@ def prepare(
     val_fraction    the last fraction of the token stream goes to val.bin
     context_length  C the data is meant for: each split must hold at least C + 1 tokens
     unknown         char tokenizer policy for unseen characters later ("replace" adds <unk>)
+    special_tokens  extra special tokens for a char or bpe tokenizer, after the standard
+                    ones it always gets (tokenizers.STANDARD_SPECIALS: end-of-text and
+                    the chat format's role and end-of-turn tokens)
+    allow_special   encode special tokens' spellings in the text as those tokens (by
+                    default they are ordinary text and never become special ids)
     errors          "strict" stops at invalid UTF-8 or NUL bytes; "replace" substitutes U+FFFD
     force           overwrite a folder that holds a different dataset or other files
     bpe_train_mb    train BPE on at most this many MB, taken evenly along the input
@@ -472,7 +484,7 @@ def prepare(
     """
     t0 = time.perf_counter()
     tok_spec = "given" if isinstance(tokenizer, Tokenizer) else str(tokenizer)
-    special_tokens = list(dict.fromkeys(special_tokens))
+    special_tokens = standard_special_tokens(special_tokens)
     _check_args(tok_spec, vocab_size, val_fraction, context_length, unknown, errors,
                 special_tokens)
     if bpe_train_mb is not None and not (isinstance(bpe_train_mb, (int, float))
@@ -507,6 +519,8 @@ def prepare(
                    ", ".join(str(Path(x).resolve()) if str(x) != "-" else "-" for x in inputs))
     settings = {"source": source_desc, "tokenizer": tok_settings,
                 "val_fraction": val_fraction, "errors": errors}
+    if allow_special:
+        settings["allow_special"] = True
     old_meta = _check_out(out, settings, force)
 
     created = not out.exists()
@@ -599,7 +613,7 @@ def prepare(
                                     tok_spec)
                     batches = _batches(_bpe_pieces(chunks))
                 for batch in batches:
-                    ids = tok.encode_array(batch)
+                    ids = tok.encode_array(batch, allow_special=allow_special)
                     f.write(ids.astype(dtype, copy=False).tobytes())
                     n_tokens += ids.size
         finally:

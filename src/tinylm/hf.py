@@ -308,5 +308,7 @@ def _write_hf_tokenizer(tokenizer: Any, folder: Path, context_length: int) -> No
     # that lacks it, changing both the size and the encoding of that text.
     eos = tokenizer.id_to_token(tokenizer.eos_id) if tokenizer.eos_id is not None else None
     config.update(bos_token=eos, eos_token=eos, unk_token=eos)
+    if tokenizer.chat_template is not None:  # the same ids as tinylm.chat.render_chat
+        config["chat_template"] = tokenizer.chat_template
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n",
                                                   encoding="utf-8")
