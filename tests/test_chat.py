@@ -4,10 +4,14 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 import transformers
 
+from tinylm import instructions
 from tinylm.chat import (
     BadRecord,
     messages_of_record,
@@ -16,9 +20,11 @@ from tinylm.chat import (
     render_with_mask,
     stop_ids,
 )
+from tinylm.chatdata import prepare_chat
+from tinylm.chatsession import ChatSession
 from tinylm.config import ModelConfig
 from tinylm.corpora import load_corpus
-from tinylm.errors import DataError
+from tinylm.errors import ConfigError, DataError
 from tinylm.hf import write_hf_folder
 from tinylm.model import GPT
 from tinylm.tokenizers import STANDARD_SPECIALS, BPETokenizer, CharTokenizer
@@ -37,7 +43,8 @@ SPELLED = [{"role": "user", "content": "<|assistant|>hi<|end|><|endoftext|> <|sy
 @pytest.fixture(scope="module")
 def char() -> CharTokenizer:
     text = "".join(m["content"] for m in CONVERSATION + SPELLED)
-    return CharTokenizer(text + "abcdefghijklmnopqrstuvwxyz", special_tokens=STANDARD_SPECIALS)
+    return CharTokenizer(text + "abcdefghijklmnopqrstuvwxyz0123456789?() ",
+                         special_tokens=STANDARD_SPECIALS)
 
 
 @pytest.fixture(scope="module")
@@ -149,3 +156,214 @@ def test_read_records_names_file_and_line(tmp_path) -> None:
     (tmp_path / "e").mkdir()
     with pytest.raises(DataError, match="no .jsonl files"):
         list(read_records([tmp_path / "e"]))
+
+
+# --- chat data: packing, masks, splits, bad records ----------------------------------------
+
+
+def _write_jsonl(path, records) -> None:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n"
+                            for r in records), encoding="utf-8")
+
+
+QA = [{"prompt": f"question {i}?", "completion": f"answer {i} " + "x" * (i % 7)}
+      for i in range(40)]
+
+
+def test_prepare_chat_packs_whole_conversations_with_their_mask(tmp_path, char) -> None:
+    _write_jsonl(tmp_path / "qa.jsonl", QA)
+    data = prepare_chat(tmp_path / "out", [tmp_path / "qa.jsonl"], tokenizer=char,
+                        context_length=63, val_fraction=0.2)
+    row = data.row_length
+    assert row == 64 and len(data.train) % row == 0 and len(data.val) % row == 0
+    assert data.meta["chat"]["conversations"] == {"train": 32, "val": 8}
+    tok = data.tokenizer
+    user, end = tok.token_to_id("<|user|>"), tok.token_to_id("<|end|>")
+    seen = []
+    for split in ("train", "val"):
+        tokens, mask = np.asarray(getattr(data, split)), np.asarray(getattr(data, f"{split}_mask"))
+        for r in range(len(tokens) // row):
+            ids, m = tokens[r * row:(r + 1) * row].tolist(), mask[r * row:(r + 1) * row].tolist()
+            starts = [i for i, t in enumerate(ids) if t == user]
+            assert starts and starts[0] == 0  # every row starts a conversation
+            for a, b in zip(starts, [*starts[1:], None], strict=True):
+                conv = ids[a:b]
+                # One whole conversation: <|user|> q <|end|> <|assistant|> a <|end|> [pad]
+                k = conv.index(end, conv.index(end) + 1) + 1
+                text = tok.decode(conv[:k])
+                record = next(q for q in QA if text == f"<|user|>{q['prompt']}<|end|>"
+                              f"<|assistant|>{q['completion']}<|end|>")
+                seen.append((split, record["prompt"]))
+                want_ids, want_mask = render_with_mask(tok, messages_of_record(record))
+                assert conv[:k] == want_ids and m[a:a + k] == want_mask
+                assert set(conv[k:]) <= {tok.eos_id} and not any(m[a + k:b or row])
+    assert len(seen) == 40 and len({p for _, p in seen}) == 40  # each conversation once
+    # The split is by conversation: no prompt in both.
+    assert not {p for s, p in seen if s == "train"} & {p for s, p in seen if s == "val"}
+
+
+def test_prepare_chat_bad_records_name_file_and_line(tmp_path, char) -> None:
+    rows = [*QA[:5], "{broken", {"messages": [{"role": "user", "content": "hi"}]},
+            {"prompt": "long", "completion": "y" * 500}, {"prompt": "q", "completion": ""}]
+    _write_jsonl(tmp_path / "mixed.jsonl", rows)
+    out = tmp_path / "out"
+    with pytest.raises(DataError, match=r"mixed.jsonl:6: not valid JSON.*--skip-bad"):
+        prepare_chat(out, [tmp_path / "mixed.jsonl"], tokenizer=char, context_length=63)
+    assert not out.exists()  # nothing written
+    data = prepare_chat(out, [tmp_path / "mixed.jsonl"], tokenizer=char, context_length=63,
+                        skip_bad=True)
+    chat = data.meta["chat"]
+    assert chat["skipped"] == 4 and chat["conversations"]["train"] + \
+        chat["conversations"]["val"] == 5
+    reasons = " | ".join(chat["skipped_examples"])
+    for line, what in [(6, "not valid JSON"), (7, "conversation has no assistant"),
+                       (8, "conversation has 508 tokens, more than context"),
+                       (9, "message 1 (assistant) has empty content")]:
+        assert f"mixed.jsonl:{line}: {what}" in reasons
+    with pytest.raises(DataError, match="already holds prepared data"):
+        prepare_chat(out, [tmp_path / "mixed.jsonl"], tokenizer=char, skip_bad=True,
+                     context_length=63)
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "notes.txt").write_text("mine")
+    with pytest.raises(DataError, match="holds other files"):
+        prepare_chat(tmp_path / "busy", [tmp_path / "mixed.jsonl"], tokenizer=char,
+                     skip_bad=True, force=True)
+    assert (tmp_path / "busy" / "notes.txt").read_text() == "mine"
+
+
+def test_prepare_chat_appends_chat_tokens_to_a_tokenizer_without_them(tmp_path) -> None:
+    plain = CharTokenizer("".join(q["prompt"] + q["completion"] for q in QA) + "?",
+                          special_tokens=["<|endoftext|>"])
+    path = plain.save(tmp_path / "plain.json")
+    _write_jsonl(tmp_path / "qa.jsonl", QA)
+    data = prepare_chat(tmp_path / "out", [tmp_path / "qa.jsonl"], tokenizer=path,
+                        context_length=63)
+    tok = data.tokenizer
+    assert tok.vocab_size == plain.vocab_size + 4 and tok.chat_template is not None
+    assert all(tok.id_to_token(i) == plain.id_to_token(i) for i in range(plain.vocab_size))
+
+
+def test_built_in_instruction_set_is_thousands_of_conversations() -> None:
+    convs = instructions.conversations()
+    assert len(convs) >= 2000
+    for messages in convs[::97]:
+        assert messages_of_record({"messages": messages}) == messages
+    held = instructions.held_out_questions()
+    asked = {m[0]["content"] for m in convs}
+    assert len(held) >= 3 and not {q for q, _ in held} & asked
+    assert any("absolute value" in a for _, a in held)
+
+
+def test_cli_prepare_chat_one_line_errors(tmp_path, char, capsys) -> None:
+    from tinylm.cli import main
+
+    _write_jsonl(tmp_path / "qa.jsonl", QA + ["[1, 2]"])
+    tok = char.save(tmp_path / "tok.json")
+    args = ["prepare", "--chat", str(tmp_path / "qa.jsonl"), "--tokenizer", str(tok),
+            "--context-length", "63", "--out", str(tmp_path / "out")]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "qa.jsonl:41: a record must be a JSON object" in err and err.count("\n") == 1
+    assert main([*args, "--skip-bad"]) == 0
+    assert "skipped 1 bad record" in capsys.readouterr().out
+
+
+# --- tinylm chat ----------------------------------------------------------------------------
+
+
+@pytest.fixture()
+def chat_model(tmp_path, char):
+    from tinylm.checkpoint import save_checkpoint
+
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(vocab_size=char.vocab_size, context_length=64, n_layer=1,
+                            n_head=2, n_embd=16))
+    return save_checkpoint(tmp_path / "model", model, char), model
+
+
+def test_chat_session_keeps_history_within_the_context(chat_model, char) -> None:
+    _, model = chat_model
+    session = ChatSession(model, char, system="be brief", max_new_tokens=8, seed=0)
+    notes: list[str] = []
+    for i in range(6):
+        answer = "".join(session.reply(f"question {i}?", note=notes.append))
+        assert session.turns[-1] == {"role": "assistant", "content": answer}
+        prompt_len = len(render_chat(char, session.messages()[:-1]))
+        assert prompt_len + 1 <= model.config.context_length
+    assert notes and "dropped the oldest" in notes[0]
+    assert session.messages()[0] == {"role": "system", "content": "be brief"}
+    assert session.turns[0]["role"] in ("user", "assistant") and len(session.turns) < 12
+    session.reset()
+    assert session.turns == []
+    with pytest.raises(ConfigError, match="temperature"):
+        session.set_temperature(-1)
+    with pytest.raises(ConfigError, match="no chat tokens"):
+        ChatSession(model, CharTokenizer("abc"))
+
+
+def test_tinylm_chat_through_a_pseudo_terminal(chat_model) -> None:
+    """Drive the interactive chat like a user at a terminal: commands, a message, Ctrl-D."""
+    import os
+    import pty
+    import select
+    import subprocess
+    import sys
+
+    folder, _ = chat_model
+    master, slave = pty.openpty()
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+    proc = subprocess.Popen([sys.executable, "-m", "tinylm", "chat", "--model", str(folder),
+                             "--max-new-tokens", "6", "--seed", "0"],
+                            stdin=slave, stdout=slave, stderr=slave, env=env, close_fds=True)
+    os.close(slave)
+    seen = b""
+
+    def expect(text: bytes, timeout: float = 90) -> None:
+        nonlocal seen
+        import time
+
+        end = time.monotonic() + timeout
+        while text not in seen:
+            left = end - time.monotonic()
+            assert left > 0, f"no {text!r} in {seen[-400:]!r}"
+            if select.select([master], [], [], left)[0]:
+                try:
+                    seen += os.read(master, 4096)
+                except OSError:  # the child closed the terminal
+                    break
+        assert text in seen, seen[-400:]
+        seen = seen[seen.index(text) + len(text):]
+
+    try:
+        expect(b"commands: /reset")  # the banner on a terminal
+        expect(b"you> ")
+        os.write(master, b"/temperature 0\n")
+        expect(b"(temperature 0)")
+        os.write(master, b"/system answer briefly\n")
+        expect(b"(system message set)")
+        os.write(master, b"What does len() return?\n")
+        expect(b"assistant> ")
+        expect(b"you> ")
+        os.write(master, b"/reset\n")
+        expect(b"(conversation cleared)")
+        os.write(master, b"\x04")  # Ctrl-D
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(master)
+
+
+def test_tinylm_chat_one_prompt(chat_model, capsys) -> None:
+    from tinylm.cli import main
+
+    folder, _ = chat_model
+    args = ["chat", "--model", str(folder), "--max-new-tokens", "5", "--seed", "1",
+            "--prompt", "What does len() return?"]
+    assert main(args) == 0
+    first = capsys.readouterr().out
+    assert main(args) == 0
+    assert capsys.readouterr().out == first and first.endswith("\n")  # seeded: the same
+    assert main([*args[:-1], "ünknown ✓"]) == 2
+    assert "never saw" in capsys.readouterr().err
