@@ -260,7 +260,9 @@ def _add_chat(sub: argparse._SubParsersAction) -> None:
         "answer one message and exit.",
     )
     p.add_argument("--model", required=True, metavar="DIR", help="checkpoint or run folder")
-    p.add_argument("--prompt", metavar="TEXT", help="answer this one message and exit")
+    p.add_argument("--prompt", action="append", metavar="TEXT",
+                   help="answer this message and exit (repeatable: each is answered as a "
+                   "new conversation, printed after its question)")
     p.add_argument("--system", metavar="TEXT", help="a system message (default: none)")
     p.add_argument("--temperature", type=float, default=0.7, metavar="T",
                    help="sampling temperature, 0 = greedy (default: 0.7)")
@@ -283,10 +285,14 @@ def _cmd_chat(args: argparse.Namespace) -> int:
                            device=args.device)
     if args.prompt is None:
         return run_terminal(session, sys.stdin, sys.stdout)
-    for piece in session.reply(args.prompt, note=lambda s: print(s, file=sys.stderr)):
-        sys.stdout.write(piece)
-        sys.stdout.flush()
-    sys.stdout.write("\n")
+    for prompt in args.prompt:
+        session.reset()
+        if len(args.prompt) > 1:
+            sys.stdout.write(f"Q: {prompt}\nA: ")
+        for piece in session.reply(prompt, note=lambda s: print(s, file=sys.stderr)):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
     return 0
 
 

@@ -116,6 +116,7 @@ def finetune(model_dir: str | os.PathLike, data_dir: str | os.PathLike | ChatDat
     cfg = train_config(overrides, lora)
     torch.manual_seed(cfg.seed)  # the new embedding rows and adapters are seeded
     model = base_model(model_dir, data)
+    base_vocab = load_checkpoint(model_dir)[0].config.vocab_size
     info: dict[str, Any] = {"mode": "lora" if lora else "full", "base": str(Path(model_dir)),
                             "parameters": sum(p.numel() for p in model.parameters())}
     extra: dict[str, Any] = {"finetune": {"mode": info["mode"],
@@ -125,7 +126,7 @@ def finetune(model_dir: str | os.PathLike, data_dir: str | os.PathLike | ChatDat
         apply_lora(model, lora_rank, lora_alpha, lora_targets)
         extra["lora_base"] = {"path": str(Path(model_dir).resolve()),
                               "sha256": _weights_sha256(model_dir),
-                              "vocab_size": data.tokenizer.vocab_size}
+                              "grown": model.config.vocab_size > base_vocab}
     info["trainable"] = (adapter_parameters(model) if lora else
                          sum(p.numel() for p in model.parameters() if p.requires_grad))
     result = train(model.config, cfg, data, out_dir, model=model, resume=resume,
