@@ -5,8 +5,10 @@ pretrained on python-docs for ``--base-seconds``), the python-qa conversations p
 with its tokenizer, then two fine-tuning runs of the same number of steps, each in its
 own process (so peak memory is each run's own): full fine-tuning and LoRA (rank
 ``--rank``). Reported per mode: held-out assistant-token loss before and after (every
-validation row, only the tokens the loss mask counts), trainable parameters, peak
-resident memory (ru_maxrss) and optimizer steps per second.
+validation row, only the tokens the loss mask counts), trainable parameters, the memory
+their gradients and AdamW moments take (12 bytes per trainable parameter in fp32), peak
+resident memory of the process (ru_maxrss: torch, data and activations included, which
+dominate for small models) and optimizer steps per second.
 
 The table is printed and, with ``--write``, put in BENCHMARKS.md between
 ``<!-- bench:finetune -->`` markers. Quiet-machine command (the numbers in the table)::
@@ -132,12 +134,14 @@ def main() -> None:
              f"base {base}; {args.steps} steps of batch 16 x 128 tokens; "
              f"{args.threads} threads, {os.cpu_count()} CPUs.", "",
              "| mode | held-out loss before | after | vs full | trainable params | "
-             "peak RSS | steps/s |", "| --- | --- | --- | --- | --- | --- | --- |"]
+             "grads + AdamW state | peak RSS | steps/s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         name = "full" if r["mode"] == "full" else f"LoRA r={args.rank}"
         lines.append(f"| {name} | {before:.3f} | {r['after']:.3f} | "
                      f"{100 * (r['after'] / full['after'] - 1):+.1f} % | {r['trainable']:,} "
                      f"({100 * r['trainable'] / r['parameters']:.1f} %) | "
+                     f"{r['trainable'] * 12 / 2**20:.1f} MB | "
                      f"{r['peak_rss_mb']:.0f} MB | {r['steps_per_s']:.2f} |")
     table = "\n".join(lines)
     print(table)
