@@ -167,3 +167,15 @@ def test_structure_round_trip_and_bad_settings() -> None:
                                         "alpha": {"blocks.0.nope": 4}})
     with pytest.raises(CheckpointError, match="malformed"):
         apply_lora_structure(_model(), [1, 2])
+
+
+def test_hugging_face_export_of_a_lora_model_carries_the_adapters() -> None:
+    from tinylm.hf import to_hf
+
+    model = apply_lora(_model(), 2).eval()
+    _randomise_adapters(model)
+    ids = torch.randint(0, CFG.vocab_size, (2, CFG.context_length))
+    hf = to_hf(model).eval()
+    with torch.no_grad():
+        assert (hf(ids).logits - model(ids)).abs().max() < 1e-4
+    assert any(isinstance(m, LoRALinear) for m in model.modules())  # the model is untouched

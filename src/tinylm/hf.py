@@ -8,6 +8,7 @@ of D, exactly as ``MultiHeadAttention.qkv``. ``transformers`` is imported lazily
 
 from __future__ import annotations
 
+import copy
 import os
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ import torch
 
 from tinylm.config import ModelConfig
 from tinylm.errors import CheckpointError, ConfigError
+from tinylm.lora import LoRALinear, merge_lora
 from tinylm.model import GPT
 
 # (GPT-2 name, tinylm name, transpose). "{i}" is the block index.
@@ -170,6 +172,8 @@ def to_hf(model: GPT):
     if any(type(m).__name__ == "LowRankLinear" for m in model.modules()):
         raise ConfigError("a compressed (low-rank) model has no GPT-2 equivalent; export the "
                           "model before 'tinylm compress'")
+    if any(isinstance(m, LoRALinear) for m in model.modules()):
+        model = merge_lora(copy.deepcopy(model))  # LoRA adapters: export the merged weights
     hf_config = transformers.GPT2Config(
         vocab_size=c.vocab_size, n_positions=c.context_length, n_embd=c.n_embd,
         n_layer=c.n_layer, n_head=c.n_head, layer_norm_epsilon=c.layer_norm_eps,
