@@ -33,8 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import write_section  # noqa: E402
-from tinylm import GPT, ModelConfig, generate  # noqa: E402
-from tinylm.decoding import Decoder  # noqa: E402
+from tinylm import GPT, ModelConfig, generate, native  # noqa: E402
 from tinylm.hf import to_hf  # noqa: E402
 from tinylm.sampling import generate_stream  # noqa: E402
 
@@ -174,7 +173,8 @@ def main() -> int:
     wbytes = weight_bytes(model)
     ceiling_tps = bandwidth / wbytes
     cached_bandwidth = read_bandwidth(wbytes, repeats=20)  # the weights' own size
-    with torch.inference_mode(), Decoder(model, 1) as decoder:
+    native.accelerate(model, "cpu")  # the uncached forwards below: tinylm's fast paths
+    with torch.inference_mode(), native.plan(model, "cpu").decoder(1) as decoder:
         path = decoder.path
 
     rows = []
@@ -206,7 +206,7 @@ def main() -> int:
         f"(transformers, its KV cache) on the same weights. Machine: "
         f"{os.cpu_count()} CPU cores ({platform.machine()}), torch {torch.__version__}, "
         f"{args.threads} threads; load average {load:.2f} at the start. tinylm's decoding "
-        f"path: {path} (see `tinylm.decoding`).",
+        f"path: {path} (see `tinylm.native.decoding`).",
         "",
         "| batch | tinylm tok/s | HF generate tok/s | tinylm no cache tok/s | tinylm / HF "
         "| tinylm / no cache | same tokens as HF |",
