@@ -107,8 +107,11 @@ class _MergedForm(nn.Module):
 
 
 def test_training_step_gradients_equal_the_plain_formula() -> None:
+    from tinylm import native
+
     model = apply_lora(_model(), 4).train()
     _randomise_adapters(model)
+    native.accelerate(model, "cpu")  # as training does: the LoRA blocks keep the reference
     ids = torch.randint(0, CFG.vocab_size, (2, CFG.context_length + 1))
 
     def grads(m: nn.Module) -> dict[str, torch.Tensor]:
@@ -140,12 +143,17 @@ def _copy(model: GPT) -> GPT:
 
 
 def test_fast_paths_step_aside_for_lora_layers() -> None:
+    from tinylm import native
+
+    plain = native.eligibility(_model(), "cpu", native.load())
     model = apply_lora(_model(), 2, targets="qkv,up")
-    x = torch.randn(2, 8, CFG.n_embd)
-    block = model.blocks[0]
-    assert not block.attn._native(x)  # the native attention takes only plain nn.Linear
-    assert not block._fusable(x)  # nor does the whole-block autograd step
-    assert not isinstance(block.attn.qkv, nn.Linear)
+    got = native.eligibility(model, "cpu", native.load())
+    assert not isinstance(model.blocks[0].attn.qkv, nn.Linear)
+    for before, after in zip(plain.blocks, got.blocks, strict=True):
+        assert not after.block and not after.attention and not after.ffn
+        assert before.ffn  # the plain model's FFN path was eligible
+    assert not got.decode
+    assert any("LoRALinear" in r for r in got.reasons)
 
 
 def test_structure_round_trip_and_bad_settings() -> None:
