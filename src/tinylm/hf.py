@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -108,15 +109,41 @@ def _load_hf_folder(folder: Path):
         except Exception as exc:
             raise CheckpointError(f"{folder}/model.safetensors is corrupt: {exc}") from exc
     elif (folder / "pytorch_model.bin").is_file():
-        try:  # weights_only: tensors only, never code from a user's file
-            path = folder / "pytorch_model.bin"
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as exc:
-            raise CheckpointError(f"{folder}/pytorch_model.bin cannot be loaded safely: {exc}") \
-                from exc
+        state = _load_pickled_weights(folder / "pytorch_model.bin")
     else:
         raise CheckpointError(f"{folder} has neither model.safetensors nor pytorch_model.bin")
     return hf_config, state
+
+
+#: torch releases before this one have published weights_only bypasses (< 2.6) or a
+#: memory-corruption issue in the same loader (< 2.10); pyproject requires it too.
+SAFE_PICKLE_TORCH = (2, 10)
+
+
+def _torch_version() -> tuple[int, int]:
+    parts = torch.__version__.split("+")[0].split(".")
+    return int(parts[0]), int("".join(ch for ch in parts[1] if ch.isdigit()) or 0)
+
+
+def _load_pickled_weights(path: Path) -> dict[str, torch.Tensor]:
+    """Tensors from a pickle file with ``weights_only=True``, on a torch whose loader has
+    no known bypass; anything else in the file is refused in one line."""
+    if _torch_version() < SAFE_PICKLE_TORCH:
+        raise CheckpointError(f"{path} is a pickle file and torch {torch.__version__} has "
+                              f"known weights-only loader flaws; install torch >= "
+                              f"{'.'.join(map(str, SAFE_PICKLE_TORCH))} or convert the file "
+                              f"to model.safetensors")
+    try:  # weights_only: tensors only, never code from a user's file
+        with warnings.catch_warnings():  # e.g. "pickle protocol 4": the result says enough
+            warnings.simplefilter("ignore")
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        import re
+
+        found = re.search(r"GLOBAL ([\w.]+)", str(exc))
+        what = f" (it references {found.group(1)})" if found else ""
+        raise CheckpointError(f"{path} holds more than tensors{what}, so tinylm refuses to "
+                              f"load it; use a model.safetensors file instead") from None
 
 
 def _hf_state_to_tinylm(state: dict[str, torch.Tensor], config: ModelConfig
