@@ -5,12 +5,12 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: help install demo chat-demo test lint bench clean
+.PHONY: help install browser demo chat-demo test lint bench clean
 
 help:
 	@echo "make demo   set up .venv, prepare the built-in corpus, train ~3 min, print samples"
 	@echo "make chat-demo  fine-tune the demo model on python-qa (LoRA), answer held-out questions"
-	@echo "make test   set up .venv and run the whole test suite"
+	@echo "make test   set up .venv (and Chromium for the browser tests) and run the whole test suite"
 	@echo "make lint   ruff check"
 	@echo "make bench  run the benchmarks and rewrite their tables in BENCHMARKS.md"
 
@@ -18,10 +18,17 @@ help:
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet -c constraints.txt -e '.[dev]'
+	$(PIP) install --quiet -c constraints.txt -e '.[dev,serve]'
 	@touch $(STAMP)
 
 install: $(STAMP)
+
+# The real-browser tests drive Debian's Chromium (/usr/bin/chromium) through Playwright,
+# which is pointed at it and never downloads a browser. Installed once, as root, when
+# missing (a fresh Debian CI machine); a no-op where it is already there.
+browser:
+	@test -x /usr/bin/chromium || { apt-get update && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y chromium; }
 
 # data/ and runs/ are gitignored. The run is replaced on each `make demo`.
 demo: $(STAMP)
@@ -47,7 +54,7 @@ chat-demo: $(STAMP)
 		--prompt "What does the built-in function abs do?" --prompt "What does str.upper do?" \
 		--prompt "What does math.gcd do?" --prompt "What does os.path.basename do?"
 
-test: $(STAMP)
+test: $(STAMP) browser
 	$(PY) -m ruff check src tests benchmarks
 	$(PY) -m pytest -q
 

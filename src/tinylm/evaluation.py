@@ -21,6 +21,8 @@ guide) at the cost of about C / S times more compute.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import math
 from dataclasses import dataclass
@@ -237,9 +239,6 @@ def _identity(tokenizer: Any) -> dict[str, Any]:
 def tokenizer_hash(tokenizer: Any) -> str:
     """sha256 of what decides a tokenizer's ids (kind, vocabulary, merges, special tokens,
     pre-tokenization): equal hashes, equal ids for every text."""
-    import hashlib
-    import json
-
     text = json.dumps(_identity(tokenizer), sort_keys=True, ensure_ascii=False)
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
@@ -325,7 +324,7 @@ def estimate_loss(model: nn.Module, tokens: Any, starts: np.ndarray, *,
     was_training = model.training
     model.eval()
     try:
-        with torch.inference_mode(), autocast:
+        with torch.inference_mode(), autocast, acceleration.plan(base, device).apply():
             for b in range(0, len(starts), batch_size):
                 idx = starts[b:b + batch_size, None] + offsets  # (b, C + 1)
                 xy = torch.from_numpy(np.asarray(arr[idx]).astype(np.int64)).to(device)
