@@ -35,7 +35,7 @@ import numpy as np
 from tinylm import instructions
 from tinylm.chat import BadRecord, read_records, render_with_mask
 from tinylm.checkpoint import load_tokenizer_of
-from tinylm.data import FORMAT, FORMAT_VERSION, PreparedData, dtype_for_vocab, load_prepared
+from tinylm.data import FORMAT, PreparedData, dtype_for_vocab, load_prepared
 from tinylm.errors import DataError, TinyLMError
 from tinylm.tokenizers import (
     STANDARD_SPECIALS,
@@ -224,7 +224,7 @@ def _write(out: Path, tok: Tokenizer, splits: dict[str, tuple[np.ndarray, np.nda
         tok.save(tmp / "tokenizer.json")
         digest = hashlib.sha256(b"".join((tmp / f).read_bytes() for f in CHAT_FILES[:5]))
         meta = {
-            "format": FORMAT, "version": FORMAT_VERSION, "tinylm_version": __version__,
+            "format": FORMAT, "version": 1, "tinylm_version": __version__,  # one .bin per split
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "source": "chat:" + ", ".join(chat["inputs"]), "sha256": digest.hexdigest(),
             "tokenizer": {"kind": tok.kind, "vocab_size": tok.vocab_size,

@@ -33,8 +33,8 @@ from torch import Tensor, nn
 from tinylm.config import ModelConfig, check_model_fits
 from tinylm.errors import CheckpointError, ConfigError, TinyLMError
 from tinylm.files import fsync_dir, is_locked, umask_mode, write_error
-from tinylm.lora import apply_lora_structure, is_adapter_key, lora_structure
 from tinylm.jsonio import read_json
+from tinylm.lora import apply_lora_structure, is_adapter_key, lora_structure
 from tinylm.lowrank import apply_structure, structure_of
 from tinylm.model import GPT
 

@@ -177,7 +177,8 @@ def _add_prepare(sub: argparse._SubParsersAction) -> None:
                      "a loss mask. Use --tokenizer MODEL_DIR (default: char from the text)")
     p.add_argument("--skip-bad", action="store_true",
                    help="skip records whose text field is missing, null or not a string "
-                   "(counted and reported) instead of refusing the input; with --chat: bad conversation records, named by file and line")
+                   "(counted and reported) instead of refusing the input; with --chat: bad "
+                   "conversation records, named by file and line")
     p.add_argument("--tokenizer", default="char", metavar="char|bpe|PATH",
                    help="char (one token per character), bpe (byte-level BPE trained on "
                    "the input), or an existing tokenizer.json / folder with vocab.json + "
@@ -217,9 +218,6 @@ def _add_prepare(sub: argparse._SubParsersAction) -> None:
                    help="add a special token after the standard ones every char/bpe "
                    "tokenizer gets (<|endoftext|>, <|system|>, <|user|>, <|assistant|>, "
                    "<|end|>) (repeatable)")
-    p.add_argument("--allow-special", action="store_true",
-                   help="encode special tokens' spellings in the input (e.g. a literal "
-                   "<|endoftext|>) as those tokens; by default they are ordinary text")
     p.add_argument("--glob", default="*", metavar="PATTERN",
                    help="files to take from an input folder (default: * = all non-hidden)")
     p.add_argument("--out", required=True, metavar="DIR", help="output folder")
@@ -252,7 +250,7 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
         args.out, args.input, corpus=args.corpus, tokenizer=args.tokenizer,
         vocab_size=args.vocab_size, val_fraction=args.val_fraction, val_files=args.val_files,
         context_length=args.context_length, unknown=args.unknown, errors=args.errors,
-        special_tokens=args.special_tokens, allow_special=args.allow_special, glob=args.glob,
+        special_tokens=args.special_tokens, glob=args.glob,
         force=args.force,
         bpe_train_mb=args.bpe_train_mb, progress=False if args.no_progress else None,
         text_field=args.text_field, skip_bad=args.skip_bad, doc_separator=args.doc_separator,
