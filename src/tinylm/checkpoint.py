@@ -139,6 +139,10 @@ def save_checkpoint(
 
         if structure_of(base):
             config["lowrank"] = structure_of(base)
+        from tinylm.quantize import structure_of as quantized_layers  # tinylm quantize
+
+        if quantized_layers(base):
+            config["quantize"] = quantized_layers(base)
         _write_tensors(tmp / WEIGHTS_FILE, model_state(base))
         _write_json(tmp / CONFIG_FILE, config)
         if tokenizer is not None:
@@ -238,6 +242,11 @@ def build_model(config: dict[str, Any]) -> GPT:
         from tinylm.lowrank import apply_structure  # factorised layers (tinylm compress)
 
         apply_structure(model, lowrank)
+    quantized = config.get("quantize")
+    if quantized:
+        from tinylm.quantize import apply_structure as apply_quantized  # tinylm quantize
+
+        apply_quantized(model, quantized)
     return model
 
 
@@ -258,10 +267,11 @@ def load_model(path: str | os.PathLike, device: torch.device | str = "cpu") -> G
         )
     own = model.state_dict()
     for key, value in state.items():
-        if own[key].shape != value.shape:
+        if own[key].shape != value.shape or (own[key].dtype == torch.int8) != (
+                value.dtype == torch.int8):
             raise CheckpointError(
-                f"{path}: weight {key} has shape {tuple(value.shape)} but config.json implies "
-                f"{tuple(own[key].shape)}; the folder mixes files from different models"
+                f"{path}: weight {key} has shape {tuple(value.shape)} ({value.dtype}) but "
+                f"config.json implies {tuple(own[key].shape)} ({own[key].dtype}); the folder mixes files from different models"
             )
     model.load_state_dict(state, strict=False)
     return model.to(device).eval()

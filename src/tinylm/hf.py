@@ -8,6 +8,7 @@ of D, exactly as ``MultiHeadAttention.qkv``. ``transformers`` is imported lazily
 
 from __future__ import annotations
 
+import copy
 import os
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,8 @@ import torch
 from tinylm.config import ModelConfig
 from tinylm.errors import CheckpointError, ConfigError
 from tinylm.model import GPT
+from tinylm.quantize import dequantized
+from tinylm.quantize import structure_of as structure_of_quantized
 
 # (GPT-2 name, tinylm name, transpose). "{i}" is the block index.
 NAME_MAP: list[tuple[str, str, bool]] = [
@@ -170,6 +173,8 @@ def to_hf(model: GPT):
     if any(type(m).__name__ == "LowRankLinear" for m in model.modules()):
         raise ConfigError("a compressed (low-rank) model has no GPT-2 equivalent; export the "
                           "model before 'tinylm compress'")
+    if structure_of_quantized(model):  # int8 layers: GPT-2 gets their dequantized weights
+        model = dequantized(copy.deepcopy(model))
     hf_config = transformers.GPT2Config(
         vocab_size=c.vocab_size, n_positions=c.context_length, n_embd=c.n_embd,
         n_layer=c.n_layer, n_head=c.n_head, layer_norm_epsilon=c.layer_norm_eps,
