@@ -4,13 +4,14 @@ checkpoint round trip, `tinylm quantize` end to end, and every command loading i
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tinylm import GPT, ModelConfig, acceleration
+from tinylm import GPT, ModelConfig, acceleration, native
 from tinylm.checkpoint import load_checkpoint, save_checkpoint
 from tinylm.cli import main
 from tinylm.data import prepare
@@ -53,6 +54,9 @@ def test_error_is_at_most_half_a_step_per_channel_or_group(bits, shape, group) -
         torch.testing.assert_close(s[:, g], block.abs().amax(1) / qmax)
         err = (block - q[:, g * G:(g + 1) * G].float() * s[:, g:g + 1]).abs()
         assert bool((err <= s[:, g:g + 1] / 2 * (1 + 1e-5)).all())
+    torch.testing.assert_close(dequantize_weight(q, s, group), (q.float().view(O, -1)
+                               * s.repeat_interleave(G, 1)[:, :I]), rtol=0, atol=0)
+    assert bool(((dequantize_weight(q, s, group) - W).abs() <= s.max() / 2 * 1.0001).all())
     # The largest weight of every group is represented exactly (q = ±qmax).
     assert bool((q.abs().view(O, -1).amax(1) == qmax).all())
 
@@ -61,14 +65,14 @@ def test_zero_groups_and_exact_integers_are_exact() -> None:
     W = torch.zeros(3, 8)
     W[1] = torch.tensor([-127.0, 5, 0, 64, 127, -3, 1, 2])  # each group's max is 127: scale 1
     q, s = quantize_weight(W, 8, 4)
-    torch.testing.assert_close(dequantize_weight(q, s), W, rtol=0, atol=0)
+    torch.testing.assert_close(dequantize_weight(q, s, 4), W, rtol=0, atol=0)
 
 
 def test_quantized_linear_is_dequantize_then_linear() -> None:
     lin = nn.Linear(19, 11)
-    ql = QuantizedLinear.from_linear(lin, 8, 5)
+    ql = QuantizedLinear.from_linear(lin, 8, 5)  # 19 = 5 + 5 + 5 + 4
     x = torch.randn(4, 3, 19)
-    W = dequantize_weight(ql.qweight, ql.scale)
+    W = dequantize_weight(ql.qweight, ql.scale, 5)
     torch.testing.assert_close(ql(x), x @ W.t() + lin.bias, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ql(x), F.linear(x, lin.weight, lin.bias), rtol=0.05, atol=0.02)
     assert ql.qweight.dtype == torch.int8 and not ql.qweight.requires_grad
@@ -123,12 +127,11 @@ def test_checkpoint_round_trip_gives_identical_logits(tmp_path, group, head) -> 
         torch.testing.assert_close(again(ids), model(ids), rtol=0, atol=0)
 
 
-def test_fast_paths_step_aside_and_greedy_decoding_matches_full_forwards() -> None:
+def test_training_fast_paths_step_aside_and_greedy_decoding_matches_full_forwards() -> None:
     model = tiny()
     quantize(model, 8, 8)
     plan = acceleration.plan(model, "cpu")
-    assert "decode" not in plan.paths and not any(
-        "block" == p or "attention" == p or "ffn" == p for p in plan.paths)
+    assert not {"block", "attention", "ffn"} & set(plan.paths)
     prompt = torch.randint(0, 40, (1, 4))
     with torch.no_grad():
         out = generate(model, prompt, 12, temperature=0)
@@ -137,6 +140,39 @@ def test_fast_paths_step_aside_and_greedy_decoding_matches_full_forwards() -> No
             nxt = model(ids)[:, -1].argmax(-1, keepdim=True)
             ids = torch.cat([ids, nxt], 1)
     assert torch.equal(out, ids)
+
+
+NATIVE_LIB = native.load() if os.environ.get("TINYLM_NATIVE") != "0" else None
+
+
+@pytest.mark.skipif(NATIVE_LIB is None, reason="TINYLM_NATIVE=0 or no C compiler: no kernel")
+@pytest.mark.parametrize("O, I, G", [(1, 1, None), (13, 7, None), (37, 19, 5), (65, 33, 8),
+                                     (17, 129, 32), (100, 45, 45)])
+def test_int8_kernel_equals_the_reference_layer_at_odd_shapes(O, I, G) -> None:
+    ql = QuantizedLinear.from_linear(nn.Linear(I, O), 8, G)
+    res = torch.randn(16, O)
+    for M in range(1, 17):
+        x = torch.randn(M, I)
+        with torch.no_grad():
+            want = ql(x)
+        G_ = I if G is None else min(G, I)
+        got = NATIVE_LIB.linear_q8(x, ql.qweight, ql.scale, G_, ql.bias)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        got = NATIVE_LIB.linear_q8(x, ql.qweight, ql.scale, G_, None, 1, res[:M])
+        want = F.gelu(F.linear(x, ql.weight), approximate="tanh") + res[:M]
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(NATIVE_LIB is None, reason="TINYLM_NATIVE=0 or no C compiler: no kernel")
+def test_int8_kernel_checks_its_arguments() -> None:
+    ql = QuantizedLinear.from_linear(nn.Linear(10, 4), 8, 4)
+    x = torch.randn(2, 10)
+    with pytest.raises(native.OpError, match="int8"):
+        NATIVE_LIB.linear_q8(x, ql.qweight.float(), ql.scale, 4, None)
+    with pytest.raises(native.OpError, match="shape"):
+        NATIVE_LIB.linear_q8(x, ql.qweight, ql.scale, 5, None)  # 2 groups, scale has 3
+    with pytest.raises(native.OpError, match="group size"):
+        NATIVE_LIB.linear_q8(x, ql.qweight, ql.scale, 0, None)
 
 
 # --- the command ----------------------------------------------------------------------------

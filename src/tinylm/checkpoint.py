@@ -271,7 +271,8 @@ def load_model(path: str | os.PathLike, device: torch.device | str = "cpu") -> G
                 value.dtype == torch.int8):
             raise CheckpointError(
                 f"{path}: weight {key} has shape {tuple(value.shape)} ({value.dtype}) but "
-                f"config.json implies {tuple(own[key].shape)} ({own[key].dtype}); the folder mixes files from different models"
+                f"config.json implies {tuple(own[key].shape)} ({own[key].dtype}); the folder "
+                f"mixes files from different models"
             )
     model.load_state_dict(state, strict=False)
     return model.to(device).eval()

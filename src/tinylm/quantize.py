@@ -81,11 +81,12 @@ def quantize_weight(W: Tensor, bits: int = 8, group_size: int | None = None
     return q.view(O, n * G)[:, :I].to(torch.int8).contiguous(), scale.contiguous()
 
 
-def dequantize_weight(q: Tensor, scale: Tensor) -> Tensor:
-    """W (O, I) float32 = q·s, each scale repeated over its group of input features."""
+def dequantize_weight(q: Tensor, scale: Tensor, group_size: int | None = None) -> Tensor:
+    """W (O, I) float32 = q·s, each scale repeated over its group of ``group_size``
+    input features (None: the whole row)."""
     O, I = q.shape
-    G = -(-I // scale.shape[1])  # ceil(I / n_groups)
-    s = scale.repeat_interleave(G, dim=1)[:, :I]  # (O, n) -> (O, I)
+    G = I if group_size is None else min(group_size, I)
+    s = scale.repeat_interleave(G, dim=1)[:, :I]  # (O, n) -> (O, n·G) -> (O, I)
     return q.to(scale.dtype) * s
 
 
@@ -135,7 +136,7 @@ class QuantizedLinear(nn.Module):
     @property
     def weight(self) -> Tensor:
         """The dequantized weight in ``nn.Linear``'s (O, I) orientation, q·s."""
-        return dequantize_weight(self.qweight, self.scale)
+        return dequantize_weight(self.qweight, self.scale, self.group_size)
 
     def forward(self, x: Tensor) -> Tensor:
         return F.linear(x, self.weight.to(x.dtype),
