@@ -227,7 +227,7 @@ def test_convert_to_hf_writes_the_dequantized_weights(setup, tmp_path) -> None:
     (["--layers", "mlp.c_fc"], "unknown layer name 'mlp.c_fc'"),
     (["--layers", ","], "--layers names no layer"),
     (["--eval-windows", "0"], "--eval-windows must be"),
-    (["--out", "EXISTING"], "not an empty folder"),
+    (["--out", "EXISTING"], "is not empty and not a tinylm checkpoint"),
 ])
 def test_bad_flags_give_one_line_errors(setup, tmp_path, capsys, flags, message) -> None:
     existing = tmp_path / "existing"

@@ -9,6 +9,7 @@ library. Only this module prints. Errors a user can cause are ``TinyLMError``s:
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import sys
 from collections.abc import Callable, Sequence
@@ -19,6 +20,46 @@ from tinylm.errors import TinyLMError
 log = logging.getLogger("tinylm")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (exit 2, as for every TinyLMError) and '--' read as
+    a flag's value in ``--flag=--`` (argparse before 3.12 turns it into an empty list)."""
+
+    def _get_formatter(self):  # argparse asks the terminal's size once per flag otherwise
+        return self.formatter_class(prog=self.prog, width=_help_width())
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}; see '{self.prog} --help'\n")
+
+    def _get_values(self, action, arg_strings):  # type: ignore[override]
+        if arg_strings == ["--"] and action.option_strings and action.nargs is None:
+            value = self._get_value(action, "--")
+            self._check_value(action, value)
+            return value
+        return super()._get_values(action, arg_strings)
+
+
+@functools.lru_cache(maxsize=1)
+def _help_width() -> int:
+    import shutil
+
+    return max(shutil.get_terminal_size().columns - 2, 20)  # what argparse itself uses
+
+
+def _count(value: str) -> int:
+    """An integer flag that also takes integral scientific notation ("1e6")."""
+    try:
+        return int(value)
+    except ValueError:
+        pass
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
+    if number != number or number in (float("inf"), float("-inf")) or number != int(number):
+        raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}")
+    return int(number)
+
+
 # --- subcommands ------------------------------------------------------------------------
 # Each entry: (name, adder). The adder creates the subparser and sets func=<handler>.
 # Keep one _add_/_cmd_ pair per command below, in the order of the list.
@@ -27,45 +68,111 @@ log = logging.getLogger("tinylm")
 def _add_info(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "info",
-        help="show versions, the device tinylm would use, and a model's shape",
-        description="Print tinylm/torch versions and the device tinylm picks "
-        "(cuda > mps > cpu). With --model DIR, also the checkpoint's config and "
-        "parameter count.",
+        help="show versions, the device and native kernels, and what a model is",
+        description="Print tinylm/torch versions, the device tinylm picks (cuda > mps > "
+        "cpu) and whether its native kernels are active. Given a checkpoint or run folder, "
+        "also its architecture, parameter count, tokenizer kind and size, training step "
+        "and validation loss, and low-rank ranks.",
     )
-    p.add_argument("--model", metavar="DIR", help="a checkpoint folder to describe")
+    p.add_argument("run", nargs="?", metavar="RUN",
+                   help="a checkpoint folder or training run folder to describe")
+    p.add_argument("--model", metavar="DIR", help="the same as RUN")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_cmd_info)
 
 
+def _native_status() -> str:
+    """'active' or 'off' for the native kernels, asked through the acceleration door."""
+    from tinylm import acceleration
+
+    native = getattr(acceleration, "native", None)
+    available = getattr(acceleration, "available", None) or getattr(native, "available", None)
+    if native is None or not callable(available):
+        return "off (no native package)"
+    try:
+        return "active" if available() else "off (torch's kernels)"
+    except Exception:  # a broken build must not break `info`
+        return "off (torch's kernels)"
+
+
 def _cmd_info(args: argparse.Namespace) -> int:
+    import json
+
     import torch
 
+    from tinylm.checkpoint import describe_checkpoint
     from tinylm.config import resolve_device
+    from tinylm.errors import ConfigError
 
-    print(f"tinylm {__version__}, torch {torch.__version__}, device {resolve_device()}")
-    if args.model:
-        from tinylm.checkpoint import load_checkpoint
-
-        model, _tok = load_checkpoint(args.model)
-        print(model.config.to_json())
-        print(f"parameters: {model.num_parameters():,}")
+    if args.run and args.model and args.run != args.model:
+        raise ConfigError(f"give the folder once: RUN ({args.run}) or --model ({args.model})")
+    folder = args.run or args.model
+    runtime = {"tinylm": __version__, "torch": torch.__version__,
+               "device": str(resolve_device()), "native_kernels": _native_status()}
+    info = describe_checkpoint(folder) if folder else None
+    if args.json:
+        print(json.dumps({**runtime, **({"checkpoint": info} if info else {})}))
+        return 0
+    print(f"tinylm {runtime['tinylm']}, torch {runtime['torch']}, device {runtime['device']}, "
+          f"native kernels {runtime['native_kernels']}")
+    if info is not None:
+        for label, text in _info_lines(info):
+            print(f"{label:<13} {text}")
     return 0
+
+
+def _info_lines(info: dict) -> list[tuple[str, str]]:
+    m = dict(info["model"])
+    sizes = [f"{m.pop(k)} {label}" for k, label in (
+        ("n_layer", "layers"), ("n_head", "heads"), ("head_dim", "dims/head"),
+        ("n_embd", "n_embd"), ("context_length", "context"), ("vocab_size", "vocab"))
+        if k in m]
+    options = ", ".join(f"{k}={v}" for k, v in sorted(m.items()))
+    tok = info["tokenizer"]
+    tok_text = "none (no tokenizer.json)" if tok is None else (
+        f"{tok['kind']}, {tok['vocab_size']:,} tokens, end-of-text "
+        f"{tok['eos'] if tok['eos'] is not None else 'none'}")
+    step, val = info["step"], info["val_loss"]
+    training = ", ".join(([f"step {step:,}"] if step is not None else [])
+                         + ([f"val loss {val:.4f}"] if val is not None else [])) or "unknown"
+    ranks = info["lowrank"]
+    lowrank = "none (full-rank)" if not ranks else (
+        f"{len(ranks)} layers, ranks {min(ranks.values())}..{max(ranks.values())}: "
+        + ", ".join(f"{k} {v}" for k, v in list(ranks.items())[:6])
+        + (", ..." if len(ranks) > 6 else ""))
+    lines = [("checkpoint", info["folder"]), ("architecture", ", ".join(sizes)),
+             ("options", options), ("parameters", f"{info['parameters']:,}"),
+             ("tokenizer", tok_text), ("training", training), ("low-rank", lowrank)]
+    if info["nonfinite"]:
+        lines.append(("WARNING", f"{info['nonfinite']:,} weights are NaN or infinite"))
+    return lines
 
 
 def _add_prepare(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "prepare",
-        help="text -> tokenizer.json + train.bin/val.bin token shards + meta.json",
-        description="Tokenize a file, a folder of files, standard input or a built-in "
-        "corpus (default: python-docs, no download) into --out: tokenizer.json, "
-        "train.bin and val.bin (uint16 when the vocabulary fits, else uint32) and "
-        "meta.json. Streams the input, so it scales to multi-GB corpora; writes "
-        "atomically, so an interrupted run leaves the folder as it was.",
+        help="text/JSONL/Parquet/datasets -> tokenizer.json + token shards + meta.json",
+        description="Tokenize files (text, .jsonl, .jsonl.gz, .jsonl.zst, .parquet, a "
+        "datasets save_to_disk folder), folders or globs of them, standard input or a "
+        "built-in corpus (default: python-docs, no download) into --out: tokenizer.json, "
+        "train-NNNNN.bin and val-NNNNN.bin shards (uint16 when the vocabulary fits, else "
+        "uint32) and meta.json. Each record or text file is one document; documents are "
+        "joined with the end-of-text token. Streams the input in two passes with flat "
+        "memory, encodes on every core, and writes atomically, so an interrupted run "
+        "leaves the folder as it was.",
     )
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--input", action="append", metavar="FILE|DIR|-",
-                     help="text file, folder of text files, or - for stdin (repeatable)")
+    src.add_argument("--input", action="append", metavar="FILE|DIR|GLOB|-",
+                     help="a text, JSONL or Parquet file, a folder of them (or a datasets "
+                     "folder), a quoted glob, or - for stdin (repeatable)")
     src.add_argument("--corpus", metavar="NAME",
-                     help="a built-in corpus (python-docs); the default without --input")
+                     help="a built-in corpus (default: python-docs, when no --input is given)")
+    p.add_argument("--text-field", default="text", metavar="NAME",
+                   help="the records' text field in JSONL/Parquet/datasets inputs; dotted "
+                   "for nested fields, e.g. meta.text (default: text)")
+    p.add_argument("--skip-bad", action="store_true",
+                   help="skip records whose text field is missing, null or not a string "
+                   "(counted and reported) instead of refusing the input")
     p.add_argument("--tokenizer", default="char", metavar="char|bpe|PATH",
                    help="char (one token per character), bpe (byte-level BPE trained on "
                    "the input), or an existing tokenizer.json / folder with vocab.json + "
@@ -73,10 +180,24 @@ def _add_prepare(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--vocab-size", type=int, default=4096, metavar="N",
                    help="BPE vocabulary size, at least 256 + special tokens (default: 4096)")
     p.add_argument("--val-fraction", type=float, default=0.1, metavar="F",
-                   help="fraction of tokens held out in val.bin (default: 0.1)")
+                   help="fraction of the documents held out for validation, whole and "
+                   "spread evenly; a single document splits by tokens (default: 0.1)")
+    p.add_argument("--val-files", action="append", default=[], metavar="FILE|DIR|GLOB",
+                   help="validation documents from these inputs instead (repeatable)")
     p.add_argument("--context-length", type=int, default=256, metavar="C",
                    help="context length the data is for: each split needs at least C + 1 "
                    "tokens (default: 256)")
+    p.add_argument("--doc-separator", default=None, metavar="TEXT",
+                   help="what goes between documents: a special token, any text, or '' for "
+                   "nothing (default: the tokenizer's end-of-text token, a line break if it "
+                   "has none)")
+    p.add_argument("--dedup", action="store_true",
+                   help="drop exact duplicate documents (by hash), counted in meta.json")
+    p.add_argument("--shard-tokens", type=int, default=100_000_000, metavar="N",
+                   help="at most N tokens per shard file (default: 100000000)")
+    p.add_argument("--workers", type=int, default=None, metavar="N",
+                   help="encoding processes; the output is the same for any N (default: "
+                   "every core for inputs over 16 MB, else 1)")
     p.add_argument("--unknown", choices=("error", "replace"), default="error",
                    help="char tokenizer, later text with unseen characters: error, or "
                    "replace them with <unk> (default: error)")
@@ -112,22 +233,31 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
     import time
 
     from tinylm.data import prepare
+    from tinylm.readers import display_path
 
     start = time.perf_counter()
     data = prepare(
         args.out, args.input, corpus=args.corpus, tokenizer=args.tokenizer,
-        vocab_size=args.vocab_size, val_fraction=args.val_fraction,
+        vocab_size=args.vocab_size, val_fraction=args.val_fraction, val_files=args.val_files,
         context_length=args.context_length, unknown=args.unknown, errors=args.errors,
         special_tokens=args.special_tokens, glob=args.glob, force=args.force,
         bpe_train_mb=args.bpe_train_mb, progress=False if args.no_progress else None,
+        text_field=args.text_field, skip_bad=args.skip_bad, doc_separator=args.doc_separator,
+        dedup=args.dedup, shard_tokens=args.shard_tokens, workers=args.workers,
     )
     seconds = time.perf_counter() - start
     meta = data.meta
     mb = meta["input_bytes"] / 1e6
-    print(f"prepared {data.dir}: {meta['train_tokens']:,} train + {meta['val_tokens']:,} val "
-          f"tokens ({meta['dtype']}), {data.tokenizer.kind} tokenizer with "
-          f"{data.vocab_size:,} tokens, from {meta['source']} ({mb:.2f} MB) in {seconds:.1f} s "
-          f"({mb / max(seconds, 1e-9):.1f} MB/s)")
+    docs = meta["documents"]
+    extra = "".join(f", {n:,} {what}" for what, n in (
+        ("duplicates removed", docs["duplicates_removed"]),
+        ("bad records skipped", docs["skipped_records"])) if n)
+    shards = sum(len(v) for v in meta["shards"].values())
+    print(f"prepared {display_path(data.dir)}: {meta['train_tokens']:,} train + "
+          f"{meta['val_tokens']:,} val tokens ({meta['dtype']}, {shards} shard(s)) from "
+          f"{docs['train']:,} + {docs['val']:,} documents{extra}, {data.tokenizer.kind} "
+          f"tokenizer with {data.vocab_size:,} tokens, from {meta['source']} ({mb:.2f} MB) in "
+          f"{seconds:.1f} s ({mb / max(seconds, 1e-9):.1f} MB/s, {meta['workers']} worker(s))")
     return 0
 
 
@@ -175,8 +305,14 @@ def _add_compress(sub: argparse._SubParsersAction) -> None:
                    help="sequences per step of --finetune (default: 32)")
     p.add_argument("--fractions", default="0.9,0.75,0.5,0.35,0.25", metavar="P,P,...",
                    help="parameter fractions of --sweep (default: 0.9,0.75,0.5,0.35,0.25)")
-    p.add_argument("--plot", metavar="FILE.png", help="with --sweep: write the loss/speed plot")
-    p.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:N or mps")
+    p.add_argument("--plot", metavar="FILE.png",
+                   help="with --sweep: write the loss/speed plot (.png, .svg or .pdf)")
+    p.add_argument("--force", action="store_true",
+                   help="replace an existing checkpoint in --out (never a run folder or a "
+                   "folder with other files)")
+    p.add_argument("--threads", type=int, metavar="N",
+                   help="CPU threads for torch (default: the free cores)")
+    _device_flag(p)
     p.set_defaults(func=_cmd_compress)
 
 
@@ -195,22 +331,16 @@ def _parse_fractions(text: str) -> list[float]:
     return values
 
 
-def _cmd_compress(args: argparse.Namespace) -> int:
-    import tempfile
-    from pathlib import Path
-
-    from tinylm.checkpoint import load_checkpoint, resolve_checkpoint_dir, save_checkpoint
-    from tinylm.config import resolve_device
+def _check_compress_flags(args: argparse.Namespace) -> list[str]:
+    """Flag combinations of compress (before anything is loaded); returns the layers."""
     from tinylm.errors import ConfigError
-    from tinylm.lowrank import compress, format_report, format_sweep, plot_sweep, sweep
 
-    mode = {"rank": args.rank, "energy": args.energy, "params_fraction": args.params_fraction}
+    mode = (args.rank, args.energy, args.params_fraction)
     if args.sweep:
         if not args.data:
             raise ConfigError("--sweep needs --data DIR to measure the validation loss; pass "
                               "a folder made by 'tinylm prepare'")
-        fractions = _parse_fractions(args.fractions)
-    elif all(v is None for v in mode.values()):
+    elif all(v is None for v in mode):
         raise ConfigError("choose how much to keep: --rank R, --energy F, --params-fraction P "
                           "(or --sweep)")
     elif not args.out:
@@ -222,73 +352,48 @@ def _cmd_compress(args: argparse.Namespace) -> int:
                           f"--data DIR to train on")
     if args.eval_windows is not None and args.eval_windows < 1:
         raise ConfigError(f"--eval-windows must be >= 1, got {args.eval_windows}")
+    if args.threads is not None and args.threads < 1:
+        raise ConfigError(f"--threads must be >= 1, got {args.threads}")
     layers = [name.strip() for name in args.layers.split(",") if name.strip()]
     if not layers:
         raise ConfigError(f"--layers names no layer ({args.layers!r}); e.g. --layers "
                           f"attn.qkv,ffn.up")
+    return layers
 
-    device = resolve_device(args.device)
-    model, tokenizer = load_checkpoint(args.model, device=device)
-    data = None
-    if args.data:
-        from tinylm.data import load_prepared
 
-        data = load_prepared(args.data)
+def _cmd_compress(args: argparse.Namespace) -> int:
+    from tinylm.compression import compress_checkpoint, sweep_checkpoint
+    from tinylm.config import default_threads
+    from tinylm.lowrank import format_report, format_sweep
 
-    def val_loss(m):
-        from tinylm.evaluation import evaluate
-
-        return evaluate(m, data.val, max_windows=args.eval_windows)
-
+    layers = _check_compress_flags(args)
+    threads = args.threads or default_threads()
+    common = {"layers": layers, "eval_windows": args.eval_windows, "device": args.device,
+              "threads": threads}
     if args.sweep:
-        rows = sweep(model, fractions, lambda m: val_loss(m).loss, layers=layers,
-                     progress=lambda r: log.info("params %.3f kept: val loss %.4f, %.0f tokens/s",
-                                                 r.params_fraction, r.loss, r.tokens_per_s))
+        rows, plot = sweep_checkpoint(args.model, args.data, _parse_fractions(args.fractions),
+                                      plot=args.plot, **common)
         print(format_sweep(rows))
-        if args.plot:
-            print(f"plot: {plot_sweep(rows, args.plot)}")
+        if plot is not None:
+            print(f"plot: {plot}")
         return 0
-
-    before = val_loss(model) if data is not None else None
-    report = compress(model, layers=layers, **mode)
-    print(format_report(report))
-    if data is not None:
-        after = val_loss(model)
-        print(f"val loss: {before.loss:.4f} -> {after.loss:.4f} "
-              f"(perplexity {before.perplexity:.3f} -> {after.perplexity:.3f}, "
-              f"{100 * (after.loss / before.loss - 1):+.1f} %)")
-    if args.finetune:
-        from tinylm.config import TrainConfig
-        from tinylm.training import train
-
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        from tinylm.checkpoint import read_config
-
-        # Fine-tune at the peak lr the model was trained with: a factorised model must move
-        # its weights about as far as training did (3e-4 left it at +12 % loss, 3e-3 at
-        # +3 %, on make demo's model at --params-fraction 0.5, 200 steps).
-        lr = args.lr if args.lr is not None else \
-            read_config(args.model).get("train", {}).get("lr", 1e-3)
-        train_config = TrainConfig(
-            max_steps=args.finetune, lr=lr, batch_size=args.batch_size,
-            warmup_steps=min(20, args.finetune // 10), eval_every=args.finetune,
-            save_every=args.finetune, device=str(device))
-        with tempfile.TemporaryDirectory(prefix=f".{out.name}.finetune-", dir=out.parent) as run:
-            train(model.config, train_config, args.data, run, model=model)  # in place
-        tuned = val_loss(model)
-        print(f"after fine-tuning {args.finetune} steps: val loss {tuned.loss:.4f} "
-              f"(perplexity {tuned.perplexity:.3f}, {100 * (tuned.loss / before.loss - 1):+.1f} % "
-              f"vs the uncompressed model)")
-    dest = save_checkpoint(args.out, model, tokenizer,
-                           extra_config={"compress": {"source": str(args.model),
-                                                      "mode": report.mode,
-                                                      "finetune_steps": args.finetune}})
-    size_in = (resolve_checkpoint_dir(args.model) / "model.safetensors").stat().st_size
-    size_out = (dest / "model.safetensors").stat().st_size
-    print(f"file size: {size_in / 1e6:.2f} MB -> {size_out / 1e6:.2f} MB "
-          f"({100 * (1 - size_out / size_in):.1f} % smaller)")
-    print(f"wrote {dest}")
+    mode = {k: v for k, v in (("rank", args.rank), ("energy", args.energy),
+                              ("params_fraction", args.params_fraction)) if v is not None}
+    r = compress_checkpoint(args.model, args.out, mode=mode, data_dir=args.data,
+                            finetune_steps=args.finetune, lr=args.lr,
+                            batch_size=args.batch_size, force=args.force, **common)
+    print(format_report(r.report))
+    if r.before is not None and r.after is not None:
+        print(f"val loss: {r.before.loss:.4f} -> {r.after.loss:.4f} "
+              f"(perplexity {r.before.perplexity:.3f} -> {r.after.perplexity:.3f}, "
+              f"{100 * (r.after.loss / r.before.loss - 1):+.1f} %)")
+    if r.tuned is not None and r.before is not None:
+        print(f"after fine-tuning {r.finetune_steps} steps: val loss {r.tuned.loss:.4f} "
+              f"(perplexity {r.tuned.perplexity:.3f}, "
+              f"{100 * (r.tuned.loss / r.before.loss - 1):+.1f} % vs the uncompressed model)")
+    print(f"file size: {r.bytes_in / 1e6:.2f} MB -> {r.bytes_out / 1e6:.2f} MB "
+          f"({100 * (1 - r.bytes_out / r.bytes_in):.1f} % smaller)")
+    print(f"wrote {r.dest}")
     return 0
 
 
@@ -306,7 +411,11 @@ def _add_quantize(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", required=True, metavar="DIR",
                    help="checkpoint (or training run) folder to quantize")
     p.add_argument("--out", required=True, metavar="DIR",
-                   help="folder for the quantized checkpoint (must not exist or be empty)")
+                   help="folder for the quantized checkpoint (new or empty; an existing "
+                   "checkpoint only with --force)")
+    p.add_argument("--force", action="store_true",
+                   help="replace an existing checkpoint at --out (never a run folder or a "
+                   "folder with other files)")
     p.add_argument("--bits", type=int, default=8, metavar="B",
                    help="bits per weight, 2-8, stored in int8 (default: 8)")
     p.add_argument("--group-size", type=int, default=None, metavar="G",
@@ -338,7 +447,8 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
                               f"attn.qkv,ffn.up")
     report, dest = quantize_checkpoint(
         args.model, args.out, bits=args.bits, group_size=args.group_size, layers=layers,
-        include_head=args.include_head, data_dir=args.data, eval_windows=args.eval_windows)
+        include_head=args.include_head, data_dir=args.data, eval_windows=args.eval_windows,
+        force=args.force)
     print(format_report(report))
     print(f"wrote {dest}")
     return 0
@@ -350,7 +460,7 @@ _MODEL_FLAG_HELP = {
     "n_layer": "number of Transformer blocks",
     "n_head": "H, attention heads per block",
     "n_embd": "E, embedding width",
-    "head_dim": "D per head (default n_embd // n_head)",
+    "head_dim": "D per head (default: n_embd // n_head)",
     "dropout": "dropout probability while training",
     "bias": "biases in Linear layers and LayerNorms",
     "tie_embeddings": "share the token embedding with the LM head",
@@ -372,13 +482,34 @@ def _config_flags(group: argparse._ArgumentGroup, cls: type, helps: dict[str, st
         kind = str(f.type).replace(" | None", "")
         default = f.default if f.default is not dataclasses.MISSING else None
         if default is not None:
-            help_text = f"{help_text} (default {default})"
+            help_text = f"{help_text} (default: {default})"
+        optional = "None" in str(f.type) and kind != "str"
         if kind == "bool":
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
                                help=help_text)
+        elif optional:
+            group.add_argument(flag, type=_or_off(types[kind], zero_is_off=f.name ==
+                                                   "time_budget"),
+                               default=None, metavar=kind.upper(),
+                               help=f"{help_text}; 'none' switches it off"
+                               + (" (so does 0)" if f.name == "time_budget" else ""))
         else:
             group.add_argument(flag, type=types[kind], default=None, metavar=kind.upper(),
                                help=help_text)
+
+
+_OFF = object()  # a flag given as "none": switch off what a config file or saved run set
+
+
+def _or_off(kind: type, zero_is_off: bool = False) -> Callable[[str], object]:
+    def parse(text: str) -> object:
+        if text.strip().lower() in ("none", "off"):
+            return _OFF
+        value = kind(text)
+        return _OFF if zero_is_off and value == 0 else value
+
+    parse.__name__ = kind.__name__
+    return parse
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
@@ -388,16 +519,21 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         "train",
         help="train a model on prepared data; writes checkpoints, metrics.jsonl, loss.png",
         description="Train a GPT on a folder written by 'tinylm prepare'. The run folder "
-        "--out gets latest/ (resumable checkpoint), best/ (lowest val loss), metrics.jsonl, "
-        "loss.png and run.toml. Values come from the defaults, then the saved run (with "
+        "--out gets latest/ (resumable checkpoint), best/ (lowest periodic validation "
+        "estimate), metrics.jsonl, "
+        "loss.png and run.toml; one process at a time (a lock). Values come from the "
+        "defaults, then the saved run (with "
         "--resume), then --config, then flags. Under torchrun every process runs this.",
     )
     p.add_argument("--data", required=True, metavar="DIR", help="prepared data folder")
     p.add_argument("--out", required=True, metavar="DIR", help="run folder to write")
     p.add_argument("--config", metavar="TOML", help="run config file ([model]/[train] "
                    "tables or top-level keys); flags override it")
-    p.add_argument("--resume", action="store_true",
-                   help="continue from OUT/latest (starts fresh if there is none)")
+    p.add_argument("--resume", nargs="?", const=True, default=None, type=_resume_arg,
+                   metavar="auto",
+                   help="continue from OUT/latest (an error when there is none); "
+                   "'--resume auto' continues if a checkpoint exists, else starts (the "
+                   "default when torchrun reports a restart)")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="force the progress bar on/off (default: on a terminal)")
     _config_flags(p.add_argument_group("model"), ModelConfig, _MODEL_FLAG_HELP)
@@ -405,34 +541,29 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_train)
 
 
+def _resume_arg(text: str) -> str:
+    if text != "auto":
+        raise argparse.ArgumentTypeError(f"expected nothing or 'auto', got {text!r}")
+    return text
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     import dataclasses
     from pathlib import Path
 
-    from tinylm.checkpoint import CONFIG_FILE, RUN_LATEST, read_config
-    from tinylm.config import ModelConfig, TrainConfig, read_toml
-    from tinylm.training import train
+    from tinylm.config import ModelConfig, TrainConfig
+    from tinylm.training import UNSET, train_run
 
-    model_kw: dict = {}
-    train_kw: dict = {}
-    latest = Path(args.out) / RUN_LATEST
-    if args.resume and (latest / CONFIG_FILE).is_file():
-        saved = read_config(latest)
-        model_kw.update(saved["model"])
-        train_kw.update(saved.get("train", {}))
-    if args.config:
-        m, t = read_toml(args.config)
-        model_kw.update(m)
-        train_kw.update(t)
-    for cls, kw in ((ModelConfig, model_kw), (TrainConfig, train_kw)):
-        for f in dataclasses.fields(cls):
-            value = getattr(args, f.name, None)
-            if value is not None:
-                kw[f.name] = value
-    model_kw.pop("vocab_size", None)  # taken from the data's tokenizer by train()
-    result = train(ModelConfig.from_dict(model_kw), TrainConfig.from_dict(train_kw),
-                   args.data, args.out, resume=args.resume, progress=args.progress)
+    names = [f.name for cls in (ModelConfig, TrainConfig) for f in dataclasses.fields(cls)]
+    overrides = {n: UNSET if getattr(args, n, None) is _OFF else getattr(args, n, None)
+                 for n in names}
+    result = train_run(args.data, args.out, config_file=args.config, overrides=overrides,
+                       resume=args.resume, progress=args.progress)
     if result.rank != 0:
+        return 0
+    if result.stop_reason == "finished":
+        print(f"{result.out_dir} was already finished at step {result.steps}; nothing changed "
+              f"(pass a larger --max-steps or --time-budget to train further)")
         return 0
     mins, secs = divmod(int(result.elapsed), 60)
     if result.interrupted:
@@ -443,24 +574,31 @@ def _cmd_train(args: argparse.Namespace) -> int:
     print(f"trained {result.steps} steps in {mins}m{secs:02d}s "
           f"({result.tokens_per_s:,.0f} tokens/s), stopped by {result.stop_reason}")
     if result.final_val_loss is not None:
+        best = (f"; best estimate {result.best_val_loss:.4f}"
+                if result.best_val_loss is not None else "")
         print(f"val loss {result.final_val_loss:.4f} (perplexity "
-              f"{result.final_val_perplexity:.2f}) over the whole validation split; "
-              f"best {result.best_val_loss:.4f}")
-    print(f"checkpoint: {result.checkpoint}  (best: {result.out_dir / 'best'})")
-    print(f"loss curve: {result.out_dir / 'loss.png'}")
+              f"{result.final_val_perplexity:.2f}) over the whole validation split{best}")
+    best_dir = result.out_dir / "best"
+    print(f"checkpoint: {result.checkpoint}"
+          + (f"  (best: {best_dir})" if best_dir.is_dir() else ""))
+    plot = Path(result.out_dir) / "loss.png"
+    if plot.is_file():
+        print(f"loss curve: {plot}")
     return 0
 
 
 def _add_plot(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "plot",
-        help="draw the loss curves of one or more training runs into one PNG",
-        description="Read RUN_DIR/metrics.jsonl of each run and draw train loss (lines) "
-        "and validation loss (dots) against step, one colour per run.",
+        help="draw the loss curves of one or more training runs into one figure",
+        description="Read RUN_DIR/metrics.jsonl of each run and draw train loss (lines), "
+        "the periodic validation estimates (dots) and the final whole-split validation "
+        "loss (a star) against step, one colour per run.",
     )
     p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run folders (tinylm train --out)")
-    p.add_argument("--out", default="loss-comparison.png", metavar="FILE.png",
-                   help="the PNG to write (default loss-comparison.png)")
+    p.add_argument("--out", default="loss-comparison.png", metavar="FILE",
+                   help="the figure to write: .png, .svg or .pdf (default: "
+                   "loss-comparison.png)")
     p.add_argument("--log-scale", action="store_true", help="log-scale loss axis")
     p.set_defaults(func=_cmd_plot)
 
@@ -487,16 +625,17 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", required=True, metavar="DIR", help="a checkpoint or run folder")
     p.add_argument("--split", choices=("val", "train"), default="val",
                    help="which split of --data (default: val)")
-    p.add_argument("--stride", type=int, metavar="N",
+    p.add_argument("--stride", type=_count, metavar="N",
                    help="sliding-window step, 1..C; each scored token then sees at least "
                    "C - N tokens of context (default: C, non-overlapping windows)")
-    p.add_argument("--batch-size", type=int, default=16, metavar="B",
+    p.add_argument("--batch-size", type=_count, default=16, metavar="B",
                    help="windows per forward pass (default: 16)")
-    p.add_argument("--max-windows", type=int, metavar="N",
+    p.add_argument("--max-windows", type=_count, metavar="N",
                    help="stop after N windows: a quick estimate instead of the exact value")
-    p.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, ...")
+    _device_flag(p)
     p.add_argument("--json", action="store_true",
                    help="print one JSON object: loss, perplexity, bits_per_byte, tokens")
+    _allow_nonfinite_flag(p)
     p.set_defaults(func=_cmd_eval)
 
 
@@ -510,7 +649,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from tinylm.evaluation import evaluate_split, evaluate_text
 
     device = resolve_device(args.device)
-    model, tokenizer = load_checkpoint(args.model, device)
+    model, tokenizer = load_checkpoint(args.model, device, allow_nonfinite=args.allow_nonfinite)
     options = {"stride": args.stride, "batch_size": args.batch_size,
                "max_windows": args.max_windows}
     if args.text is not None:
@@ -561,14 +700,21 @@ def _add_explain(sub: argparse._SubParsersAction) -> None:
                    help="print JSON: a list of rows {token, id, position, candidates: "
                    "[{token, id, prob}]} (with --neighbours, their list too)")
     p.add_argument("--attention", metavar="FILE.png",
-                   help="draw all attention maps as a grid of heatmaps (needs matplotlib)")
+                   help="draw all attention maps as a grid of heatmaps, in the format the "
+                   "suffix names: .png, .jpg, .svg or .pdf (needs matplotlib)")
     p.add_argument("--html", metavar="FILE.html",
-                   help="write a self-contained offline page to explore the maps")
+                   help="write the explorer: one offline page that walks every equation of "
+                   "attention on the prompt (steps, heads, maps, logit lens, ablation, low "
+                   "rank, next-token table)")
+    p.add_argument("--layer", type=int, default=0, metavar="L",
+                   help="the layer the page opens on (default: 0)")
+    p.add_argument("--head", type=int, default=0, metavar="H",
+                   help="the head the page opens on (default: 0)")
     p.add_argument("--neighbours", metavar="TOKEN",
                    help="list the tokens nearest to TOKEN by cosine similarity of embeddings")
     p.add_argument("--count", type=int, default=10, metavar="N",
                    help="how many neighbours (default: 10)")
-    p.add_argument("--device", default="cpu", help="cpu (default), cuda, mps or auto")
+    _device_flag(p)
     p.set_defaults(func=_cmd_explain)
 
 
@@ -576,36 +722,26 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     import json
 
     from tinylm import inspection
-    from tinylm.checkpoint import load_checkpoint
-    from tinylm.config import resolve_device
-    from tinylm.errors import CheckpointError, ConfigError
+    from tinylm.explorer import run_explain
 
-    if args.prompt is None and args.neighbours is None:
-        raise ConfigError("nothing to explain; pass --prompt TEXT and/or --neighbours TOKEN")
-    if args.prompt is None and (args.attention or args.html):
-        raise ConfigError("--attention and --html draw the maps of a prompt; pass --prompt TEXT")
-    model, tokenizer = load_checkpoint(args.model, resolve_device(args.device))
-    if tokenizer is None:
-        raise CheckpointError(f"{args.model} has no tokenizer.json; explain needs the model's "
-                              f"tokenizer to show tokens")
+    report = run_explain(args.model, prompt=args.prompt, top_k=args.top_k,
+                         attention=args.attention, html_path=args.html, layer=args.layer,
+                         head=args.head, neighbours=args.neighbours, count=args.count,
+                         device=args.device)
+    for path in report.written:
+        log.info("wrote %s", path)
     out: dict[str, object] = {}
-    if args.prompt is not None:
-        explanation = inspection.explain(model, tokenizer, args.prompt, top_k=args.top_k)
-        out["rows"] = explanation.to_json()
-        if args.attention:
-            log.info("wrote %s", inspection.plot_attention(explanation, args.attention))
-        if args.html:
-            log.info("wrote %s", inspection.write_html(explanation, args.html))
+    if report.explanation is not None:
+        out["rows"] = report.explanation.to_json()
         if not args.json:
-            print(inspection.format_table(explanation))
-    if args.neighbours is not None:
-        neighbours = inspection.nearest_tokens(model, tokenizer, args.neighbours, args.count)
+            print(inspection.format_table(report.explanation))
+    if report.neighbours is not None:
         out["neighbours"] = [{"token": n.token, "id": n.id, "similarity": n.similarity}
-                             for n in neighbours]
+                             for n in report.neighbours]
         if not args.json:
-            if args.prompt is not None:
+            if report.explanation is not None:
                 print()
-            print(inspection.format_neighbours(args.neighbours, neighbours))
+            print(inspection.format_neighbours(args.neighbours, report.neighbours))
     if args.json:
         print(json.dumps(out if len(out) > 1 else next(iter(out.values())), ensure_ascii=False,
                          indent=1))
@@ -623,7 +759,11 @@ def _add_convert(sub: argparse._SubParsersAction) -> None:
         "is downloaded.",
     )
     p.add_argument("--from-hf", metavar="HF_DIR", help="a Hugging Face GPT-2 folder to import")
-    p.add_argument("--out", metavar="DIR", help="the tinylm checkpoint to write (--from-hf)")
+    p.add_argument("--out", metavar="DIR",
+                   help="the tinylm checkpoint to write (--from-hf); a new or empty folder")
+    p.add_argument("--force", action="store_true",
+                   help="--from-hf: replace an existing tinylm checkpoint in --out (never a "
+                   "folder holding other files)")
     p.add_argument("--model", metavar="DIR", help="a tinylm checkpoint to export")
     p.add_argument("--to-hf", metavar="HF_DIR",
                    help="the Hugging Face folder to write (--model); must not exist or be empty")
@@ -634,7 +774,7 @@ def _add_convert(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
-    from tinylm.checkpoint import load_checkpoint, save_checkpoint
+    from tinylm.checkpoint import check_target, load_checkpoint, save_checkpoint
     from tinylm.errors import ConfigError
     from tinylm.hf import read_hf_folder, write_hf_folder
 
@@ -647,6 +787,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     if importing:
         if args.weights_only:
             raise ConfigError("--weights-only applies to --to-hf only")
+        check_target(args.out, force=args.force)
         model, tokenizer = read_hf_folder(args.from_hf)
         save_checkpoint(args.out, model, tokenizer)
         tok = f"{tokenizer.kind} tokenizer" if tokenizer is not None else "no tokenizer files"
@@ -676,22 +817,42 @@ def _add_sample(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--prompt", metavar="TEXT", help="the text to continue")
     src.add_argument("--prompt-file", metavar="FILE",
                      help="read the prompt from a UTF-8 file ('-' = stdin), used as is")
-    p.add_argument("--max-new-tokens", type=int, default=200, metavar="N",
+    p.add_argument("--max-new-tokens", type=_count, default=200, metavar="N",
                    help="tokens to generate per sample (default: 200)")
     p.add_argument("--temperature", type=float, default=1.0, metavar="T",
                    help="0 = greedy; <1 sharper, >1 more random (default: 1.0)")
-    p.add_argument("--top-k", type=int, metavar="K", help="sample among the K most likely")
+    p.add_argument("--top-k", type=_count, metavar="K",
+                   help="sample among the K most likely (default: all)")
     p.add_argument("--top-p", type=float, metavar="P",
                    help="sample among the smallest set of tokens whose probability reaches P "
-                   "(0 < P <= 1)")
-    p.add_argument("--seed", type=int, metavar="S", help="random seed: same seed, same text")
-    p.add_argument("--num-samples", type=int, default=1, metavar="N",
-                   help="samples generated together in one batch, printed one after another")
+                   "(0 < P <= 1) (default: all)")
+    p.add_argument("--seed", type=_count, metavar="S",
+                   help="random seed in [0, 2^63 - 1]: same seed, same text (default: random)")
+    p.add_argument("--num-samples", type=_count, default=1, metavar="N",
+                   help="samples generated together in one batch, printed one after another "
+                   "(default: 1)")
     p.add_argument("--stop", action="append", default=[], metavar="STRING",
                    help="end a sample before this string (repeatable; escapes like \\n work)")
     p.add_argument("--no-echo", action="store_true", help="print only the continuation")
-    p.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, ...")
+    _allow_nonfinite_flag(p)
+    _device_flag(p)
     p.set_defaults(func=_cmd_sample)
+
+
+def _allow_nonfinite_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--allow-nonfinite", action="store_true",
+                   help="load a model whose weights hold NaN or inf (refused otherwise)")
+
+
+def _device_flag(p: argparse.ArgumentParser) -> None:
+    """--device, with the same default and help in every command that computes."""
+    p.add_argument("--device", default="auto", metavar="DEVICE",
+                   help="auto (cuda > mps > cpu), cpu, cuda, cuda:N or mps (default: auto)")
+
+
+#: The most prompt text read from --prompt-file (a prompt uses at most its last C - 1
+#: tokens; this only stops /dev/zero or a huge file from filling memory).
+PROMPT_MAX_BYTES = 16 * 1024 * 1024
 
 
 def _read_prompt(args: argparse.Namespace) -> str:
@@ -701,22 +862,32 @@ def _read_prompt(args: argparse.Namespace) -> str:
 
     if args.prompt_file is None:
         return args.prompt or ""
-    if args.prompt_file == "-":
-        if sys.stdin is None or sys.stdin.isatty():
-            raise DataError("--prompt-file - reads the prompt from stdin, but stdin is a "
-                            "terminal; pipe text in or use --prompt")
-        try:
-            return sys.stdin.read()
-        except UnicodeDecodeError as exc:
-            raise DataError(f"stdin is not UTF-8 text ({exc}); convert it to UTF-8") from exc
+    name = "stdin" if args.prompt_file == "-" else f"prompt file {args.prompt_file}"
     try:
-        return Path(args.prompt_file).read_text(encoding="utf-8")
+        if args.prompt_file == "-":
+            if sys.stdin is None or sys.stdin.isatty():
+                raise DataError("--prompt-file - reads the prompt from stdin, but stdin is a "
+                                "terminal; pipe text in or use --prompt")
+            raw = getattr(sys.stdin, "buffer", None)  # text-only streams (tests) have none
+            data = raw.read(PROMPT_MAX_BYTES + 1) if raw is not None else \
+                sys.stdin.read(PROMPT_MAX_BYTES + 1).encode("utf-8", "surrogateescape")
+        else:
+            with open(Path(args.prompt_file), "rb") as f:
+                data = f.read(PROMPT_MAX_BYTES + 1)
     except FileNotFoundError as exc:
-        raise DataError(f"prompt file {args.prompt_file} does not exist; pass a UTF-8 text "
-                        f"file to --prompt-file") from exc
-    except (OSError, UnicodeDecodeError) as exc:
-        raise DataError(f"cannot read {args.prompt_file} as UTF-8 text ({exc}); convert it "
-                        f"to UTF-8") from exc
+        raise DataError(f"{name} does not exist; pass a UTF-8 text file to --prompt-file") \
+            from exc
+    except OSError as exc:
+        raise DataError(f"cannot read {name} ({exc.strerror or exc}); pass a UTF-8 text file "
+                        f"to --prompt-file") from exc
+    if len(data) > PROMPT_MAX_BYTES:
+        raise DataError(f"{name} is larger than {PROMPT_MAX_BYTES // 2**20} MB; a prompt uses "
+                        f"only its last context-length tokens, so pass the end of the text")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{name} is not UTF-8 text ({exc.reason} at byte {exc.start}); "
+                        f"convert it to UTF-8") from exc
 
 
 def _cmd_sample(args: argparse.Namespace) -> int:
@@ -725,19 +896,21 @@ def _cmd_sample(args: argparse.Namespace) -> int:
     from tinylm.checkpoint import load_checkpoint
     from tinylm.config import resolve_device
     from tinylm.errors import CheckpointError, ConfigError
-    from tinylm.sampling import SamplingConfig, generate_text
+    from tinylm.sampling import SamplingConfig, check_generation, generate_text
 
     SamplingConfig(args.temperature, args.top_k, args.top_p)  # check flags before loading
-    if args.max_new_tokens < 1:
-        raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.num_samples < 1:
-        raise ConfigError(f"--num-samples must be >= 1, got {args.num_samples}")
+    device = resolve_device(args.device)
+    check_generation(args.max_new_tokens, args.num_samples, args.seed, device=device)
     escapes = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
     stop = [re.sub(r"\\([ntr\\])", lambda m: escapes[m.group(1)], s) for s in args.stop]
     if any(not s for s in stop):
         raise ConfigError("--stop needs a non-empty string")
     prompt = _read_prompt(args)
-    model, tokenizer = load_checkpoint(args.model, resolve_device(args.device))
+    model, tokenizer = load_checkpoint(args.model, device,
+                                       allow_nonfinite=args.allow_nonfinite)
+    check_generation(args.max_new_tokens, args.num_samples, args.seed,
+                     prompt_tokens=len(prompt.encode("utf-8")) + 1, device=device,
+                     model_config=model.config)
     if tokenizer is None:
         raise CheckpointError(f"{args.model} has no tokenizer.json; sample needs the model's "
                               f"tokenizer to turn text into ids")
@@ -766,6 +939,58 @@ def _cmd_sample(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return n
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server (continuous batching) and a web page",
+        description="Serve a checkpoint over HTTP: POST /v1/completions, /v1/chat/completions "
+                    "(models with a chat template), /v1/explain; GET /v1/models, /health, "
+                    "/metrics; the playground and explorer page at /. Concurrent requests "
+                    "decode together in one batched step. Needs the [serve] extra.")
+    p.add_argument("--model", required=True, metavar="DIR", help="checkpoint folder")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default: 127.0.0.1; any other needs an API key)")
+    p.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' (default: $TINYLM_API_KEY; "
+                        "none on 127.0.0.1)")
+    p.add_argument("--max-batch", type=_positive, default=16, metavar="N",
+                   help="requests decoded together in one step (default: 16)")
+    p.add_argument("--max-queue", type=_positive, default=64, metavar="N",
+                   help="requests waiting beyond the batch; more get 429 (default: 64)")
+    p.add_argument("--max-tokens", type=_positive, default=256, metavar="N",
+                   help="the largest max_tokens a request may ask for (default: 256)")
+    p.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="per-request time limit; generation ends there (default: 60)")
+    p.add_argument("--threads", type=_positive, default=None, metavar="N",
+                   help="torch threads of the decoding loop (default: torch's own choice)")
+    p.add_argument("--model-name", default=None, metavar="NAME",
+                   help="the model id clients send (default: the folder's name)")
+    p.set_defaults(func=_cmd_serve)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from tinylm.errors import ConfigError
+    from tinylm.serve import serve
+
+    if not args.timeout > 0:
+        raise ConfigError(f"--timeout must be > 0 seconds, got {args.timeout}")
+    kwargs = {} if args.model_name is None else {"model_name": args.model_name}
+    serve(args.model, host=args.host, port=args.port, api_key=args.api_key,
+          max_batch=args.max_batch, max_queue=args.max_queue, max_tokens=args.max_tokens,
+          timeout=args.timeout, threads=args.threads, **kwargs)
+    return 0
+
+
 COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_prepare,
     _add_train,
@@ -776,6 +1001,7 @@ COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_compress,
     _add_quantize,
     _add_convert,
+    _add_serve,
     _add_info,
 ]
 
@@ -784,32 +1010,72 @@ COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="tinylm",
         description="GPT-style language models from the attention equations up.",
         epilog="Run 'tinylm COMMAND --help' for the flags of one command.",
     )
     parser.add_argument("--version", action="version", version=f"tinylm {__version__}")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log debug details")
-    parser.add_argument("-q", "--quiet", action="store_true", help="log warnings only")
+    _verbosity_flags(parser, argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for add in COMMANDS:
         add(sub)
+    for command in sub.choices.values():  # -v/-q also after the command
+        _verbosity_flags(command, argparse.SUPPRESS)
+    parser.commands = dict(sub.choices)
     return parser
 
 
+def _verbosity_flags(parser: argparse.ArgumentParser, default: object) -> None:
+    parser.add_argument("-v", "--verbose", action="store_true", default=default,
+                        help="log tinylm's debug details")
+    parser.add_argument("-q", "--quiet", action="store_true", default=default,
+                        help="log warnings and errors only")
+
+
+#: Libraries whose debug/info lines are noise on tinylm's stderr, even with -v.
+_QUIET_LOGGERS = ("matplotlib", "PIL", "filelock", "urllib3", "httpx", "httpcore",
+                  "asyncio", "fsspec", "torch", "h5py")
+
+
+def _configure_logging(verbose: bool, quiet: bool) -> None:
+    """tinylm's own lines at INFO (DEBUG with -v, WARNING with -q); others at WARNING."""
+    level = logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO
+    logging.basicConfig(level=logging.WARNING if quiet else logging.INFO,
+                        format="%(message)s", stream=sys.stderr)
+    for name, want in (("tinylm", level), *((n, logging.WARNING) for n in _QUIET_LOGGERS)):
+        logger = logging.getLogger(name)
+        if logger.level != want:  # setLevel clears every logger's cache
+            logger.setLevel(want)
+
+
+@functools.lru_cache(maxsize=1)
+def _cached_parser() -> argparse.ArgumentParser:
+    """One parser per process (parsing leaves it unchanged; building costs ~30 ms)."""
+    return build_parser()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    parser = _cached_parser()
+    try:
+        args, extra = parser.parse_known_args(argv)
+        if extra:  # named by the command's parser, so the hint points at its --help
+            parser.commands.get(args.command, parser).error(
+                f"unrecognized arguments: {' '.join(extra)}")
+    except SystemExit as exc:  # --help, --version, or a bad flag (one line, status 2)
+        return exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 2
     if args.command is None:
         parser.print_help()
         return 2
-    level = logging.DEBUG if args.verbose else logging.WARNING if args.quiet else logging.INFO
-    logging.basicConfig(level=level, format="%(message)s", stream=sys.stderr)
+    _configure_logging(getattr(args, "verbose", False), getattr(args, "quiet", False))
+    for stream in (sys.stdout, sys.stderr):  # a path with undecodable bytes must print
+        if hasattr(stream, "reconfigure") and getattr(stream, "errors", "") == "strict":
+            stream.reconfigure(errors="backslashreplace")
     try:
         return int(args.func(args) or 0)
     except TinyLMError as exc:
-        print(f"tinylm {args.command}: error: {exc}", file=sys.stderr)
+        message = " ".join(str(exc).split())  # one line, whatever a message quoted
+        print(f"tinylm {args.command}: error: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"tinylm {args.command}: interrupted", file=sys.stderr)

@@ -119,20 +119,27 @@ class GPT(nn.Module):
 
     # -- forward -------------------------------------------------------------------------
 
-    def _embed(self, ids: Tensor, start: int) -> Tensor:
+    def _embed(self, ids: Tensor, start: int, pos: Tensor | None = None) -> Tensor:
+        """Token plus positional embeddings of ids (B, C) at positions [start, start + C),
+        or at ``pos`` — (C,), or (B, C) where rows have their own positions (a
+        :class:`~tinylm.attention.RaggedKVCache`)."""
         B, C = ids.shape
         if start + C > self.config.context_length:
             raise ConfigError(
                 f"sequence of {start + C} tokens is longer than the model's context_length "
                 f"{self.config.context_length}; shorten the input or slide a window"
             )
-        pos = torch.arange(start, start + C, device=ids.device)  # (C,)
-        return _dropout(self.drop, self.tok_emb(ids) + self.pos_emb(pos))  # (B, C, E) + (C, E)
+        if pos is None:
+            pos = torch.arange(start, start + C, device=ids.device)  # (C,)
+        # (B, C, E) + (C, E) or (B, C, E)
+        return _dropout(self.drop, self.tok_emb(ids) + self.pos_emb(pos))
 
     def hidden_states(self, ids: Tensor, cache: KVCache | None = None) -> Tensor:
-        """ids (B, C) -> final-normed hidden states (B, C, E)."""
+        """ids (B, C) -> final-normed hidden states (B, C, E). With a cache, the tokens'
+        positions are the cache's next ones (``cache.positions``)."""
         start = cache.length if cache is not None else 0
-        x = self._embed(ids, start)
+        pos = cache.positions(ids.shape[1], ids.device) if cache is not None else None
+        x = self._embed(ids, start, pos)
         for i, block in enumerate(self.blocks):
             x = block(x, cache, i)
         if cache is not None:

@@ -336,29 +336,23 @@ def format_report(report: QuantizeReport) -> str:
     return "\n".join(lines)
 
 
-def _check_out(out: str | os.PathLike) -> Path:
-    dest = Path(out)
-    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
-        raise ConfigError(f"{dest} already exists and is not an empty folder; choose a new "
-                          f"--out (nothing was written)")
-    return dest
-
-
 def quantize_checkpoint(model_dir: str | os.PathLike, out: str | os.PathLike, *,
                         bits: int = 8, group_size: int | None = None,
                         layers: Sequence[str] | None = None, include_head: bool = False,
                         data_dir: str | os.PathLike | None = None,
-                        eval_windows: int | None = None) -> tuple[QuantizeReport, Path]:
+                        eval_windows: int | None = None, force: bool = False
+                        ) -> tuple[QuantizeReport, Path]:
     """Load ``model_dir``, quantize it, measure val loss before/after on ``data_dir``
-    (a ``tinylm prepare`` folder, optional) and save it to ``out`` (a new or empty
-    folder). Returns (report, the checkpoint folder written)."""
-    from tinylm.checkpoint import load_checkpoint, save_checkpoint
+    (a ``tinylm prepare`` folder, optional) and save it to ``out``, checked first by
+    :func:`tinylm.checkpoint.check_target` (a new or empty folder; an existing
+    checkpoint only with ``force``). Returns (report, the checkpoint folder written)."""
+    from tinylm.checkpoint import check_target, load_checkpoint, save_checkpoint
     from tinylm.evaluation import evaluate
 
     _check_scheme(bits, group_size)
     if eval_windows is not None and eval_windows < 1:
         raise ConfigError(f"--eval-windows must be >= 1, got {eval_windows}")
-    dest = _check_out(out)
+    dest = check_target(out, force=force)
     model, tokenizer = load_checkpoint(model_dir)
     val = None
     if data_dir is not None:
