@@ -241,3 +241,20 @@ def test_bad_flags_give_one_line_errors(setup, tmp_path, capsys, flags, message)
     assert message in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists()
     assert (existing / "keep.txt").read_text() == "mine"
+
+
+def test_serve_answers_from_the_quantized_checkpoint(setup) -> None:
+    pytest.importorskip("fastapi")
+    httpx = pytest.importorskip("httpx")
+    from serve_support import live_server
+    from tinylm.sampling import generate_text
+    from tinylm.serve import make_server
+
+    make_server(setup / "q")  # the serve command's checks accept the folder
+    model, tok = load_checkpoint(setup / "q")
+    want = "".join(p for _, p in generate_text(model, tok, "the", 5, temperature=0))
+    with live_server(model, tok, model_name="q") as (url, _):
+        r = httpx.post(url + "/v1/completions", json={
+            "model": "q", "prompt": "the", "max_tokens": 5, "temperature": 0}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == want
