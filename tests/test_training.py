@@ -648,7 +648,8 @@ def test_token_ids_outside_the_vocabulary_are_refused(data_dir, tmp_path) -> Non
     bad = tmp_path / "bad"
     shutil.copytree(data_dir, bad)
     data = load_prepared(bad)
-    ids = np.memmap(bad / "train.bin", dtype=data.dtype, mode="r+")
+    shard = sorted(bad.glob("train*.bin"))[0]  # train.bin, or the first train-NNNNN.bin
+    ids = np.memmap(shard, dtype=data.dtype, mode="r+")
     ids[100] = data.vocab_size + 5
     ids.flush()
     del ids
