@@ -20,6 +20,7 @@ import torch
 
 from tinylm.config import ModelConfig, check_model_fits
 from tinylm.errors import CheckpointError, ConfigError
+from tinylm.lora import LoRALinear, merge_lora
 from tinylm.model import GPT
 from tinylm.quantize import dequantized
 from tinylm.quantize import structure_of as structure_of_quantized
@@ -227,6 +228,8 @@ def to_hf(model: GPT):
                           "model before 'tinylm compress'")
     if structure_of_quantized(model):  # int8 layers: GPT-2 gets their dequantized weights
         model = dequantized(copy.deepcopy(model))
+    if any(isinstance(m, LoRALinear) for m in model.modules()):
+        model = merge_lora(copy.deepcopy(model))  # LoRA adapters: export the merged weights
     hf_config = transformers.GPT2Config(
         vocab_size=c.vocab_size, n_positions=c.context_length, n_embd=c.n_embd,
         n_layer=c.n_layer, n_head=c.n_head, layer_norm_epsilon=c.layer_norm_eps,
@@ -365,5 +368,7 @@ def _write_hf_tokenizer(tokenizer: Any, folder: Path, context_length: int) -> No
     # that lacks it, changing both the size and the encoding of that text.
     eos = tokenizer.id_to_token(tokenizer.eos_id) if tokenizer.eos_id is not None else None
     config.update(bos_token=eos, eos_token=eos, unk_token=eos)
+    if tokenizer.chat_template is not None:  # the same ids as tinylm.chat.render_chat
+        config["chat_template"] = tokenizer.chat_template
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n",
                                                   encoding="utf-8")
