@@ -29,6 +29,7 @@ from tinylm.decoding import Decoder
 from tinylm.lowrank import compress
 from tinylm.model import lm_loss
 from tinylm.native import functions
+from tinylm.quantize import quantize
 
 NATIVE = os.environ.get("TINYLM_NATIVE") != "0"
 LOSS_TOL = dict(rtol=1e-5, atol=1e-6)
@@ -163,6 +164,36 @@ def test_64_greedy_tokens_of_every_decoding_plan_equal_full_forwards(kw: dict) -
         assert torch.equal(plan_tokens(decoder, prompt, 64), want), decoder.path
     assert paths == (["torch", "cache", "fused"] if NATIVE else ["torch"])
     assert torch.equal(generate(model, prompt, 64, temperature=0), want)  # generate's plan
+
+
+def test_64_greedy_tokens_of_a_quantized_model_equal_full_forwards() -> None:
+    """The int8 kernel of the fused step (csrc/quant.c) against the reference
+    QuantizedLinear (dequantize, then F.linear): the same 64 greedy tokens, and every
+    step's logits within 1e-4 of the reference decoder's (float32 summation order)."""
+    cfg = dict(vocab_size=61, context_length=80, n_layer=1, n_head=3, n_embd=45,
+               tie_embeddings=False)  # 45, 135, 180, 61: no multiple of a vector width
+    torch.manual_seed(2)
+    model = GPT(ModelConfig(**cfg)).eval()
+    quantize(model, 8, 7, layers=["attn.qkv", "ffn.up", "ffn.down"], include_head=True)
+    quantize(model, 8, None, layers=["attn.out"])  # per channel and per group of 7
+    prompt = torch.randint(0, 61, (2, 8))
+    want = reference_greedy(model, prompt, 64)
+    paths = []
+    for decoder in decoders(model):
+        paths.append(decoder.path)
+        assert torch.equal(plan_tokens(decoder, prompt, 64), want), decoder.path
+    assert paths == (["torch", "cache", "fused"] if NATIVE else ["torch"])
+    assert torch.equal(generate(model, prompt, 64, temperature=0), want)
+    if NATIVE:
+        plan = native.plan(model, "cpu")
+        assert plan.paths == {"decode"}  # training paths step aside for QuantizedLinear
+        assert any("QuantizedLinear" in r for r in plan.eligibility.reasons)
+        ref, fused = Decoder(model, 2), plan.decoder(2)
+        with torch.inference_mode():
+            a, b = ref.prefill(want[:, :8]), fused.prefill(want[:, :8])
+            for t in range(8, 72):
+                torch.testing.assert_close(b, a, rtol=0, atol=1e-4)
+                a, b = ref.step(want[:, t]), fused.step(want[:, t])
 
 
 # --- replaced parts are honoured or step aside ---------------------------------------------

@@ -37,6 +37,8 @@ from tinylm.jsonio import read_json
 from tinylm.lora import apply_lora_structure, is_adapter_key, lora_structure
 from tinylm.lowrank import apply_structure, structure_of
 from tinylm.model import GPT
+from tinylm.quantize import apply_structure as apply_quantized
+from tinylm.quantize import structure_of as quantized_layers
 
 log = logging.getLogger(__name__)
 
@@ -168,6 +170,8 @@ def save_checkpoint(
     config.update(extra_config or {})
     if structure_of(base):
         config["lowrank"] = structure_of(base)
+    if quantized_layers(base):
+        config["quantize"] = quantized_layers(base)
     if lora_structure(base):
         config["lora"] = lora_structure(base)
     state = model_state(base)
@@ -476,6 +480,9 @@ def build_model(config: dict[str, Any]) -> GPT:
     lowrank = config.get("lowrank")
     if lowrank:
         apply_structure(model, lowrank)
+    quantized = config.get("quantize")
+    if quantized:
+        apply_quantized(model, quantized)
     if config.get("lora"):
         apply_lora_structure(model, config["lora"])
     return model

@@ -557,6 +557,63 @@ def _cmd_compress(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_quantize(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "quantize",
+        help="int8 weights (weight-only, symmetric) for CPU inference, with a report",
+        description="Store the chosen Linear layers' weights as int8 integers times float32 "
+        "scales, one scale per output channel (default) or per --group-size G input "
+        "features; activations stay float32. Writes a checkpoint that every command loads "
+        "without flags ('convert --to-hf' exports it dequantized) and prints per layer the "
+        "max and mean relative error and the bytes before and after; with --data also the "
+        "validation loss before and after.",
+    )
+    p.add_argument("--model", required=True, metavar="DIR",
+                   help="checkpoint (or training run) folder to quantize")
+    p.add_argument("--out", required=True, metavar="DIR",
+                   help="folder for the quantized checkpoint (new or empty; an existing "
+                   "checkpoint only with --force)")
+    p.add_argument("--force", action="store_true",
+                   help="replace an existing checkpoint at --out (never a run folder or a "
+                   "folder with other files)")
+    p.add_argument("--bits", type=int, default=8, metavar="B",
+                   help="bits per weight, 2-8, stored in int8 (default: 8)")
+    p.add_argument("--group-size", type=int, default=None, metavar="G",
+                   help="one scale per G consecutive input features (default: one per "
+                   "output channel)")
+    p.add_argument("--layers", default=None, metavar="NAMES",
+                   help="comma-separated layer names or suffixes, e.g. attn.qkv,ffn.up "
+                   "(default: every Linear layer of the blocks)")
+    p.add_argument("--include-head", action="store_true",
+                   help="quantize the LM head too (an untied one; a tied head is the "
+                   "token embedding and stays float32)")
+    p.add_argument("--data", metavar="DIR",
+                   help="prepared data folder ('tinylm prepare --out'): report validation "
+                   "loss and perplexity before and after")
+    p.add_argument("--eval-windows", type=int, metavar="N",
+                   help="evaluate on at most N windows of the validation split (default: all)")
+    p.set_defaults(func=_cmd_quantize)
+
+
+def _cmd_quantize(args: argparse.Namespace) -> int:
+    from tinylm.errors import ConfigError
+    from tinylm.quantize import format_report, quantize_checkpoint
+
+    layers = None
+    if args.layers is not None:
+        layers = [name.strip() for name in args.layers.split(",") if name.strip()]
+        if not layers:
+            raise ConfigError(f"--layers names no layer ({args.layers!r}); e.g. --layers "
+                              f"attn.qkv,ffn.up")
+    report, dest = quantize_checkpoint(
+        args.model, args.out, bits=args.bits, group_size=args.group_size, layers=layers,
+        include_head=args.include_head, data_dir=args.data, eval_windows=args.eval_windows,
+        force=args.force)
+    print(format_report(report))
+    print(f"wrote {dest}")
+    return 0
+
+
 _MODEL_FLAG_HELP = {
     "vocab_size": None,  # always the prepared data's tokenizer size
     "context_length": "C, tokens per training window and the model's longest input",
@@ -1105,6 +1162,7 @@ COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_eval,
     _add_explain,
     _add_compress,
+    _add_quantize,
     _add_convert,
     _add_serve,
     _add_info,

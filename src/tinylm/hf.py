@@ -22,6 +22,8 @@ from tinylm.config import ModelConfig, check_model_fits
 from tinylm.errors import CheckpointError, ConfigError
 from tinylm.lora import LoRALinear, merge_lora
 from tinylm.model import GPT
+from tinylm.quantize import dequantized
+from tinylm.quantize import structure_of as structure_of_quantized
 
 # (GPT-2 name, tinylm name, transpose). "{i}" is the block index.
 NAME_MAP: list[tuple[str, str, bool]] = [
@@ -224,6 +226,8 @@ def to_hf(model: GPT):
     if any(type(m).__name__ == "LowRankLinear" for m in model.modules()):
         raise ConfigError("a compressed (low-rank) model has no GPT-2 equivalent; export the "
                           "model before 'tinylm compress'")
+    if structure_of_quantized(model):  # int8 layers: GPT-2 gets their dequantized weights
+        model = dequantized(copy.deepcopy(model))
     if any(isinstance(m, LoRALinear) for m in model.modules()):
         model = merge_lora(copy.deepcopy(model))  # LoRA adapters: export the merged weights
     hf_config = transformers.GPT2Config(

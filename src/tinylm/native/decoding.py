@@ -7,7 +7,8 @@ with the residual add fused in, LayerNorm, the FFN up-projection with GELU fused
 the down-projection with its residual add. It computes exactly the math of
 ``GPT.forward`` (tests/test_equivalence.py holds it to repeated full forwards). Weights
 are read once per step from packed copies (kept across calls while the weights are
-unchanged); the model itself is never modified.
+unchanged); the model itself is never modified. A :class:`tinylm.quantize.QuantizedLinear`
+is read as it is stored, int8 integers and float32 scales (``Library.linear_q8``).
 
 :class:`NativeCacheDecoder` (path ``"cache"``) is for a model the fused step does not
 know (e.g. one with tinylm.lowrank's layers): the model's own forward, with a
@@ -28,6 +29,7 @@ from torch import Tensor, nn
 from tinylm.attention import KVCache
 from tinylm.decoding import Decoder
 from tinylm.native.ops import Library, check
+from tinylm.quantize import QuantizedLinear
 
 
 class NativeKVCache(KVCache):
@@ -148,16 +150,33 @@ class _FusedStep:
     def _norm(self, ln: nn.LayerNorm) -> tuple[int | None, int | None]:
         return self._ptr(ln.weight), self._ptr(ln.bias)
 
-    def _linear(self, lin: nn.Linear) -> tuple[int, int | None, int, int]:
-        packed = packed_weight(self.checked, lin.weight)
-        self.keep.append(packed)
-        return packed.data_ptr(), self._ptr(lin.bias), lin.in_features, lin.out_features
+    def _linear(self, lin: nn.Module) -> tuple:
+        """(weight pointers, bias, I, O): a packed fp32 weight, or for a QuantizedLinear
+        its int8 integers, scales and group size (the int8 kernel of csrc/quant.c)."""
+        if isinstance(lin, QuantizedLinear):
+            q = lin.qweight.detach().contiguous()
+            check("qweight", q, (lin.out_features, lin.in_features), dtype=torch.int8)
+            G = lin.in_features if lin.group_size is None else min(lin.group_size,
+                                                                   lin.in_features)
+            check("scale", lin.scale, (lin.out_features, -(-lin.in_features // G)))
+            self.keep.append(q)
+            weights = (q.data_ptr(), self._ptr(lin.scale), G)
+        else:
+            packed = packed_weight(self.checked, lin.weight)
+            self.keep.append(packed)
+            weights = (packed.data_ptr(),)
+        return weights, self._ptr(lin.bias), lin.in_features, lin.out_features
 
     def _mm(self, x: Tensor, lin: tuple, y: Tensor, act: int = 0,
             res: Tensor | None = None) -> None:
-        packed, bias, I, O = lin
-        self.lib.tl_linear(x.data_ptr(), I, packed, bias, y.data_ptr(), self.B, I, O,
-                           self.threads, act, res.data_ptr() if res is not None else None)
+        weights, bias, I, O = lin
+        r = res.data_ptr() if res is not None else None
+        if len(weights) == 3:  # int8: y = act(x·(q·s)ᵀ + b) (+ res)
+            self.lib.tl_linear_q8(x.data_ptr(), I, *weights, bias, y.data_ptr(), self.B, I, O,
+                                  self.threads, act, r)
+        else:
+            self.lib.tl_linear(x.data_ptr(), I, weights[0], bias, y.data_ptr(), self.B, I, O,
+                               self.threads, act, r)
 
     def _ln(self, x: Tensor, norm: tuple, y: Tensor) -> None:
         mean, rstd = self.stats  # a few rows: one thread, no parallel region to start

@@ -135,6 +135,25 @@ class Library:
                            out_features, _threads(), 0, None)
         return y
 
+    def linear_q8(self, x: Tensor, qweight: Tensor, scale: Tensor, group_size: int,
+                  bias: Tensor | None, act: int = 0, res: Tensor | None = None) -> Tensor:
+        """x (M, I) -> act(x·(q·s)ᵀ + b) (+ res), (M, O), from int8 q (O, I) and float32
+        scales s (O, ceil(I / G)), each over G = ``group_size`` input features."""
+        M, I = x.shape if x.dim() == 2 else (0, 0)
+        check("x", x, (-1, -1))
+        check("qweight", qweight, (-1, I), dtype=torch.int8)
+        O = qweight.shape[0]
+        if not 1 <= group_size <= max(I, 1):
+            raise OpError(f"group size must be in [1, {max(I, 1)}], got {group_size}")
+        check("scale", scale, (O, -(-I // group_size)))
+        b = _opt("bias", bias, (O,))
+        r = _opt("res", res, (M, O))
+        y = torch.empty(M, O)
+        self.raw.tl_linear_q8(x.data_ptr(), I, qweight.data_ptr(), scale.data_ptr(),
+                              group_size, b, y.data_ptr(), M, I, O, _threads(),
+                              int(bool(act)), r)
+        return y
+
     def argmax(self, x: Tensor) -> Tensor:
         """x (B, V), unit stride along V -> the first index of each row's maximum (B,)."""
         if x.dim() != 2 or x.shape[1] == 0 or x.stride(1) != 1:

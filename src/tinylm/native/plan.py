@@ -14,7 +14,9 @@ modules' declared types and the config, never hooks or private registries:
   attention and FFN are both eligible as above;
 - **decode** (the fused decoding step of :mod:`tinylm.native.decoding`): a
   :class:`~tinylm.model.GPT` whose every block is eligible for **block** (any head size)
-  with plain embeddings, final norm and LM head.
+  with plain embeddings, final norm and LM head -- except that here each Linear layer
+  (the LM head too) may also be a :class:`tinylm.quantize.QuantizedLinear`, which the
+  step runs with the int8 kernel of ``csrc/quant.c``.
 
 A replaced part (tinylm.lowrank's LowRankLinear, a LoRA or quantized Linear, another
 activation or norm) makes the paths that contain it step aside, as does any config
@@ -48,6 +50,7 @@ from tinylm.decoding import Decoder
 from tinylm.model import GPT, Block, FeedForward
 from tinylm.native import decoding, ops
 from tinylm.native.functions import BlockFn, CausalAttentionFn, FeedForwardFn
+from tinylm.quantize import QuantizedLinear
 
 log = logging.getLogger("tinylm.native")
 
@@ -85,24 +88,40 @@ def declared(module: nn.Module) -> type:
     return getattr(type(module), "reference_class", type(module))
 
 
-def _ffn_reason(ffn: nn.Module) -> str | None:
+# The Linear layers each kind of path computes: training paths only nn.Linear; the fused
+# decoding step also tinylm.quantize's QuantizedLinear (csrc/quant.c).
+TRAIN_LINEAR = (nn.Linear,)
+DECODE_LINEAR = (nn.Linear, QuantizedLinear)
+
+
+def _linear_reason(name: str, layer: nn.Module, linear: tuple[type, ...]) -> str | None:
+    if type(layer) not in linear:
+        return f"{name} is a {type(layer).__name__}, not " + \
+            " or ".join(t.__name__ for t in linear)
+    return None
+
+
+def _ffn_reason(ffn: nn.Module, linear: tuple[type, ...] = TRAIN_LINEAR) -> str | None:
     if declared(ffn) is not FeedForward:
         return f"the FFN is a {type(ffn).__name__}"
     for name in ("up", "down"):
-        if type(getattr(ffn, name)) is not nn.Linear:
-            return f"ffn.{name} is a {type(getattr(ffn, name)).__name__}, not nn.Linear"
+        reason = _linear_reason(f"ffn.{name}", getattr(ffn, name), linear)
+        if reason:
+            return reason
     act = ffn.act
     if type(act) is not nn.GELU or act.approximate != "tanh":
         return f"ffn.act is {act!r}, not nn.GELU(approximate='tanh')"
     return None
 
 
-def _attention_reason(attn: nn.Module) -> str | None:
+def _attention_reason(attn: nn.Module, linear: tuple[type, ...] = TRAIN_LINEAR
+                      ) -> str | None:
     if declared(attn) is not MultiHeadAttention:
         return f"the attention is a {type(attn).__name__}"
     for name in ("qkv", "out"):
-        if type(getattr(attn, name)) is not nn.Linear:
-            return f"attn.{name} is a {type(getattr(attn, name)).__name__}, not nn.Linear"
+        reason = _linear_reason(f"attn.{name}", getattr(attn, name), linear)
+        if reason:
+            return reason
     return None
 
 
@@ -112,11 +131,11 @@ def _norm_reason(name: str, norm: nn.Module) -> str | None:
     return None
 
 
-def _block_reason(block: nn.Module) -> str | None:
+def _block_reason(block: nn.Module, linear: tuple[type, ...] = TRAIN_LINEAR) -> str | None:
     if declared(block) is not Block:
         return f"the block is a {type(block).__name__}"
     return (_norm_reason("ln1", block.ln1) or _norm_reason("ln2", block.ln2)
-            or _attention_reason(block.attn) or _ffn_reason(block.ffn))
+            or _attention_reason(block.attn, linear) or _ffn_reason(block.ffn, linear))
 
 
 def _config_reason(config: ModelConfig) -> str | None:
@@ -137,9 +156,8 @@ def _model_reason(model: nn.Module) -> str | None:
     for name in ("tok_emb", "pos_emb"):
         if type(getattr(model, name)) is not nn.Embedding:
             return f"{name} is not an nn.Embedding"
-    if type(model.lm_head) is not nn.Linear:
-        return f"lm_head is a {type(model.lm_head).__name__}, not nn.Linear"
-    return _norm_reason("final_norm", model.final_norm)
+    return _linear_reason("lm_head", model.lm_head, DECODE_LINEAR) or \
+        _norm_reason("final_norm", model.final_norm)
 
 
 def eligibility(model: nn.Module, device: torch.device | str | None = None,
@@ -183,7 +201,7 @@ def eligibility(model: nn.Module, device: torch.device | str | None = None,
     if model_reason:
         reasons.append(model_reason + "; the fused decoding step steps aside")
     decode = (native and config_reason is None and model_reason is None
-              and all(_block_reason(b) is None for b in model.blocks))
+              and all(_block_reason(b, DECODE_LINEAR) is None for b in model.blocks))
     return Eligibility(str(device), native, tuple(blocks), decode, tuple(reasons))
 
 

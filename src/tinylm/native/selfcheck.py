@@ -32,6 +32,23 @@ def _linear_and_argmax(lib: Any, g: torch.Generator) -> None:
         _expect(torch.equal(lib.argmax(x), x.argmax(-1)), f"argmax (V={V})")
 
 
+def _linear_q8(lib: Any, g: torch.Generator) -> None:
+    for O, I, G in ((37, 19, 19), (21, 33, 8), (3, 1, 1)):
+        q = torch.randint(-127, 128, (O, I), generator=g, dtype=torch.int8)
+        s = torch.rand(O, -(-I // G), generator=g) / 100
+        b = torch.randn(O, generator=g)
+        W = q.float() * s.repeat_interleave(G, dim=1)[:, :I]  # the reference dequantization
+        for M in (1, 5, 16, 17):
+            x, res = torch.randn(M, I, generator=g), torch.randn(M, O, generator=g)
+            for bias, act, r in ((None, 0, None), (b, 1, None), (b, 0, res)):
+                want = F.linear(x, W, bias)
+                want = F.gelu(want, approximate="tanh") if act else want
+                want = want + r if r is not None else want
+                got = lib.linear_q8(x, q, s, G, bias, act, r)
+                _expect(torch.allclose(got, want, rtol=1e-4, atol=1e-4),
+                        f"int8 linear (O={O} I={I} G={G} M={M})")
+
+
 def _decode_attention(lib: Any, g: torch.Generator) -> None:
     for B, H, D, T in ((2, 3, 16, 5), (1, 2, 20, 1)):
         q, k, v = torch.randn(B, 1, 3, H, D, generator=g).permute(2, 0, 3, 1, 4).unbind(0)
@@ -93,6 +110,6 @@ def run(lib: Any) -> None:
     """Check every op of ``lib`` (a :class:`tinylm.native.ops.Library`)."""
     g = torch.Generator().manual_seed(0)
     with torch.inference_mode(False), torch.no_grad():
-        for part in (_linear_and_argmax, _decode_attention, _gelu, _training_attention,
-                     _layer_norm):
+        for part in (_linear_and_argmax, _linear_q8, _decode_attention, _gelu,
+                     _training_attention, _layer_norm):
             part(lib, g)

@@ -121,6 +121,11 @@ TL_API void tl_linear(const float *x, long ldx, const float *packed, const float
                       float *y, long M, long I, long O, int threads, int act,
                       const float *res);
 
+/* quant.c: y = x·(q·s)ᵀ + b for a decoding step, q int8 (O, I), s (O, ceil(I/G)) fp32. */
+TL_API void tl_linear_q8(const float *x, long ldx, const signed char *q, const float *scale,
+                         long G, const float *b, float *y, long M, long I, long O,
+                         int threads, int act, const float *res);
+
 /* decode.c: the other pieces of a decoding step. */
 TL_API int tl_embed(const long *ids, const float *tok, const float *pos, long position,
                     float *x, long B, long E, long V);

@@ -1,0 +1,260 @@
+"""tinylm.quantize: the int8 scheme against closed-form bounds, the replaced layer, the
+checkpoint round trip, `tinylm quantize` end to end, and every command loading it."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tinylm import GPT, ModelConfig, acceleration, native
+from tinylm.checkpoint import load_checkpoint, save_checkpoint
+from tinylm.cli import main
+from tinylm.data import prepare
+from tinylm.errors import ConfigError
+from tinylm.quantize import (
+    QuantizedLinear,
+    dequantize_weight,
+    quantize,
+    quantize_weight,
+    structure_of,
+)
+from tinylm.sampling import generate
+
+TEXT = "the quick brown fox jumps over the lazy dog. attention is all you need!\n" * 40
+
+
+def tiny(**kw) -> GPT:
+    cfg = dict(vocab_size=40, context_length=16, n_layer=2, n_head=2, n_embd=32)
+    cfg.update(kw)
+    return GPT(ModelConfig(**cfg)).eval()
+
+
+# --- the scheme ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("shape, group", [((7, 13), None), ((5, 33), 8), ((16, 64), 16),
+                                          ((3, 10), 32), ((1, 1), None)])
+def test_error_is_at_most_half_a_step_per_channel_or_group(bits, shape, group) -> None:
+    W = torch.randn(*shape) * torch.rand(shape[0], 1) * 3  # rows of different magnitude
+    q, s = quantize_weight(W, bits, group)
+    O, I = shape
+    G = I if group is None else min(group, I)
+    assert q.dtype == torch.int8 and s.dtype == torch.float32
+    assert s.shape == (O, -(-I // G))
+    qmax = 2 ** (bits - 1) - 1
+    assert int(q.abs().max()) <= qmax
+    for g in range(s.shape[1]):  # the closed form, group by group
+        block = W[:, g * G:(g + 1) * G]
+        torch.testing.assert_close(s[:, g], block.abs().amax(1) / qmax)
+        err = (block - q[:, g * G:(g + 1) * G].float() * s[:, g:g + 1]).abs()
+        assert bool((err <= s[:, g:g + 1] / 2 * (1 + 1e-5)).all())
+    torch.testing.assert_close(dequantize_weight(q, s, group), (q.float().view(O, -1)
+                               * s.repeat_interleave(G, 1)[:, :I]), rtol=0, atol=0)
+    assert bool(((dequantize_weight(q, s, group) - W).abs() <= s.max() / 2 * 1.0001).all())
+    # The largest weight of every group is represented exactly (q = ±qmax).
+    assert bool((q.abs().view(O, -1).amax(1) == qmax).all())
+
+
+def test_zero_groups_and_exact_integers_are_exact() -> None:
+    W = torch.zeros(3, 8)
+    W[1] = torch.tensor([-127.0, 5, 0, 64, 127, -3, 1, 2])  # each group's max is 127: scale 1
+    q, s = quantize_weight(W, 8, 4)
+    torch.testing.assert_close(dequantize_weight(q, s, 4), W, rtol=0, atol=0)
+
+
+def test_quantized_linear_is_dequantize_then_linear() -> None:
+    lin = nn.Linear(19, 11)
+    ql = QuantizedLinear.from_linear(lin, 8, 5)  # 19 = 5 + 5 + 5 + 4
+    x = torch.randn(4, 3, 19)
+    W = dequantize_weight(ql.qweight, ql.scale, 5)
+    torch.testing.assert_close(ql(x), x @ W.t() + lin.bias, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ql(x), F.linear(x, lin.weight, lin.bias), rtol=0.05, atol=0.02)
+    assert ql.qweight.dtype == torch.int8 and not ql.qweight.requires_grad
+
+
+def test_quantize_report_and_bytes() -> None:
+    model = tiny()
+    report = quantize(model)
+    names = [r.name for r in report.layers]
+    assert names == [f"blocks.{i}.{n}" for i in range(2)
+                     for n in ("attn.qkv", "attn.out", "ffn.up", "ffn.down")]
+    assert set(structure_of(model)) == set(names)
+    for r in report.layers:
+        assert r.bytes_before == 4 * r.in_features * r.out_features
+        assert r.bytes_after == r.in_features * r.out_features + 4 * r.out_features
+        assert 0 < r.max_rel_error <= 1 / 254 * 1.0001 and 0 < r.mean_rel_error < 0.01
+    saved = sum(r.bytes_before - r.bytes_after for r in report.layers)
+    assert report.bytes_before - report.bytes_after == saved
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"bits": 9}, "bits must be an integer in"), ({"bits": 1}, "bits must be"),
+    ({"group_size": 0}, "group size must be"), ({"layers": ["mlp.c_fc"]}, "unknown layer"),
+    ({"include_head": True}, "tie_embeddings"),
+])
+def test_bad_arguments_raise_config_errors(kwargs, match) -> None:
+    with pytest.raises(ConfigError, match=match):
+        quantize(tiny(), **kwargs)
+
+
+# --- the checkpoint -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("group, head", [(None, False), (8, True)])
+def test_checkpoint_round_trip_gives_identical_logits(tmp_path, group, head) -> None:
+    model = tiny(tie_embeddings=not head)
+    quantize(model, 8, group, include_head=head)
+    save_checkpoint(tmp_path / "q", model)
+    cfg = json.loads((tmp_path / "q" / "config.json").read_text())
+    assert cfg["quantize"] == structure_of(model)
+    assert ("lm_head" in cfg["quantize"]) == head
+    from safetensors.torch import load_file
+
+    stored = load_file(str(tmp_path / "q" / "model.safetensors"))
+    assert stored["blocks.0.ffn.up.qweight"].dtype == torch.int8
+    assert stored["blocks.0.ffn.up.scale"].dtype == torch.float32
+    assert "blocks.0.ffn.up.weight" not in stored
+    again, _ = load_checkpoint(tmp_path / "q")
+    assert structure_of(again) == structure_of(model)
+    ids = torch.randint(0, 40, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(again(ids), model(ids), rtol=0, atol=0)
+
+
+def test_training_fast_paths_step_aside_and_greedy_decoding_matches_full_forwards() -> None:
+    model = tiny()
+    quantize(model, 8, 8)
+    plan = acceleration.plan(model, "cpu")
+    assert not {"block", "attention", "ffn"} & set(plan.paths)
+    prompt = torch.randint(0, 40, (1, 4))
+    with torch.no_grad():
+        out = generate(model, prompt, 12, temperature=0)
+        ids = prompt
+        for _ in range(12):  # the oracle: repeated full forwards of the reference model
+            nxt = model(ids)[:, -1].argmax(-1, keepdim=True)
+            ids = torch.cat([ids, nxt], 1)
+    assert torch.equal(out, ids)
+
+
+NATIVE_LIB = native.load() if os.environ.get("TINYLM_NATIVE") != "0" else None
+
+
+@pytest.mark.skipif(NATIVE_LIB is None, reason="TINYLM_NATIVE=0 or no C compiler: no kernel")
+@pytest.mark.parametrize("O, I, G", [(1, 1, None), (13, 7, None), (37, 19, 5), (65, 33, 8),
+                                     (17, 129, 32), (100, 45, 45)])
+def test_int8_kernel_equals_the_reference_layer_at_odd_shapes(O, I, G) -> None:
+    ql = QuantizedLinear.from_linear(nn.Linear(I, O), 8, G)
+    res = torch.randn(16, O)
+    for M in range(1, 17):
+        x = torch.randn(M, I)
+        with torch.no_grad():
+            want = ql(x)
+        G_ = I if G is None else min(G, I)
+        got = NATIVE_LIB.linear_q8(x, ql.qweight, ql.scale, G_, ql.bias)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        got = NATIVE_LIB.linear_q8(x, ql.qweight, ql.scale, G_, None, 1, res[:M])
+        want = F.gelu(F.linear(x, ql.weight), approximate="tanh") + res[:M]
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(NATIVE_LIB is None, reason="TINYLM_NATIVE=0 or no C compiler: no kernel")
+def test_int8_kernel_checks_its_arguments() -> None:
+    ql = QuantizedLinear.from_linear(nn.Linear(10, 4), 8, 4)
+    x = torch.randn(2, 10)
+    with pytest.raises(native.OpError, match="int8"):
+        NATIVE_LIB.linear_q8(x, ql.qweight.float(), ql.scale, 4, None)
+    with pytest.raises(native.OpError, match="shape"):
+        NATIVE_LIB.linear_q8(x, ql.qweight, ql.scale, 5, None)  # 2 groups, scale has 3
+    with pytest.raises(native.OpError, match="group size"):
+        NATIVE_LIB.linear_q8(x, ql.qweight, ql.scale, 0, None)
+
+
+# --- the command ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("quantize")
+    (root / "text.txt").write_text(TEXT, encoding="utf-8")
+    data = prepare(root / "data", [root / "text.txt"], context_length=16, progress=False)
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(vocab_size=data.vocab_size, context_length=16, n_layer=2,
+                            n_head=2, n_embd=32, tie_embeddings=False))
+    save_checkpoint(root / "model", model, data.tokenizer)
+    code = main(["quantize", "--model", str(root / "model"), "--out", str(root / "q"),
+                 "--data", str(root / "data"), "--group-size", "16", "--include-head"])
+    assert code == 0
+    return root
+
+
+def test_quantize_prints_the_report_and_every_command_loads_it(setup, capsys, tmp_path) -> None:
+    main(["quantize", "--model", str(setup / "model"), "--out", str(tmp_path / "q2"),
+          "--layers", "ffn.up,attn.qkv", "--data", str(setup / "data"), "--eval-windows", "2"])
+    printed = capsys.readouterr().out
+    assert "blocks.1.ffn.up" in printed and "blocks.0.ffn.down" not in printed
+    assert "val loss:" in printed and "perplexity" in printed and "MB ->" in printed
+    model, tok = load_checkpoint(setup / "q")
+    assert "lm_head" in structure_of(model) and tok is not None
+    q = str(setup / "q")
+    assert main(["sample", "--model", q, "--prompt", "the", "--max-new-tokens", "5",
+                 "--temperature", "0"]) == 0
+    assert main(["eval", "--model", q, "--data", str(setup / "data")]) == 0
+    assert main(["explain", "--model", q, "--prompt", "the fox", "--json"]) == 0
+    capsys.readouterr()
+
+
+def test_convert_to_hf_writes_the_dequantized_weights(setup, tmp_path) -> None:
+    transformers = pytest.importorskip("transformers")
+    hf_dir = tmp_path / "hf"
+    assert main(["convert", "--model", str(setup / "q"), "--to-hf", str(hf_dir),
+                 "--weights-only"]) == 0
+    hf = transformers.GPT2LMHeadModel.from_pretrained(str(hf_dir)).eval()
+    model, _ = load_checkpoint(setup / "q")
+    ids = torch.randint(0, model.config.vocab_size, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, model(ids), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--bits", "9"], "bits must be an integer in [2, 8]"),
+    (["--group-size", "0"], "group size must be"),
+    (["--layers", "mlp.c_fc"], "unknown layer name 'mlp.c_fc'"),
+    (["--layers", ","], "--layers names no layer"),
+    (["--eval-windows", "0"], "--eval-windows must be"),
+    (["--out", "EXISTING"], "is not empty and not a tinylm checkpoint"),
+])
+def test_bad_flags_give_one_line_errors(setup, tmp_path, capsys, flags, message) -> None:
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    (existing / "keep.txt").write_text("mine")
+    flags = [str(existing) if f == "EXISTING" else f for f in flags]
+    code = main(["quantize", "--model", str(setup / "model"), "--out",
+                 str(tmp_path / "out"), *flags])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert message in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()
+    assert (existing / "keep.txt").read_text() == "mine"
+
+
+def test_serve_answers_from_the_quantized_checkpoint(setup) -> None:
+    pytest.importorskip("fastapi")
+    httpx = pytest.importorskip("httpx")
+    from serve_support import live_server
+    from tinylm.sampling import generate_text
+    from tinylm.serve import make_server
+
+    make_server(setup / "q")  # the serve command's checks accept the folder
+    model, tok = load_checkpoint(setup / "q")
+    want = "".join(p for _, p in generate_text(model, tok, "the", 5, temperature=0))
+    with live_server(model, tok, model_name="q") as (url, _):
+        r = httpx.post(url + "/v1/completions", json={
+            "model": "q", "prompt": "the", "max_tokens": 5, "temperature": 0}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == want
