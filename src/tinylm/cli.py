@@ -302,7 +302,7 @@ _MODEL_FLAG_HELP = {
     "dropout": "dropout probability while training",
     "bias": "biases in Linear layers and LayerNorms",
     "tie_embeddings": "share the token embedding with the LM head",
-    "layer_norm_eps": "LayerNorm epsilon",
+    "norm_eps": "epsilon of every LayerNorm/RMSNorm",
 }
 
 

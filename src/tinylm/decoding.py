@@ -47,7 +47,7 @@ class NativeKVCache(KVCache):
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         self.check_room(1)  # the kernel writes position `length` unchecked
-        if q.dtype != torch.float32 or q.stride(-1) != 1:
+        if q.dtype != torch.float32 or q.stride(-1) != 1 or k.shape[1] != q.shape[1]:
             return super().attend(layer, q, k, v)
         return kernels.attend_one(q, k, v, self.k[layer], self.v[layer], self.length,
                                   self.scratch)
@@ -60,8 +60,10 @@ def _native(model: nn.Module) -> bool:
 
 
 def _standard(model: nn.Module) -> bool:
-    """Whether ``model`` is a plain GPT whose every piece the fused step knows."""
-    if type(model) is not GPT or type(model.lm_head) is not nn.Linear:
+    """Whether ``model`` is a plain GPT whose every piece the fused step knows (GPT-2's
+    layout: LayerNorm, learned positions, GELU, one key/value head per query head)."""
+    if type(model) is not GPT or not model.config.gpt2_layout \
+            or type(model.lm_head) is not nn.Linear:
         return False
     for block in model.blocks:
         if not (type(block) is Block and type(block.attn) is MultiHeadAttention
@@ -135,7 +137,7 @@ class _FusedStep:
         self.cache = cache
         B = cache.k.shape[1]
         self.B, self.E, self.H, self.D = B, cfg.n_embd, cfg.n_head, cfg.head_dim
-        self.V, self.eps = cfg.vocab_size, cfg.layer_norm_eps
+        self.V, self.eps = cfg.vocab_size, cfg.norm_eps
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         self.threads = torch.get_num_threads()
         HD = cfg.n_head * cfg.head_dim
