@@ -563,14 +563,16 @@ def _cmd_explain(args: argparse.Namespace) -> int:
 def _add_convert(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "convert",
-        help="Hugging Face GPT-2 folder <-> tinylm checkpoint",
-        description="--from-hf HF_DIR --out DIR: a Hugging Face GPT-2 folder on disk "
-        "(config.json, model.safetensors or pytorch_model.bin, tokenizer files when "
-        "present) -> a tinylm checkpoint. --model DIR --to-hf HF_DIR: a tinylm checkpoint "
-        "-> a folder that transformers' GPT2LMHeadModel and AutoTokenizer load. Nothing "
-        "is downloaded.",
+        help="Hugging Face GPT-2/Llama/Qwen2/Mistral folder <-> tinylm checkpoint",
+        description="--from-hf HF_DIR --out DIR: a Hugging Face GPT-2, Llama, Qwen2 or "
+        "Mistral folder on disk (config.json, model.safetensors or pytorch_model.bin, "
+        "tokenizer.json when present; the family comes from config.json) -> a tinylm "
+        "checkpoint. --model DIR --to-hf HF_DIR: a tinylm checkpoint -> a folder that "
+        "transformers' AutoModelForCausalLM and AutoTokenizer load (GPT-2, Llama or Qwen2, "
+        "from the architecture). Nothing is downloaded.",
     )
-    p.add_argument("--from-hf", metavar="HF_DIR", help="a Hugging Face GPT-2 folder to import")
+    p.add_argument("--from-hf", metavar="HF_DIR",
+                   help="a Hugging Face GPT-2/Llama/Qwen2/Mistral folder to import")
     p.add_argument("--out", metavar="DIR", help="the tinylm checkpoint to write (--from-hf)")
     p.add_argument("--model", metavar="DIR", help="a tinylm checkpoint to export")
     p.add_argument("--to-hf", metavar="HF_DIR",
@@ -584,7 +586,7 @@ def _add_convert(sub: argparse._SubParsersAction) -> None:
 def _cmd_convert(args: argparse.Namespace) -> int:
     from tinylm.checkpoint import load_checkpoint, save_checkpoint
     from tinylm.errors import ConfigError
-    from tinylm.hf import read_hf_folder, write_hf_folder
+    from tinylm.hf import export_family, read_hf_folder, write_hf_folder
 
     importing = args.from_hf is not None or args.out is not None
     exporting = args.model is not None or args.to_hf is not None
@@ -604,7 +606,8 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         model, tokenizer = load_checkpoint(args.model)
         write_hf_folder(model, tokenizer, args.to_hf, weights_only=args.weights_only)
         what = "weights only" if args.weights_only else f"{tokenizer.kind} tokenizer"
-        print(f"exported {args.model} -> {args.to_hf} (Hugging Face GPT-2, {what})")
+        family = export_family(model.config).architecture
+        print(f"exported {args.model} -> {args.to_hf} (Hugging Face {family}, {what})")
     return 0
 
 
