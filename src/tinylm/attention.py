@@ -171,9 +171,10 @@ class KVCache:
     """Preallocated keys and values of every layer, for incremental decoding.
 
     Holds k, v of shape (L, B, H_kv, max_len, D) (H_kv = H but for grouped-query
-    attention; keys are stored after RoPE's rotation, as each was at its position). ``length`` is how many positions are
-    filled; a forward pass over C new tokens writes positions [length, length + C) in
-    each layer (:meth:`update`) and then the model calls :meth:`advance`. The cache is
+    attention; keys are stored after RoPE's rotation, as each was at its position).
+    ``length`` is how many positions are filled; a forward pass over C new tokens
+    writes positions [length, length + C) in each layer (:meth:`update`) and then the
+    model calls :meth:`advance`. The cache is
     an object passed into ``GPT.forward`` — the model itself keeps no hidden state.
     """
 

@@ -303,6 +303,14 @@ _MODEL_FLAG_HELP = {
     "bias": "biases in Linear layers and LayerNorms",
     "tie_embeddings": "share the token embedding with the LM head",
     "norm_eps": "epsilon of every LayerNorm/RMSNorm",
+    "norm": "layernorm (GPT-2) or rmsnorm",
+    "position": "learned (position table, GPT-2) or rope (rotary, in attention)",
+    "rope_theta": "RoPE base theta",
+    "mlp": "gelu (GPT-2), swiglu (gated SiLU, Llama) or relu2 (squared ReLU)",
+    "ffn_hidden": "MLP hidden width (default 4*E; swiglu 8*E/3 rounded up to 8)",
+    "n_kv_head": "key/value heads (default n_head; fewer = grouped-query, 1 = multi-query)",
+    "qk_norm": "RMSNorm each head's query and key",
+    "qkv_bias": "biases on the QKV projection only (default: --bias)",
 }
 
 
@@ -330,7 +338,7 @@ def _config_flags(group: argparse._ArgumentGroup, cls: type, helps: dict[str, st
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
-    from tinylm.config import ModelConfig, TrainConfig
+    from tinylm.config import ARCH_PRESETS, ModelConfig, TrainConfig
 
     p = sub.add_parser(
         "train",
@@ -348,7 +356,12 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                    help="continue from OUT/latest (starts fresh if there is none)")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="force the progress bar on/off (default: on a terminal)")
-    _config_flags(p.add_argument_group("model"), ModelConfig, _MODEL_FLAG_HELP)
+    model = p.add_argument_group("model")
+    model.add_argument("--arch", choices=sorted(ARCH_PRESETS), default=None,
+                       help="architecture preset: gpt2 (default), llama (RMSNorm, RoPE, "
+                       "SwiGLU, no biases, untied head) or modern (RMSNorm, RoPE, ReLU², "
+                       "QK-norm, no biases, untied head); explicit flags override it")
+    _config_flags(model, ModelConfig, _MODEL_FLAG_HELP)
     _config_flags(p.add_argument_group("training"), TrainConfig, {})
     p.set_defaults(func=_cmd_train)
 
@@ -358,7 +371,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from tinylm.checkpoint import CONFIG_FILE, RUN_LATEST, read_config
-    from tinylm.config import ModelConfig, TrainConfig, read_toml
+    from tinylm.config import ModelConfig, TrainConfig, read_toml, resolve_arch
     from tinylm.training import train
 
     model_kw: dict = {}
@@ -378,6 +391,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
             if value is not None:
                 kw[f.name] = value
     model_kw.pop("vocab_size", None)  # taken from the data's tokenizer by train()
+    model_kw = resolve_arch(args.arch, model_kw)  # the preset fills what was not given
     result = train(ModelConfig.from_dict(model_kw), TrainConfig.from_dict(train_kw),
                    args.data, args.out, resume=args.resume, progress=args.progress)
     if result.rank != 0:

@@ -67,14 +67,15 @@ def _llama_rows(bias_rows: bool) -> list[tuple[str, str, str]]:
             rows.append((f"{mlp}{hf_part}_proj.bias", f"blocks.{{i}}.ffn.{ours}.bias", ""))
     if bias_rows:
         rows.append((f"{at}o_proj.bias", "blocks.{i}.attn.out.bias", ""))
-    rows += [("model.norm.weight", "final_norm.weight", ""), ("lm_head.weight", "lm_head.weight", "")]
+    rows += [("model.norm.weight", "final_norm.weight", ""),
+             ("lm_head.weight", "lm_head.weight", "")]
     return rows
 
 
 #: Llama (attention_bias / mlp_bias optional), Qwen2 (q/k/v biases, nothing else) and
 #: Mistral (none) share their tensor names.
 LLAMA_NAMES = _llama_rows(bias_rows=True)
-QWEN2_NAMES = [r for r in _llama_rows(bias_rows=False)]
+QWEN2_NAMES = _llama_rows(bias_rows=False)
 MISTRAL_NAMES = [r for r in _llama_rows(bias_rows=False) if not r[0].endswith(".bias")]
 
 #: Tensors a file may hold that carry no weights (causal-mask and RoPE buffers).
@@ -93,7 +94,8 @@ _GPT2_KEYS = {
     "layer_norm_epsilon", "scale_attn_weights", "scale_attn_by_inverse_layer_idx",
     "reorder_and_upcast_attn", "add_cross_attention", "attn_pdrop", "embd_pdrop",
     "resid_pdrop", "summary_activation", "summary_first_dropout", "summary_proj_to_labels",
-    "summary_type", "summary_use_proj", "task_specific_params", "n_special", "predict_special_tokens",
+    "summary_type", "summary_use_proj", "task_specific_params", "n_special",
+    "predict_special_tokens",
 }
 _LLAMA_KEYS = {
     "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -294,9 +296,9 @@ def _hf_state_to_tinylm(state: dict[str, torch.Tensor], family: Family, model: G
     extra = sorted(k for k in state if k not in used and not k.endswith(_BUFFERS)
                    and not (k == "lm_head.weight" and config.tie_embeddings))
     if extra:
-        raise CheckpointError(f"{family.architecture} weights hold {extra[0]} (and {len(extra) - 1} "
-                              f"more) that config.json does not describe; tinylm would drop "
-                              f"them, so it refuses the folder")
+        raise CheckpointError(f"{family.architecture} weights hold {extra[0]} (and "
+                              f"{len(extra) - 1} more) that config.json does not describe; "
+                              f"tinylm would drop them, so it refuses the folder")
     return out
 
 

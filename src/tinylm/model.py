@@ -249,11 +249,13 @@ class Block(nn.Module):
         self.drop = nn.Dropout(config.dropout)
 
     def _fusable(self, x: Tensor) -> bool:
-        """Whether this training forward can run as one :class:`_BlockFn`: gradients on,
-        no dropout, GPT-2's layout (``config.gpt2_layout``), plain LayerNorm/Linear parts (not e.g. tinylm.lowrank's), nothing
-        hooked, and float32 CPU shapes the native kernels take (``attn._native``)."""
+        """Whether this training forward can run as one :class:`_BlockFn`: GPT-2's layout
+        (``config.gpt2_layout``), gradients on, no dropout, plain LayerNorm/Linear parts
+        (not e.g. tinylm.lowrank's), nothing hooked, and float32 CPU shapes the native
+        kernels take (``attn._native``)."""
         attn, ffn, ln1, ln2 = self.attn, self.ffn, self.ln1, self.ln2
-        return (self.gpt2_layout and torch.is_grad_enabled() and not (self.drop.training and self.drop.p > 0)
+        return (self.gpt2_layout and torch.is_grad_enabled()
+                and not (self.drop.training and self.drop.p > 0)
                 and not (ffn.drop.training and ffn.drop.p > 0)
                 and type(ln1) is nn.LayerNorm and type(ln2) is nn.LayerNorm
                 and type(ffn.up) is nn.Linear and type(ffn.down) is nn.Linear
