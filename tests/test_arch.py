@@ -247,3 +247,25 @@ def test_compress_factorises_gate_up_and_down_of_a_gated_mlp() -> None:
     compress(gpt2, rank=4)  # ffn.gate is a default kind GPT-2 lacks: skipped, not an error
     assert {n.split(".", 2)[-1] for n in structure_of(gpt2)} == {"attn.qkv", "attn.out",
                                                                  "ffn.up", "ffn.down"}
+
+
+def test_explain_and_eval_run_on_a_variant() -> None:
+    from tinylm.evaluation import evaluate_text
+    from tinylm.inspection import explain
+    from tinylm.tokenizers import CharTokenizer
+
+    text = "the cat sat on the mat, and the dog sat on the log. "
+    tok = CharTokenizer(sorted(set(text)))
+    model = build("modern-mqa", vocab_size=tok.vocab_size)
+    ex = explain(model, tok, "the cat sat")
+    ids = torch.tensor([tok.encode("the cat sat")])
+    assert ex.attention.shape == (2, 4, 11, 11)
+    with torch.no_grad():
+        torch.testing.assert_close(ex.probs, torch.softmax(model(ids)[0], -1), atol=1e-6, rtol=0)
+        _, maps = model.forward_with_attention(ids)
+    torch.testing.assert_close(ex.attention, maps[:, 0])
+    window = text[:25]  # 25 tokens: one window of C = 24 inputs and their targets
+    ids = torch.tensor([tok.encode(window)])
+    with torch.no_grad():
+        expected = model.loss(ids[:, :-1], ids[:, 1:]).item()
+    assert abs(evaluate_text(model, tok, window).loss - expected) < 1e-5
