@@ -269,3 +269,33 @@ def test_explain_and_eval_run_on_a_variant() -> None:
     with torch.no_grad():
         expected = model.loss(ids[:, :-1], ids[:, 1:]).item()
     assert abs(evaluate_text(model, tok, window).loss - expected) < 1e-5
+
+
+def test_run_toml_written_before_the_variants_still_reads(tmp_path) -> None:
+    from tinylm.config import read_toml
+
+    path = tmp_path / "run.toml"
+    path.write_text("[model]\nn_layer = 2\nlayer_norm_eps = 1e-06\n[train]\nlr = 0.001\n")
+    model, _ = read_toml(path)
+    cfg = ModelConfig.from_dict(model)
+    assert cfg.norm_eps == 1e-6 and cfg.gpt2_layout
+
+
+@pytest.mark.parametrize("edit, message", [
+    ({"n_kv_head": 3}, "n_kv_head=3 does not divide n_head=4"),
+    ({"n_kv_head": 4}, "attn.qkv.weight has shape"),  # valid, but not these weights
+    ({"head_dim": 7}, "head_dim=7 is odd"),
+    ({"mlp": "gelu"}, "weights do not match config.json"),
+    ({"rope_scale": 2.0}, "rope_scale"),
+])
+def test_variant_checkpoint_with_a_bad_config_json_names_the_field(tmp_path, edit,
+                                                                   message) -> None:
+    from tinylm.errors import CheckpointError
+
+    dest = save_checkpoint(tmp_path / "ck", build("llama-gqa2"))
+    path = dest / "config.json"
+    doc = json.loads(path.read_text())
+    doc["model"].update(edit)
+    path.write_text(json.dumps(doc))
+    with pytest.raises(CheckpointError, match=message):
+        load_model(dest)

@@ -246,3 +246,18 @@ def test_convert_cli_round_trip_detects_the_family(tmp_path, capsys) -> None:
     ids = torch.randint(0, 300, (2, 10))
     with torch.no_grad():
         torch.testing.assert_close(back(ids).logits, hf(ids).logits, atol=1e-5, rtol=0)
+
+
+def test_export_refuses_variants_no_family_has_by_name() -> None:
+    from tinylm.config import ModelConfig, resolve_arch
+    from tinylm.model import GPT
+
+    modern = GPT(ModelConfig(**resolve_arch("modern", dict(vocab_size=40, context_length=8,
+                                                            n_layer=1, n_head=2, n_embd=16))))
+    with pytest.raises(ConfigError, match=r"mlp='relu2'.*qk_norm=True"):
+        to_hf(modern)
+    odd = GPT(ModelConfig(vocab_size=40, context_length=8, n_layer=1, n_head=2, n_embd=16,
+                          norm="rmsnorm", position="rope", mlp="swiglu", bias=True,
+                          qkv_bias=False))
+    with pytest.raises(ConfigError, match="qkv_bias=False"):
+        to_hf(odd)

@@ -351,7 +351,8 @@ def read_toml(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, Any]]:
                           f"TOML file") from exc
     except (tomllib.TOMLDecodeError, UnicodeDecodeError, OSError) as exc:
         raise ConfigError(f"config file {p} is not valid TOML: {exc}") from exc
-    names = {"model": {f.name for f in fields(ModelConfig)},
+    # "layer_norm_eps": run.toml files written before norm_eps (ModelConfig.from_dict reads it)
+    names = {"model": {f.name for f in fields(ModelConfig)} | {"layer_norm_eps"},
              "train": {f.name for f in fields(TrainConfig)}}
     out: dict[str, dict[str, Any]] = {"model": {}, "train": {}}
     for key, value in data.items():
