@@ -13,6 +13,11 @@ path the model and machine allow:
   It computes exactly the math of ``GPT.forward``; the tests hold it to the full
   forward. Weights are read once per step from a packed copy (cached across calls
   while the weights are unchanged).
+- **fused-variant** (the same, for the architecture variants of
+  ``ModelConfig``: RMSNorm, RoPE, QK-norm, SwiGLU/ReLU², grouped-query attention;
+  :class:`_VariantStep`): the same native linear and attention calls, the norms,
+  rotations and gates as in-place torch ops on the step's rows, and for GQA one
+  attention call per row whose query heads read their shared cached key/value head.
 - **patched** (CPU with the kernel, but a model whose layers were replaced, e.g. by
   :mod:`tinylm.lowrank`): the modules run as usual, with every ``nn.Linear`` routed
   through :class:`tinylm.kernels.PackedLinear` while decoding.
@@ -29,11 +34,12 @@ import math
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tinylm import kernels
-from tinylm.attention import KVCache, MultiHeadAttention
-from tinylm.model import GPT, Block, FeedForward
+from tinylm.attention import KVCache, MultiHeadAttention, RMSNorm, rope_angles
+from tinylm.model import GPT, Block, FeedForward, GatedFeedForward, ReLUSquared
 
 
 class NativeKVCache(KVCache):
@@ -76,6 +82,30 @@ def _standard(model: nn.Module) -> bool:
     return all(p.is_contiguous() for p in model.parameters())
 
 
+def _variant(model: nn.Module) -> bool:
+    """Whether ``model`` is a GPT of any architecture variant whose every piece
+    :class:`_VariantStep` knows: plain Linear/Embedding layers, LayerNorm or RMSNorm,
+    GELU/ReLU² or SwiGLU MLPs, any n_kv_head, RoPE or learned positions, QK-norm."""
+    if type(model) is not GPT or type(model.lm_head) is not nn.Linear \
+            or type(model.tok_emb) is not nn.Embedding:
+        return False
+    norms = (nn.LayerNorm, RMSNorm)
+    for block in model.blocks:
+        attn, ffn = block.attn, block.ffn
+        linears = [attn.qkv, attn.out, ffn.up, ffn.down] + (
+            [ffn.gate] if type(ffn) is GatedFeedForward else [])
+        if not (type(block) is Block and type(attn) is MultiHeadAttention
+                and all(type(m) is nn.Linear for m in linears)
+                and type(block.ln1) in norms and type(block.ln2) in norms
+                and (type(ffn) is GatedFeedForward or (
+                    type(ffn) is FeedForward and (type(ffn.act) is ReLUSquared or (
+                        type(ffn.act) is nn.GELU and ffn.act.approximate == "tanh"))))
+                and (attn.q_norm is None or type(attn.q_norm) is RMSNorm)):
+            return False
+    return type(model.final_norm) in norms and all(p.is_contiguous()
+                                                     for p in model.parameters())
+
+
 class Decoder:
     """Prefill and one-token steps of ``model`` for ``batch_size`` rows (see the module
     docstring for the paths). Use as a context manager, or call :meth:`close`: the
@@ -83,14 +113,17 @@ class Decoder:
 
     def __init__(self, model: GPT, batch_size: int) -> None:
         self.model = model
+        self._fused: _FusedStep | _VariantStep | None = None
         native = _native(model)
         cache_type = NativeKVCache if native else KVCache
         self.cache = cache_type.for_model(model, batch_size)  # max_len = context length
         self._restore: Callable[[], None] | None = None
-        self._fused: _FusedStep | None = None
         if native and _standard(model):
             self.path = "fused"
             self._fused = _FusedStep(model, self.cache)
+        elif native and _variant(model):
+            self.path = "fused-variant"
+            self._fused = _VariantStep(model, self.cache)
         elif native:
             self.path = "patched"
             self._restore = _route_linears(model)
@@ -211,6 +244,121 @@ class _FusedStep:
         self._ln(x, self.final_norm, h)
         logits = torch.empty(B, self.V)
         self._mm(h, self.head, logits)  # logits = h·W_headᵀ (tied: the token embedding)
+        return logits
+
+
+class _VariantStep(_FusedStep):
+    """:class:`_FusedStep` for the architecture variants: the same native linear and
+    attention calls, with RMSNorm, RoPE, QK-norm and the SwiGLU/ReLU² MLPs as a few
+    in-place torch ops on the step's (B, ·) rows, and grouped-query attention as one
+    attention call per row whose query heads share each cached key/value head."""
+
+    def __init__(self, model: GPT, cache: NativeKVCache) -> None:  # noqa: PLR0915
+        cfg = model.config
+        self.lib, self.cache, self.model = kernels.load(), cache, model
+        B = self.B = cache.k.shape[1]
+        self.E, self.H, self.Hkv, self.D = cfg.n_embd, cfg.n_head, cfg.n_kv_head, cfg.head_dim
+        self.V, self.scale = cfg.vocab_size, 1.0 / math.sqrt(cfg.head_dim)
+        self.threads = torch.get_num_threads()
+        self.keep = []
+        HD, KD = cfg.inner_dim, cfg.kv_dim
+        self.x, self.h = torch.empty(B, cfg.n_embd), torch.empty(B, cfg.n_embd)
+        self.qkv, self.r = torch.empty(B, HD + 2 * KD), torch.empty(B, HD)
+        self.g, self.u = torch.empty(B, cfg.ffn_dim), torch.empty(B, cfg.ffn_dim)
+        self.stats = torch.empty(2, B)
+        # Scores of one row's H query heads (the cache's own scratch has H_kv heads).
+        self.scratch = torch.empty(cfg.n_head * cache.max_len)
+        self.tok_w = model.tok_emb.weight.detach()
+        self.pos_w = model.pos_emb.weight.detach() if model.pos_emb is not None else None
+        # RoPE's cos/sin of every position, the same values rope_angles gives per step.
+        self.rope = (rope_angles(0, cfg.context_length, cfg.head_dim, cfg.rope_theta)
+                     if cfg.position == "rope" else None)
+        self.blocks = [
+            (b.ln1, self._linear(b.attn.qkv), self._linear(b.attn.out), b.ln2,
+             self._linear(b.ffn.gate) if type(b.ffn) is GatedFeedForward else None,
+             self._linear(b.ffn.up), self._linear(b.ffn.down), b.attn.q_norm, b.attn.k_norm,
+             type(b.ffn) is FeedForward and type(b.ffn.act) is nn.GELU)
+            for b in model.blocks]
+        self.final = model.final_norm
+        self.head = self._linear(model.lm_head)
+        self.ln_ptrs = {id(m): self._norm(m) for m in model.modules()
+                        if type(m) is nn.LayerNorm}
+
+    def _norm_rows(self, norm: nn.Module, x: Tensor, y: Tensor) -> None:
+        if type(norm) is nn.LayerNorm:
+            mean, rstd = self.stats
+            w, b = self.ln_ptrs[id(norm)]
+            self.lib.tl_ln_fwd(x.data_ptr(), w, b, y.data_ptr(), mean.data_ptr(),
+                               rstd.data_ptr(), self.B, self.E, norm.eps, 1)
+        else:  # RMSNorm's own formula, as in the module
+            y.copy_(norm(x))
+
+    def _rotate(self, t: Tensor, pos: int) -> None:
+        """RoPE of one position in place on t (B, heads, D), as attention.apply_rope."""
+        cos, sin = self.rope[0][pos], self.rope[1][pos]
+        half = self.D // 2
+        t1, t2 = t[..., :half].clone(), t[..., half:].clone()
+        t[..., :half] = t1 * cos[:half] - t2 * sin[:half]
+        t[..., half:] = t2 * cos[half:] + t1 * sin[half:]
+
+    def _attend(self, layer: int, pos: int) -> None:
+        lib, cache, B, H, Hkv, D = self.lib, self.cache, self.B, self.H, self.Hkv, self.D
+        W = self.qkv.shape[1]
+        q_ptr = self.qkv.data_ptr()  # [q | k | v] rows of W floats
+        k_ptr, v_ptr = q_ptr + 4 * H * D, q_ptr + 4 * (H + Hkv) * D
+        kc, vc = cache.k[layer], cache.v[layer]  # (B, H_kv, max_len, D)
+        if Hkv == H:
+            lib.tl_attend_one(q_ptr, W, D, k_ptr, W, D, v_ptr, W, D, kc.data_ptr(),
+                              vc.data_ptr(), kc.stride(0), kc.stride(1), B, H, D, pos,
+                              self.scale, self.r.data_ptr(), cache.scratch.data_ptr(),
+                              self.threads)
+            return
+        rep = H // Hkv  # per row: H_kv groups of rep query heads sharing one key/value head
+        for b in range(B):
+            off = 4 * b * W
+            lib.tl_attend_one(q_ptr + off, rep * D, D, k_ptr + off, D, 0, v_ptr + off, D, 0,
+                              kc[b].data_ptr(), vc[b].data_ptr(), kc.stride(1), 0, Hkv, rep,
+                              D, pos, self.scale, self.r[b].data_ptr(),
+                              self.scratch.data_ptr(), self.threads)
+
+    def __call__(self, ids: Tensor) -> Tensor:
+        cache, B, H, Hkv, D = self.cache, self.B, self.H, self.Hkv, self.D
+        pos = cache.length
+        if int(ids.min()) < 0 or int(ids.max()) >= self.V:
+            raise ValueError(f"token ids must be in [0, {self.V}), got {ids.tolist()}")
+        x, h, qkv, g, u = self.x, self.h, self.qkv, self.g, self.u
+        torch.index_select(self.tok_w, 0, ids, out=x)
+        if self.pos_w is not None:
+            x += self.pos_w[pos]
+        q = qkv[:, :H * D].view(B, H, D)
+        k = qkv[:, H * D:(H + Hkv) * D].view(B, Hkv, D)
+        for layer, (ln1, w_qkv, w_out, ln2, w_gate, w_up, w_down, q_norm, k_norm,
+                    gelu) in enumerate(self.blocks):
+            self._norm_rows(ln1, x, h)  # h = Norm1(x)
+            self._mm(h, w_qkv, qkv)  # [q | k | v] = h·W_qkvᵀ + b
+            if q_norm is not None:
+                q.copy_(q_norm(q))
+                k.copy_(k_norm(k))
+            if self.rope is not None:
+                self._rotate(q, pos)
+                self._rotate(k, pos)  # cached rotated, as in the reference
+            self._attend(layer, pos)  # r = softmax(qKᵀ/√D)V, k and v written to the cache
+            self._mm(self.r, w_out, x, res=x)  # x = x + r·W_outᵀ + b
+            self._norm_rows(ln2, x, h)  # h = Norm2(x)
+            if w_gate is not None:  # SwiGLU: u = SiLU(h·W_gateᵀ) ⊙ (h·W_upᵀ)
+                self._mm(h, w_gate, g)
+                self._mm(h, w_up, u)
+                u.mul_(F.silu(g, inplace=True))
+            elif gelu:
+                self._mm(h, w_up, u, act=1)  # u = GELU(h·W_upᵀ + b)
+            else:  # ReLU²
+                self._mm(h, w_up, u)
+                u.relu_().square_()
+            self._mm(u, w_down, x, res=x)  # x = x + u·W_downᵀ + b
+        cache.advance(1)
+        self._norm_rows(self.final, x, h)
+        logits = torch.empty(B, self.V)
+        self._mm(h, self.head, logits)
         return logits
 
 
