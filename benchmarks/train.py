@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import write_section  # noqa: E402
+from tinylm import native  # noqa: E402
 from tinylm.config import ModelConfig  # noqa: E402
 from tinylm.model import GPT  # noqa: E402
 
@@ -59,6 +60,7 @@ def build(kind: str, config: ModelConfig, *, same_as: GPT | None = None):
     """A model in train mode and its ``step(x, y) -> loss`` closure (optimizer included)."""
     if kind == "tinylm":
         model = GPT(config)
+        native.accelerate(model, "cpu")  # the fast paths, as tinylm.training applies them
 
         def loss_fn(x, y):
             return model.loss(x, y)

@@ -11,11 +11,10 @@ import math
 import pytest
 import torch
 
-from tinylm import kernels
+from tinylm.acceleration import accelerate, plan
 from tinylm.attention import KVCache, MultiHeadAttention, apply_rope, rope_angles
 from tinylm.checkpoint import load_model, save_checkpoint
 from tinylm.config import ARCH_PRESETS, ModelConfig, resolve_arch
-from tinylm.decoding import Decoder
 from tinylm.errors import ConfigError
 from tinylm.lowrank import compress, dense_weight, structure_of
 from tinylm.model import GPT, parameter_count
@@ -203,9 +202,12 @@ def test_sdpa_explicit_sum_form_and_cache_agree(name) -> None:
                                               for t in range(7, 13, 3)]
         steps += [model(ids[:, t:t + 1], cache) for t in range(13, 24)]
         torch.testing.assert_close(torch.cat(steps, 1), logits, atol=1e-5, rtol=0)
-        with Decoder(model, 2) as decoder:
-            if kernels.available():  # GPT-2's fused step, or the variants' one
-                assert decoder.path == ("fused" if cfg.gpt2_layout else "fused-variant")
+        decision = plan(model)
+        if not cfg.gpt2_layout:  # the native paths implement GPT-2's layout only
+            assert decision.paths == frozenset()
+        with decision.decoder(2) as decoder:
+            if not cfg.gpt2_layout:
+                assert decoder.path != "fused"
             out = [decoder.prefill(ids[:, :5])]
             out += [decoder.step(ids[:, t]) for t in range(5, 24)]
         torch.testing.assert_close(torch.stack(out, 1), logits[:, 4:], atol=1e-5, rtol=0)
@@ -214,6 +216,8 @@ def test_sdpa_explicit_sum_form_and_cache_agree(name) -> None:
 @pytest.mark.parametrize("name", ["llama-gqa2", "modern-mqa", "rope-layernorm-D6"])
 def test_causality_and_training_gradients(name) -> None:
     model = build(name).train()
+    accelerate(model)  # steps aside for every variant: the reference modules train
+    assert type(model.blocks[0]).__name__ == "Block"
     ids = torch.randint(0, 53, (2, 24))
     changed = ids.clone()
     changed[:, 10] = (changed[:, 10] + 1) % 53

@@ -1,4 +1,5 @@
-"""The decoding step, on every path, against the model's full forward."""
+"""The decoding plans, on every path, against the model's full forward; none of them
+changes the model."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ import os
 import pytest
 import torch
 
-from tinylm import GPT, ModelConfig, generate
-from tinylm.decoding import Decoder, NativeKVCache
+from tinylm import GPT, ModelConfig, generate, native
+from tinylm.decoding import Decoder
 from tinylm.lowrank import compress
+from tinylm.native.decoding import NativeKVCache
 
 NATIVE = os.environ.get("TINYLM_NATIVE") != "0"
 
@@ -31,31 +33,66 @@ def check_steps_equal_full_forward(model: GPT, decoder: Decoder, B: int = 3) -> 
         torch.testing.assert_close(decoder.step(nxt), model(seq)[:, -1], rtol=1e-4, atol=1e-5)
 
 
+def snapshot(model: GPT) -> dict:
+    """Everything a decoding plan must leave alone: classes, instance attributes (a
+    patched ``forward``), parameter objects, values and strides."""
+    return {name: (type(m), dict(m.__dict__.get("_parameters", {})),
+                   sorted(k for k in m.__dict__ if not k.startswith("_")))
+            for name, m in model.named_modules()} | {
+        name: (p.data_ptr(), p.stride(), p.clone()) for name, p in model.named_parameters()}
+
+
+def assert_unchanged(model: GPT, before: dict) -> None:
+    after = snapshot(model)
+    assert after.keys() == before.keys()
+    for key, value in before.items():
+        if isinstance(value[2], torch.Tensor):
+            assert after[key][:2] == value[:2] and torch.equal(after[key][2], value[2]), key
+        else:
+            assert after[key] == value, key
+
+
 @pytest.mark.parametrize(("bias", "tie"), [(True, True), (False, False)])
 def test_decoder_steps_equal_full_forward(bias: bool, tie: bool) -> None:
     model = model_for(bias, tie)
-    with torch.inference_mode(), Decoder(model, 3) as decoder:
+    before = snapshot(model)
+    with torch.inference_mode(), native.plan(model, "cpu").decoder(3) as decoder:
         assert decoder.path == ("fused" if NATIVE else "torch")
         check_steps_equal_full_forward(model, decoder)
+    assert_unchanged(model, before)
 
 
-@pytest.mark.skipif(not NATIVE, reason="native kernels turned off by TINYLM_NATIVE=0")
-def test_compressed_model_takes_the_patched_path_and_is_restored() -> None:
+def test_compressed_model_takes_the_native_cache_path_and_is_left_alone() -> None:
     model = model_for()
     compress(model, rank=8)
-    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    before = snapshot(model)
     with torch.inference_mode():
-        with Decoder(model, 2) as decoder:
-            assert decoder.path == "patched"
-            assert isinstance(decoder.cache, NativeKVCache)
-            assert all("forward" in m.__dict__ for m in linears)
+        with native.plan(model, "cpu").decoder(2) as decoder:
+            assert decoder.path == ("cache" if NATIVE else "torch")
+            assert isinstance(decoder.cache, NativeKVCache) == NATIVE
             check_steps_equal_full_forward(model, decoder, B=2)
-        assert not any("forward" in m.__dict__ for m in linears)  # back to nn.Linear's
+    assert_unchanged(model, before)
+    generate(model, torch.randint(0, 61, (2, 3)), 4, temperature=0)
+    assert_unchanged(model, before)
+
+
+def test_generate_leaves_an_accelerated_model_as_it_was() -> None:
+    model = model_for()
+    native.accelerate(model, "cpu")
+    before = snapshot(model)
+    generate(model, torch.randint(0, 61, (1, 3)), 5, temperature=0.8, seed=1)
+    assert_unchanged(model, before)
+
+
+def test_the_reference_decoder_equals_full_forward() -> None:
+    model = model_for(False, False)
+    with torch.inference_mode(), Decoder(model, 2) as decoder:
+        check_steps_equal_full_forward(model, decoder, B=2)
 
 
 def test_prefill_restarts_the_cache() -> None:
     model = model_for()
-    with torch.inference_mode(), Decoder(model, 1) as decoder:
+    with torch.inference_mode(), native.plan(model, "cpu").decoder(1) as decoder:
         decoder.prefill(torch.randint(0, 61, (1, 10)))
         ids = torch.randint(0, 61, (1, 4))
         torch.testing.assert_close(decoder.prefill(ids), model(ids)[:, -1])
@@ -64,7 +101,7 @@ def test_prefill_restarts_the_cache() -> None:
 
 def test_fused_step_rejects_a_full_cache_and_bad_ids() -> None:
     model = model_for()
-    with torch.inference_mode(), Decoder(model, 1) as decoder:
+    with torch.inference_mode(), native.plan(model, "cpu").decoder(1) as decoder:
         decoder.prefill(torch.randint(0, 61, (1, 24)))  # fills the context
         with pytest.raises(ValueError, match="overflow"):
             decoder.step(torch.tensor([1]))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tinylm import native
 from tinylm.config import ModelConfig, TrainConfig
 from tinylm.model import GPT
 from tinylm.training import MuonAdamW, build_optimizer, newton_schulz
@@ -50,7 +51,10 @@ def test_muon_option_trains_and_round_trips_state() -> None:
 
 def test_ffn_recomputed_gelu_matches_plain_autograd() -> None:
     model = _tiny().double()
+    on = native.enabled()  # TINYLM_NATIVE=0: the reference FFN, which must agree too
+    assert native.accelerate(model, "cpu").paths == ({"ffn"} if on else set())  # float64
     ffn = model.blocks[0].ffn
+    assert type(ffn).__name__ == ("NativeFeedForward" if on else "FeedForward")
     x = torch.randn(3, 5, 32, dtype=torch.float64, requires_grad=True)
     y = ffn(x)  # the recomputing path (grad enabled, nn.Linear down)
     plain = ffn.down(ffn.act(ffn.up(x)))  # plain autograd through the same modules

@@ -10,25 +10,24 @@ Shape legend (used in every comment below):
     D  query/key/value dim per head
     V  vocabulary size (only in model.py)
 
-The seed's single-head attention (SEED-MATH.md section 1):
+The seed's single-head attention (docs/attention.md, section 1):
 
     Q = x·W_q (C, D)     K = x·W_k (C, D)     V = x·W_v (C, E)
     S = Q·Kᵀ / √D (C, C)                     -- step 1, scaled similarity
     A = softmax(mask(S)) (C, C)              -- step 2, the attention map
     out = A·V (C, E)                         -- step 3
 
-Multi-head attention (sections 3-4) gives each head its own W_q^i, W_k^i, W_v^i (E, D)
-and W_o^i (D, E). Two equal ways to combine the heads:
+Multi-head attention (docs/attention.md, sections 3-4) gives each head its own W_q^i,
+W_k^i, W_v^i (E, D) and W_o^i (D, E). Two equal ways to combine the heads:
 
     sum form      MultiHead(x) = Σ_i A^i · V^i · W_o^i
     concat form   MultiHead(x) = [R^1 … R^H] (C, H·D) · [W_o^1; …; W_o^H] (H·D, E)
 
 The concat form is what :class:`MultiHeadAttention` computes, with all heads' Q, K, V
-from one fused (E, 3·H·D) projection. Its paths are proven equal in the tests: the
-explicit one (which can return the attention map), the fused fast one through
-``torch.nn.functional.scaled_dot_product_attention``, and on CPU for short contexts a
-native kernel that reads the heads straight from the fused projection and recomputes
-the map in backward (:class:`_CausalAttentionFn`).
+from one fused (E, 3·H·D) projection, by two paths proven equal in the tests: the
+explicit one (which can return the attention map) and the fused one through
+``torch.nn.functional.scaled_dot_product_attention``. This file is the reference: the
+fast paths of :mod:`tinylm.native` are applied from outside and proven equal to it.
 """
 
 from __future__ import annotations
@@ -38,9 +37,6 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.modules import module as _torch_module
-
-from tinylm import kernels
 
 # --- the math as small pure functions ---------------------------------------------------
 
@@ -230,7 +226,7 @@ class KVCache:
         """One new token (C = 1): store its k, v (B, H_kv, 1, D), attend its q (B, H, 1, D)
         over every cached position, -> (B, H, 1, D). The one new query may see all keys,
         so no mask is needed. Subclasses may fuse the two steps (on CPU,
-        tinylm.decoding.NativeKVCache does it in one native pass)."""
+        tinylm.native.decoding.NativeKVCache does it in one native pass)."""
         k, v = self.update(layer, k, v)  # (B, H_kv, T, D)
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=k.shape[1] != q.shape[1])
 
@@ -243,74 +239,6 @@ class KVCache:
 
 
 # --- multi-head attention ---------------------------------------------------------------
-
-
-def qkv_attention_backward(grad_r: Tensor, x2: Tensor, w_qkv: Tensor, qkv: Tensor, r: Tensor,
-                           lse: Tensor, n_head: int, need: tuple[bool, bool, bool]
-                           ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-    """Backward of qkv = x2·W_qkvᵀ + b (x2 (B·C, E)) followed by the native causal
-    attention r = attention(qkv): from dL/dr (B, C, H·D), the gradients of (x2, W_qkv, b)
-    — each only where ``need`` says so."""
-    grad_qkv, grad_b = kernels.causal_attention_backward(grad_r, qkv, r, lse, n_head,
-                                                         bias_grad=need[2])
-    g = grad_qkv.view(-1, grad_qkv.shape[-1])  # (B·C, 3·H·D)
-    grad_w = g.t() @ x2 if need[1] else None  # (3·H·D, B·C)·(B·C, E)
-    grad_x2 = g @ w_qkv if need[0] else None  # (B·C, 3·H·D)·(3·H·D, E)
-    return grad_x2, grad_w, grad_b
-
-
-class _CausalAttentionFn(torch.autograd.Function):
-    """Multi-head causal attention, projections included, as one autograd step:
-    x (B, C, E) -> qkv = x·W_qkvᵀ + b -> heads -> R (B, C, H·D) -> R·W_oᵀ + b_o (B, C, E).
-
-    The CPU kernels (:func:`tinylm.kernels.causal_attention`) add the QKV bias and read
-    each head's Q, K, V in place from qkv, keeping one log-sum-exp per query; backward
-    recomputes the attention map from it, writes dQ, dK, dV into one (B, C, 3·H·D)
-    gradient and sums the bias's gradient in the same pass. Neither direction splits,
-    transposes or concatenates the heads.
-    """
-
-    @staticmethod
-    def forward(ctx, x: Tensor, w_qkv: Tensor, b_qkv: Tensor | None, w_out: Tensor,
-                b_out: Tensor | None, n_head: int) -> Tensor:
-        x2 = x.reshape(-1, x.shape[-1])  # (B, C, E) -> (B·C, E)
-        qkv = (x2 @ w_qkv.t()).view(*x.shape[:-1], w_qkv.shape[0])  # -> (B, C, 3·H·D)
-        r, lse = kernels.causal_attention(qkv, n_head, b_qkv)  # (B, C, H·D), (B, H, C)
-        y = r.view(-1, r.shape[-1]) @ w_out.t()  # (B·C, H·D)·(H·D, E) -> (B·C, E)
-        if b_out is not None:
-            y += b_out
-        ctx.save_for_backward(x2, w_qkv, qkv, r, lse, w_out)
-        ctx.n_head, ctx.has_bias = n_head, b_qkv is not None
-        return y.view(*x.shape[:-1], y.shape[-1])
-
-    @staticmethod
-    def backward(ctx, grad_y: Tensor) -> tuple[Tensor | None, ...]:
-        x2, w_qkv, qkv, r, lse, w_out = ctx.saved_tensors
-        need = ctx.needs_input_grad
-        gy = grad_y.reshape(-1, grad_y.shape[-1])  # (B·C, E)
-        grad_w_out = gy.t() @ r.view(-1, r.shape[-1]) if need[3] else None  # (E, H·D)
-        grad_b_out = gy.sum(0) if need[4] else None
-        grad_r = (gy @ w_out).view(r.shape)  # (B·C, E)·(E, H·D) -> (B, C, H·D)
-        grad_x2, grad_w_qkv, grad_b_qkv = qkv_attention_backward(
-            grad_r, x2, w_qkv, qkv, r, lse, ctx.n_head,
-            (need[0], need[1], ctx.has_bias and need[2]))
-        grad_x = grad_x2.view(*grad_y.shape[:-1], x2.shape[1]) if need[0] else None
-        return grad_x, grad_w_qkv, grad_b_qkv, grad_w_out, grad_b_out, None
-
-
-def hooked(*modules: nn.Module) -> bool:
-    """Whether any forward hook would observe these modules (their own or global ones):
-    the fused paths, which skip the modules' own calls, step aside then."""
-    if _torch_module._global_forward_hooks or _torch_module._global_forward_pre_hooks:
-        return True
-    return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
-
-
-def _cpu_autocast() -> bool:
-    try:
-        return torch.is_autocast_enabled("cpu")
-    except TypeError:  # torch < 2.4
-        return torch.is_autocast_cpu_enabled()
 
 
 class MultiHeadAttention(nn.Module):
@@ -345,20 +273,8 @@ class MultiHeadAttention(nn.Module):
 
     @property
     def plain(self) -> bool:
-        """GPT-2's attention: every head its own keys, no rotation, no QK-norm — the one
-        layout the native kernels implement."""
+        """GPT-2's attention: every head its own keys, no rotation, no QK-norm."""
         return self.n_kv_head == self.n_head and self.rope_theta is None and self.q_norm is None
-
-    def _native(self, x: Tensor) -> bool:
-        """Whether the native kernels (:class:`_CausalAttentionFn`) compute this forward:
-        GPT-2's layout (:attr:`plain`), plain, unhooked Linear projections with float32
-        weights on CPU outside autocast, no attention dropout, and shapes
-        :func:`tinylm.kernels.causal_attention_fits` takes."""
-        return (self.plain and type(self.qkv) is nn.Linear and type(self.out) is nn.Linear
-                and not (self.training and self.dropout > 0) and not hooked(self.qkv, self.out)
-                and self.qkv.weight.dtype == x.dtype and not _cpu_autocast()
-                and kernels.causal_attention_fits(x.shape[1], self.n_head, self.head_dim,
-                                                  x.dtype, x.device))
 
     def _heads(self, x: Tensor, start: int = 0) -> tuple[Tensor, Tensor, Tensor]:
         """q (B, H, C, D), k and v (B, H_kv, C, D) of x (B, C, E) at positions start..,
@@ -386,15 +302,11 @@ class MultiHeadAttention(nn.Module):
     ) -> Tensor | tuple[Tensor, Tensor]:
         """x (B, C, E) -> (B, C, E); with return_weights also the map (B, H, C, T).
 
-        The fast path uses SDPA (or on CPU the native kernels, see :meth:`_native`);
-        ``return_weights=True`` takes the explicit path. With a cache, keys/values of
-        earlier positions come from it and the new ones are written into it (the caller
-        advances it after the last layer).
+        The fast path uses SDPA; ``return_weights=True`` takes the explicit path. With a
+        cache, keys/values of earlier positions come from it and the new ones are written
+        into it (the caller advances it after the last layer).
         """
         B, C, _ = x.shape
-        if cache is None and not return_weights and self._native(x):
-            return _CausalAttentionFn.apply(x, self.qkv.weight, self.qkv.bias, self.out.weight,
-                                            self.out.bias, self.n_head)
         start = cache.length if cache is not None else 0
         q, k, v = self._heads(x, start)  # (B, H, C, D), 2 × (B, H_kv, C, D)
         gqa = self.n_kv_head != self.n_head

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tinylm import acceleration
 from tinylm.data import iter_windows
 from tinylm.errors import ConfigError, DataError
 
@@ -151,7 +152,7 @@ def evaluate(
     was_training = model.training
     model.eval()
     try:
-        with torch.inference_mode(), autocast:
+        with torch.inference_mode(), autocast, acceleration.plan(base, device).apply():
             for x, y, mask in iter_windows(arr, C, batch_size, stride, device=device):
                 if max_windows is not None:  # x, y, mask: (b, C) inputs, targets, scored
                     x, y, mask = x[:max_windows - windows], y[:max_windows - windows], \

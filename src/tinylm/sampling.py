@@ -25,7 +25,7 @@ strings) for the CLI.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from tinylm import kernels
+from tinylm import acceleration
 from tinylm.decoding import Decoder
 from tinylm.errors import ConfigError, DataError
 from tinylm.model import GPT
@@ -159,10 +159,12 @@ def next_token_probs(logits: Tensor, config: SamplingConfig) -> Tensor:
 
 
 def sample_next(logits: Tensor, config: SamplingConfig,
-                generator: torch.Generator | None = None) -> Tensor:
-    """One token id per row: logits (B, V) -> ids (B,), on the logits' device (no sync)."""
+                generator: torch.Generator | None = None,
+                argmax: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+    """One token id per row: logits (B, V) -> ids (B,), on the logits' device (no sync).
+    ``argmax`` replaces ``logits.argmax(-1)`` for greedy configs (a decoding plan's)."""
     if config.greedy:
-        return kernels.argmax(logits)
+        return argmax(logits) if argmax is not None else logits.argmax(-1)
     probs = next_token_probs(logits, config)  # (B, V)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # (B, 1) -> (B,)
 
@@ -243,11 +245,13 @@ def generate_stream(
 def _run(model: GPT, prompt: Tensor, max_new_tokens: int, config: SamplingConfig,
          generator: torch.Generator | None, stops: Tensor | None, vocab_size: int | None,
          autocast: Any) -> Iterator[Tensor]:
-    """:func:`_decode` in eval and inference mode, restoring the model's mode after."""
+    """:func:`_decode` in eval and inference mode, restoring the model's mode after, with
+    the decoding plan of :mod:`tinylm.acceleration` (it never changes the model)."""
     was_training = model.training
     model.eval()
     try:
-        with torch.inference_mode(), autocast, Decoder(model, prompt.shape[0]) as decoder:
+        decoder = acceleration.plan(model, prompt.device).decoder(prompt.shape[0])
+        with torch.inference_mode(), autocast, decoder:
             yield from _decode(decoder, prompt, max_new_tokens, config, generator, stops,
                                vocab_size)
     finally:
@@ -276,7 +280,7 @@ def _decode(decoder: Decoder, prompt: Tensor, max_new_tokens: int, config: Sampl
     for step in range(max_new_tokens):
         if vocab_size is not None:
             logits = logits[:, :vocab_size]  # (B, V) -> (B, V'), a view
-        nxt = sample_next(logits.float(), config, generator)  # (B,)
+        nxt = sample_next(logits.float(), config, generator, decoder.argmax)  # (B,)
         if done is not None:
             nxt = torch.where(done, seq[:, n - 1], nxt)  # finished rows repeat their stop id
             done |= torch.isin(nxt, stops)

@@ -51,7 +51,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from tinylm import distributed
+from tinylm import acceleration, distributed
 from tinylm.checkpoint import (
     RUN_LATEST,
     load_model,
@@ -565,6 +565,7 @@ def train(
             preflight(out, n_params)
         distributed.barrier(ctx)
         raw.to(device)
+        acceleration.accelerate(raw, device)  # the fast paths, decided once (tinylm.native)
 
         B, world = cfg.batch_size, ctx.world_size
         accum = cfg.grad_accum

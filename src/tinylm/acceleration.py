@@ -1,0 +1,57 @@
+"""Where the uses of a model ask for its fast paths: one door to tinylm.native.
+
+``accelerate(model, device)`` and ``plan(model, device)`` return the native package's
+:class:`~tinylm.native.Plan`, or, when that package is absent (deleted, or failing to
+import), a :class:`ReferencePlan` with no fast paths: training, sampling and evaluation
+then run the reference model, slower and otherwise the same.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from tinylm.decoding import Decoder
+
+try:  # the acceleration package is optional by design (see tinylm.native)
+    from tinylm import native
+except ImportError:  # pragma: no cover - exercised by tests/test_package.py in a subprocess
+    native = None
+
+log = logging.getLogger(__name__)
+
+
+class ReferencePlan:
+    """No fast paths: the reference model as it is, and the reference decoder."""
+
+    paths: frozenset[str] = frozenset()
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def apply(self) -> ReferencePlan:
+        return self
+
+    def restore(self) -> None:
+        pass
+
+    def decoder(self, batch_size: int) -> Decoder:
+        return Decoder(self.model, batch_size)
+
+    def __enter__(self) -> ReferencePlan:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+def plan(model: nn.Module, device: torch.device | str | None = None):
+    """The fast paths ``model`` may take on ``device``, decided, not applied."""
+    return native.plan(model, device) if native is not None else ReferencePlan(model)
+
+
+def accelerate(model: nn.Module, device: torch.device | str | None = None):
+    """Decide and apply the fast paths of ``model`` (see :func:`tinylm.native.accelerate`)."""
+    return native.accelerate(model, device) if native is not None else ReferencePlan(model)

@@ -1,0 +1,89 @@
+/* The rest of a decoding step: the embedding lookup, greedy decoding's argmax, and the
+ * attention of one new token over the KV cache. */
+#include "tinylm.h"
+
+/* x (B, E) = tok[ids[b]] + pos[position]; returns 1 (and writes nothing) if an id is
+ * outside [0, V). */
+int tl_embed(const long *ids, const float *tok, const float *pos, long position, float *x,
+             long B, long E, long V) {
+    for (long b = 0; b < B; b++) if (ids[b] < 0 || ids[b] >= V) return 1;
+    const float *p = pos + position * E;
+    for (long b = 0; b < B; b++) {
+        const float *t = tok + ids[b] * E;
+        for (long i = 0; i < E; i++) x[b * E + i] = t[i] + p[i];
+    }
+    return 0;
+}
+
+/* Greedy decoding's argmax over each row of x (B, V): the first index of the row's
+ * largest value, or of its first NaN (torch.argmax's convention). Two vectorised passes
+ * over the row (max, then the first index holding it) instead of one scalar pass. */
+static long row_argmax(const float *x, long V) {
+    long i = 0;
+    float best;
+    if (V >= 16) {
+        v16 m = load16(x);
+        i16 nan = m != m;
+        for (i = 16; i + 16 <= V; i += 16) {
+            v16 v = load16(x + i);
+            i16 gt = v > m;
+            nan |= v != v;
+            m = (v16)(((i16)v & gt) | ((i16)m & ~gt));
+        }
+        best = m[0];
+        int any_nan = 0;
+        for (int j = 0; j < 16; j++) {
+            best = m[j] > best ? m[j] : best;
+            any_nan |= nan[j];
+        }
+        for (; i < V; i++) { best = x[i] > best ? x[i] : best; any_nan |= x[i] != x[i]; }
+        if (any_nan) {
+            for (long k = 0; k < V; k++) if (x[k] != x[k]) return k;
+        }
+    } else {
+        best = x[0];
+        for (i = 1; i < V; i++) {
+            if (x[i] != x[i]) return i;
+            best = x[i] > best ? x[i] : best;
+        }
+        if (x[0] != x[0]) return 0;
+    }
+    for (long k = 0; k < V; k++) if (x[k] == best) return k;
+    return 0;
+}
+
+void tl_argmax(const float *x, long B, long V, long ldx, long *out, int threads) {
+    #pragma omp parallel for num_threads(B > 1 ? threads : 1) schedule(static)
+    for (long b = 0; b < B; b++) out[b] = row_argmax(x + b * ldx, V);
+}
+
+/* One decoding step of attention for every (batch row, head): store the new key and
+ * value at position `pos` of the cache, then
+ *     out = softmax(q·Kᵀ · scale) · V      over cached positions 0..pos
+ * reading each cached key and value once. q, k, v are (B, H, D) with strides (sb, sh, 1)
+ * (views into the fused qkv projection, no copy); the cache layer is (B, H, max_len, D)
+ * with strides (csb, csh, D, 1); out is (B, H, D) contiguous; scratch holds B·H·(pos+1)
+ * floats. */
+void tl_attend_one(const float *q, long qsb, long qsh, const float *k, long ksb, long ksh,
+                   const float *v, long vsb, long vsh, float *kc, float *vc, long csb,
+                   long csh, long B, long H, long D, long pos, float scale, float *out,
+                   float *scratch, int threads) {
+    long T = pos + 1;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (long bh = 0; bh < B * H; bh++) {
+        long b = bh / H, h = bh % H;
+        float *kcache = kc + b * csb + h * csh, *vcache = vc + b * csb + h * csh;
+        memcpy(kcache + pos * D, k + b * ksb + h * ksh, D * sizeof(float));
+        memcpy(vcache + pos * D, v + b * vsb + h * vsh, D * sizeof(float));
+        const float *qv = q + b * qsb + h * qsh;
+        float *s = scratch + bh * T, m = -__builtin_inff(), sum = 0.0f;
+        for (long t = 0; t < T; t++) {
+            s[t] = dot(qv, kcache + t * D, D) * scale;
+            m = s[t] > m ? s[t] : m;
+        }
+        for (long t = 0; t < T; t++) { s[t] = __builtin_expf(s[t] - m); sum += s[t]; }
+        float *o = out + bh * D, inv = 1.0f / sum;
+        for (long i = 0; i < D; i++) o[i] = 0.0f;
+        for (long t = 0; t < T; t++) axpy(o, s[t] * inv, vcache + t * D, D);
+    }
+}

@@ -1,0 +1,152 @@
+/* tinylm's native CPU kernels: the one header every source file includes.
+ *
+ * It holds the shared vector helpers (GCC vector extensions: they compile to AVX-512,
+ * AVX2 or NEON depending on -march=native) and, marked TL_API, the declaration of every
+ * exported function. tinylm/native/ops.py reads its ctypes signatures from these
+ * declarations, so a signature is written once, here.
+ *
+ * Functions that allocate return int: 0 on success, TL_NOMEM when memory ran out (the
+ * outputs are then incomplete and the caller raises MemoryError).
+ */
+#ifndef TINYLM_H
+#define TINYLM_H
+
+#include <math.h>
+#include <omp.h>
+#include <stdlib.h>
+#include <stddef.h>
+#include <string.h>
+
+#define TL_API __attribute__((visibility("default")))
+#define TL_NOMEM 1
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+typedef int i16 __attribute__((vector_size(64)));
+
+static inline v16 load16(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
+static inline void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
+static inline long round16(long n) { return (n + 15) / 16 * 16; }
+
+static inline float hsum16(v16 a) {  /* a tree of halvings: 4 dependent adds, not 15 */
+    v8 b = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7)
+         + __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
+    v4 c = __builtin_shufflevector(b, b, 0, 1, 2, 3) + __builtin_shufflevector(b, b, 4, 5, 6, 7);
+    return (c[0] + c[2]) + (c[1] + c[3]);
+}
+
+static inline float dot(const float *a, const float *b, long D) {
+    v16 acc = {0};
+    long i = 0;
+    for (; i + 16 <= D; i += 16) acc += load16(a + i) * load16(b + i);
+    float s = hsum16(acc);
+    for (; i < D; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* o[0:D] += p · x[0:D] */
+static inline void axpy(float *o, float p, const float *x, long D) {
+    long i = 0;
+    for (; i + 16 <= D; i += 16) store16(o + i, load16(o + i) + load16(x + i) * p);
+    for (; i < D; i++) o[i] += p * x[i];
+}
+
+static inline v16 vsel(i16 mask, v16 a, v16 b) {  /* mask ? a : b, lane by lane */
+    return (v16)(((i16)a & mask) | ((i16)b & ~mask));
+}
+
+/* exp(x), Cephes' single-precision polynomial after reduction by ln 2 (~1 ulp). */
+static inline v16 vexp(v16 x) {
+    const v16 hi = (v16){0} + 88.0f, lo = (v16){0} - 87.0f;
+    x = vsel(x > hi, hi, x);
+    x = vsel(x < lo, lo, x);
+    v16 t = x * 1.44269504088896341f + 12582912.0f;  /* round(x / ln 2) in the low bits */
+    v16 n = t - 12582912.0f;
+    i16 ni = (i16)t - 0x4B400000;
+    v16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    v16 p = (v16){0} + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    return (v16)((i16)p + (ni << 23));  /* times 2^n */
+}
+
+#define GELU_C 0.7978845608028654f  /* sqrt(2 / pi) */
+#define GELU_K 0.044715f
+
+static inline v16 vtanh_inner(v16 x) {  /* tanh(sqrt(2/pi)·(x + 0.044715·x³)) */
+    v16 u = GELU_C * (x + GELU_K * x * x * x);
+    return 1.0f - 2.0f / (vexp(2.0f * u) + 1.0f);
+}
+
+static inline float tanh_inner(float x) { return tanhf(GELU_C * (x + GELU_K * x * x * x)); }
+
+/* Column sums over rows shared out between threads: each thread adds into its own zeroed
+ * row of n floats (colsums_row), and colsums_finish adds the rows into out and frees
+ * them. If the rows cannot be allocated (NULL), out is zeroed here and the caller runs
+ * one thread, which adds straight into out. */
+static inline float *colsums_begin(int threads, long n, float *out) {
+    float *rows = calloc((size_t)threads * (size_t)n, sizeof(float));
+    if (!rows) memset(out, 0, sizeof(float) * (size_t)n);
+    return rows;
+}
+
+static inline float *colsums_row(float *rows, int id, long n, float *out) {
+    return rows ? rows + (long)id * n : out;
+}
+
+static inline void colsums_finish(float *rows, int threads, long n, float *out) {
+    if (!rows) return;
+    for (long i = 0; i < n; i++) {
+        float sum = 0.0f;
+        for (int t = 0; t < threads; t++) sum += rows[(long)t * n + i];
+        out[i] = sum;
+    }
+    free(rows);
+}
+
+/* GELU with GPT-2's tanh approximation, as F.gelu(x, approximate="tanh"). */
+static inline float gelu_tanh(float x) { return 0.5f * x * (1.0f + tanh_inner(x)); }
+
+/* --- exported functions (one line of documentation each; details in the .c files) --- */
+
+/* linear.c: y = x·Wᵀ + b for the few rows of a decoding step, from a packed W. */
+TL_API long tl_packed_size(long O, long I);
+TL_API void tl_pack(const float *W, float *out, long O, long I, int threads);
+TL_API void tl_linear(const float *x, long ldx, const float *packed, const float *b,
+                      float *y, long M, long I, long O, int threads, int act,
+                      const float *res);
+
+/* decode.c: the other pieces of a decoding step. */
+TL_API int tl_embed(const long *ids, const float *tok, const float *pos, long position,
+                    float *x, long B, long E, long V);
+TL_API void tl_argmax(const float *x, long B, long V, long ldx, long *out, int threads);
+TL_API void tl_attend_one(const float *q, long qsb, long qsh, const float *k, long ksb,
+                          long ksh, const float *v, long vsb, long vsh, float *kc,
+                          float *vc, long csb, long csh, long B, long H, long D, long pos,
+                          float scale, float *out, float *scratch, int threads);
+
+/* gelu.c: the FFN's bias add + GELU, and its backward with GELU recomputed. */
+TL_API void tl_bias_gelu(float *a, const float *b, float *g, long M, long N, int threads);
+TL_API void tl_gelu_backward(const float *x, float *grad, float *y, float *colsum, long M,
+                             long N, int threads);
+
+/* attention.c: causal attention for training, straight from the fused QKV projection. */
+TL_API int tl_attn_fwd(float *qkv, const float *bias, float *out, float *lse, long B, long C,
+                       long H, long D, float scale, int threads);
+TL_API int tl_attn_bwd(const float *qkv, const float *out, const float *dout,
+                       const float *lse, float *dqkv, float *dbias, long B, long C, long H,
+                       long D, float scale, int threads);
+
+/* layernorm.c: LayerNorm forward (keeping mean and 1/std) and backward. */
+TL_API void tl_ln_fwd(const float *x, const float *w, const float *b, float *y, float *mean,
+                      float *rstd, long M, long E, float eps, int threads);
+TL_API int tl_ln_bwd(const float *x, const float *w, const float *mean, const float *rstd,
+                     const float *dy, float *dx, float *dw, float *db, long M, long E,
+                     int threads);
+
+#endif

@@ -1,0 +1,196 @@
+"""The decoding plans: a decoding step as a short sequence of native calls.
+
+:class:`FusedDecoder` (path ``"fused"``) runs each cached step of a standard GPT (see
+:func:`tinylm.native.plan.eligibility`) with no module dispatch: per block LayerNorm,
+QKV, attention over the cache (writing the new key and value), the output projection
+with the residual add fused in, LayerNorm, the FFN up-projection with GELU fused in, and
+the down-projection with its residual add. It computes exactly the math of
+``GPT.forward`` (tests/test_equivalence.py holds it to repeated full forwards). Weights
+are read once per step from packed copies (kept across calls while the weights are
+unchanged); the model itself is never modified.
+
+:class:`NativeCacheDecoder` (path ``"cache"``) is for a model the fused step does not
+know (e.g. one with tinylm.lowrank's layers): the model's own forward, with a
+:class:`NativeKVCache` whose one-token attention is one native pass.
+
+The prompt pass always runs the model's own forward (large products, where BLAS is
+right). Both plans take the greedy argmax natively.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+
+import torch
+from torch import Tensor, nn
+
+from tinylm.attention import KVCache
+from tinylm.decoding import Decoder
+from tinylm.native.ops import Library, check
+
+
+class NativeKVCache(KVCache):
+    """A KVCache whose one-token steps run :meth:`Library.attend_one`: the new key/value
+    written and every cached one read in one pass, no SDPA dispatch."""
+
+    def __init__(self, *args, lib: Library, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        _, B, H, max_len, _ = self.k.shape
+        self.lib = lib
+        self.scratch = torch.empty(B * H * max_len)  # attention scores, (B·H, T)
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        self.check_room(1)
+        if q.dtype != torch.float32 or q.stride(-1) != 1 or self.k.dtype != torch.float32 \
+                or k.shape[1] != q.shape[1]:  # grouped-query attention: SDPA (enable_gqa)
+            return super().attend(layer, q, k, v)
+        return self.lib.attend_one(q, k, v, self.k[layer], self.v[layer], self.length,
+                                   self.scratch)
+
+
+# Packed copies by weight, so repeated generate() calls on one model pack once. The
+# entry is dropped when the weight is freed, and rebuilt when the weight was changed
+# in place (its version counter moved) or replaced.
+_packed: dict[int, tuple[weakref.ref, int, int, Tensor]] = {}
+
+
+def packed_weight(lib: Library, weight: Tensor) -> Tensor:
+    """The panel-packed copy of a (O, I) float32 CPU weight, cached while it is unchanged."""
+    key = id(weight)
+    entry = _packed.get(key)
+    if entry is not None:
+        ref, version, ptr, packed = entry
+        if ref() is weight and version == weight._version and ptr == weight.data_ptr():
+            return packed
+    packed = lib.pack(weight)
+    _packed[key] = (weakref.ref(weight, lambda _r, k=key: _packed.pop(k, None)),
+                    weight._version, weight.data_ptr(), packed)
+    return packed
+
+
+class _NativeArgmax(Decoder):
+    lib: Library
+
+    def argmax(self, logits: Tensor) -> Tensor:
+        if logits.dtype == torch.float32 and logits.device.type == "cpu" \
+                and logits.dim() == 2 and logits.stride(1) == 1 and logits.shape[1] > 0:
+            return self.lib.argmax(logits)
+        return logits.argmax(-1)
+
+
+class NativeCacheDecoder(_NativeArgmax):
+    """The model's own forward through a :class:`NativeKVCache` (float32 CPU models)."""
+
+    path = "cache"
+
+    def __init__(self, model: nn.Module, batch_size: int, lib: Library) -> None:
+        self.lib = lib
+        super().__init__(model, batch_size, NativeKVCache.for_model(model, batch_size, lib=lib))
+
+
+class FusedDecoder(_NativeArgmax):
+    """Prefill through the model's forward, then each step as :class:`_FusedStep`."""
+
+    path = "fused"
+
+    def __init__(self, model: nn.Module, batch_size: int, lib: Library) -> None:
+        self.lib = lib
+        super().__init__(model, batch_size, NativeKVCache.for_model(model, batch_size, lib=lib))
+        self._fused = _FusedStep(model, self.cache, lib)
+
+    def step(self, ids: Tensor) -> Tensor:
+        self.cache.check_room(1)
+        return self._fused(ids)
+
+
+class _FusedStep:
+    """``GPT.forward`` for one token per row through the cache, as native kernel calls.
+
+    Every buffer is allocated once and checked there (float32, CPU, contiguous, sized
+    from the config); a step allocates only its logits and passes the pointers of its
+    own buffers to the unchecked calls. Each kernel call names the equation it computes
+    (shapes as in attention.py, B rows)."""
+
+    def __init__(self, model: nn.Module, cache: NativeKVCache, lib: Library) -> None:
+        cfg = model.config
+        self.lib, self.checked = lib.raw, lib
+        self.cache = cache
+        B = cache.k.shape[1]
+        self.B, self.E, self.H, self.D = B, cfg.n_embd, cfg.n_head, cfg.head_dim
+        self.V, self.eps = cfg.vocab_size, cfg.norm_eps
+        self.scale = 1.0 / math.sqrt(cfg.head_dim)
+        self.threads = torch.get_num_threads()
+        HD = cfg.n_head * cfg.head_dim
+        self.x = torch.empty(B, cfg.n_embd)  # the residual stream
+        self.h = torch.empty(B, cfg.n_embd)  # LayerNorm outputs
+        self.qkv = torch.empty(B, 3 * HD)
+        self.r = torch.empty(B, HD)  # attention output, heads side by side
+        self.u = torch.empty(B, cfg.ffn_dim)  # GELU(up(h))
+        self.ids = torch.empty(B, dtype=torch.int64)
+        self.stats = torch.empty(2, B)  # LayerNorm's per-row mean and 1/std (unused)
+        self.keep = []  # packed weights and contiguous biases the pointers refer to
+        self.tok, self.pos = self._ptr(model.tok_emb.weight), self._ptr(model.pos_emb.weight)
+        self.blocks = [
+            (self._norm(b.ln1), self._linear(b.attn.qkv), self._linear(b.attn.out),
+             self._norm(b.ln2), self._linear(b.ffn.up), self._linear(b.ffn.down))
+            for b in model.blocks]
+        self.final_norm = self._norm(model.final_norm)
+        self.head = self._linear(model.lm_head)
+
+    def _ptr(self, t: Tensor | None) -> int | None:
+        if t is None:
+            return None
+        t = t.detach().contiguous()
+        check("weight", t)  # float32, CPU: the raw calls below rely on it
+        self.keep.append(t)
+        return t.data_ptr()
+
+    def _norm(self, ln: nn.LayerNorm) -> tuple[int | None, int | None]:
+        return self._ptr(ln.weight), self._ptr(ln.bias)
+
+    def _linear(self, lin: nn.Linear) -> tuple[int, int | None, int, int]:
+        packed = packed_weight(self.checked, lin.weight)
+        self.keep.append(packed)
+        return packed.data_ptr(), self._ptr(lin.bias), lin.in_features, lin.out_features
+
+    def _mm(self, x: Tensor, lin: tuple, y: Tensor, act: int = 0,
+            res: Tensor | None = None) -> None:
+        packed, bias, I, O = lin
+        self.lib.tl_linear(x.data_ptr(), I, packed, bias, y.data_ptr(), self.B, I, O,
+                           self.threads, act, res.data_ptr() if res is not None else None)
+
+    def _ln(self, x: Tensor, norm: tuple, y: Tensor) -> None:
+        mean, rstd = self.stats  # a few rows: one thread, no parallel region to start
+        self.lib.tl_ln_fwd(x.data_ptr(), norm[0], norm[1], y.data_ptr(), mean.data_ptr(),
+                           rstd.data_ptr(), self.B, self.E, self.eps, 1)
+
+    def __call__(self, ids: Tensor) -> Tensor:
+        cache, lib = self.cache, self.lib
+        pos = cache.length  # FusedDecoder.step checked that it is < max_len
+        B, H, D = self.B, self.H, self.D
+        HD = H * D
+        self.ids.copy_(ids)
+        x, h, qkv, r, u = self.x, self.h, self.qkv, self.r, self.u
+        if lib.tl_embed(self.ids.data_ptr(), self.tok, self.pos, pos, x.data_ptr(), B,
+                        self.E, self.V):
+            raise ValueError(f"token ids must be in [0, {self.V}), got {ids.tolist()}")
+        q_ptr = qkv.data_ptr()  # [q | k | v], each H heads of D: strides (3·H·D, D)
+        k_ptr, v_ptr = q_ptr + 4 * HD, q_ptr + 8 * HD  # float32: 4 bytes
+        for layer, (ln1, w_qkv, w_out, ln2, w_up, w_down) in enumerate(self.blocks):
+            self._ln(x, ln1, h)  # h = LN1(x)
+            self._mm(h, w_qkv, qkv)  # [q | k | v] = h·W_qkvᵀ + b
+            kc, vc = cache.k[layer], cache.v[layer]  # (B, H, max_len, D)
+            lib.tl_attend_one(q_ptr, 3 * HD, D, k_ptr, 3 * HD, D, v_ptr, 3 * HD, D,
+                              kc.data_ptr(), vc.data_ptr(), kc.stride(0), kc.stride(1),
+                              B, H, D, pos, self.scale, r.data_ptr(),
+                              cache.scratch.data_ptr(), self.threads)  # r = softmax(qKᵀ/√D)V
+            self._mm(r, w_out, x, res=x)  # x = x + r·W_outᵀ + b
+            self._ln(x, ln2, h)  # h = LN2(x)
+            self._mm(h, w_up, u, act=1)  # u = GELU(h·W_upᵀ + b)
+            self._mm(u, w_down, x, res=x)  # x = x + u·W_downᵀ + b
+        cache.advance(1)
+        self._ln(x, self.final_norm, h)
+        logits = torch.empty(B, self.V)
+        self._mm(h, self.head, logits)  # logits = h·W_headᵀ (tied: the token embedding)
+        return logits

@@ -1,0 +1,231 @@
+"""The autograd Functions of the fast training paths: each computes exactly the math of
+the reference modules in tinylm.model / tinylm.attention (docs/attention.md), with
+fewer saved tensors and fewer, larger steps. They are applied by
+:mod:`tinylm.native.plan`, never by the model itself.
+
+- :class:`FeedForwardFn`: the FFN as one step that recomputes GELU in backward
+  (any device; the native GELU pass on CPU, torch's elsewhere).
+- :class:`CausalAttentionFn`: projections + causal attention, native kernels (CPU).
+- :class:`BlockFn`: a whole pre-norm block, native kernels (CPU).
+
+Each Function takes the :class:`~tinylm.native.ops.Library` it runs on as an argument
+(None: torch's ops, where allowed), so forward and backward use the same kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from tinylm.native.ops import Library
+
+
+def bias_gelu_(lib: Library | None, h: Tensor, bias: Tensor | None) -> Tensor:
+    """``h += bias`` in place, then GELU_tanh(h): natively where the library takes the
+    tensors (float32, CPU, contiguous), with torch's ops otherwise."""
+    if lib is not None and _native_elementwise(h, bias):
+        return lib.bias_gelu_(h, bias)
+    if bias is not None:
+        h.add_(bias)
+    return F.gelu(h, approximate="tanh")
+
+
+def gelu_backward(lib: Library | None, grad: Tensor, h: Tensor, sum_rows: bool
+                  ) -> tuple[Tensor, Tensor, Tensor | None]:
+    """(dL/dh, GELU(h), Σ_rows dL/dh or None) from dL/dGELU(h); ``grad`` may be reused."""
+    if lib is not None and _native_elementwise(h, None) and grad.is_contiguous() \
+            and grad.dtype == torch.float32 and grad.shape == h.shape:
+        return lib.gelu_backward(grad, h, sum_rows)
+    grad_h = torch.ops.aten.gelu_backward(grad, h, approximate="tanh")
+    colsum = grad_h.reshape(-1, h.shape[-1]).sum(0) if sum_rows else None
+    return grad_h, F.gelu(h, approximate="tanh"), colsum
+
+
+def _native_elementwise(h: Tensor, bias: Tensor | None) -> bool:
+    return (h.dtype == torch.float32 and h.device.type == "cpu" and h.is_contiguous()
+            and (bias is None or (bias.dtype == torch.float32 and bias.device.type == "cpu"
+                                  and bias.is_contiguous())))
+
+
+def ffn_backward(lib: Library | None, gy: Tensor, x2: Tensor, h: Tensor, w_up: Tensor,
+                 w_down: Tensor, need: tuple[bool, bool, bool, bool]) -> tuple[Tensor | None, ...]:
+    """Backward of y = GELU(h)·W_downᵀ (+ b_down), h = x2·W_upᵀ + b_up, from dL/dy
+    (B·C, E) and the kept x2, h: the gradients of (x2, W_up, b_up, W_down) — each only
+    where ``need`` says so. GELU(h) is recomputed; b_up's gradient is summed in the
+    same native pass (b_down's is dL/dy summed over rows, left to the caller)."""
+    grad_g = gy @ w_down  # (B·C, E)·(E, 4E) -> (B·C, 4E)
+    grad_h, g, grad_b_up = gelu_backward(lib, grad_g, h, need[2])
+    grad_w_down = gy.t() @ g if need[3] else None  # (E, B·C)·(B·C, 4E) -> (E, 4E)
+    grad_w_up = grad_h.t() @ x2 if need[1] else None  # (4E, B·C)·(B·C, E) -> (4E, E)
+    grad_x2 = grad_h @ w_up if need[0] else None  # (B·C, 4E)·(4E, E) -> (B·C, E)
+    return grad_x2, grad_w_up, grad_b_up, grad_w_down
+
+
+class FeedForwardFn(torch.autograd.Function):
+    """The FFN for training, y = GELU_tanh(x·W_upᵀ + b_up)·W_downᵀ + b_down, as one
+    autograd step that keeps only x and h = x·W_upᵀ + b_up for backward.
+
+    Plain autograd would also keep GELU(h), (B, C, 4E) — with h the largest activations
+    of a block. GELU is cheap, so backward recomputes it from h instead: the same values
+    and gradients, 4E fewer floats per token per layer. On CPU the bias add and GELU
+    run as one native pass (:func:`bias_gelu_`), and backward's GELU
+    gradient and recomputation as another, where torch's tanh-GELU is slow.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, w_up: Tensor, b_up: Tensor | None, w_down: Tensor,
+                b_down: Tensor | None, lib: Library | None) -> Tensor:
+        x2 = x.reshape(-1, x.shape[-1])  # (B, C, E) -> (B·C, E)
+        h = x2 @ w_up.t()  # (B·C, E)·(E, 4E) -> (B·C, 4E)
+        g = bias_gelu_(lib, h, b_up)  # h += b_up in place; g = GELU(h)
+        y = g @ w_down.t()  # (B·C, 4E)·(4E, E) -> (B·C, E)
+        if b_down is not None:
+            y += b_down
+        ctx.save_for_backward(x2, h, w_up, w_down)
+        ctx.biases, ctx.lib = (b_up is not None, b_down is not None), lib
+        return y.view(*x.shape[:-1], y.shape[-1])  # -> (B, C, E)
+
+    @staticmethod
+    def backward(ctx, grad_y: Tensor) -> tuple[Tensor | None, ...]:
+        x2, h, w_up, w_down = ctx.saved_tensors
+        # Under autocast h is bf16 while x and the weights stay fp32; backward runs
+        # outside autocast, so compute in h's dtype (no-ops in fp32). Autograd casts
+        # each returned gradient back to its input's dtype.
+        dt = h.dtype
+        x2, w_up, w_down = x2.to(dt), w_up.to(dt), w_down.to(dt)
+        gy = grad_y.to(dt).reshape(-1, grad_y.shape[-1])  # (B, C, E) -> (B·C, E)
+        need = ctx.needs_input_grad
+        grad_x2, grad_w_up, grad_b_up, grad_w_down = ffn_backward(
+            ctx.lib, gy, x2, h, w_up, w_down,
+            (need[0], need[1], ctx.biases[0] and need[2], need[3]))
+        grad_b_down = gy.sum(0) if ctx.biases[1] and need[4] else None  # (E,)
+        grad_x = grad_x2.view(grad_y.shape[:-1] + (w_up.shape[1],)) if need[0] else None
+        return grad_x, grad_w_up, grad_b_up, grad_w_down, grad_b_down, None
+
+
+def qkv_attention_backward(lib: Library, grad_r: Tensor, x2: Tensor, w_qkv: Tensor,
+                           qkv: Tensor, r: Tensor, lse: Tensor, n_head: int,
+                           need: tuple[bool, bool, bool]
+                           ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """Backward of qkv = x2·W_qkvᵀ + b (x2 (B·C, E)) followed by the native causal
+    attention r = attention(qkv): from dL/dr (B, C, H·D), the gradients of (x2, W_qkv, b)
+    — each only where ``need`` says so."""
+    grad_qkv, grad_b = lib.causal_attention_backward(grad_r, qkv, r, lse, n_head,
+                                                    bias_grad=need[2])
+    g = grad_qkv.view(-1, grad_qkv.shape[-1])  # (B·C, 3·H·D)
+    grad_w = g.t() @ x2 if need[1] else None  # (3·H·D, B·C)·(B·C, E)
+    grad_x2 = g @ w_qkv if need[0] else None  # (B·C, 3·H·D)·(3·H·D, E)
+    return grad_x2, grad_w, grad_b
+
+
+class CausalAttentionFn(torch.autograd.Function):
+    """Multi-head causal attention, projections included, as one autograd step:
+    x (B, C, E) -> qkv = x·W_qkvᵀ + b -> heads -> R (B, C, H·D) -> R·W_oᵀ + b_o (B, C, E).
+
+    The CPU kernels (:meth:`Library.causal_attention`) add the QKV bias and read
+    each head's Q, K, V in place from qkv, keeping one log-sum-exp per query; backward
+    recomputes the attention map from it, writes dQ, dK, dV into one (B, C, 3·H·D)
+    gradient and sums the bias's gradient in the same pass. Neither direction splits,
+    transposes or concatenates the heads.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, w_qkv: Tensor, b_qkv: Tensor | None, w_out: Tensor,
+                b_out: Tensor | None, n_head: int, lib: Library) -> Tensor:
+        x2 = x.reshape(-1, x.shape[-1])  # (B, C, E) -> (B·C, E)
+        qkv = (x2 @ w_qkv.t()).view(*x.shape[:-1], w_qkv.shape[0])  # -> (B, C, 3·H·D)
+        r, lse = lib.causal_attention(qkv, n_head, b_qkv)  # (B, C, H·D), (B, H, C)
+        y = r.view(-1, r.shape[-1]) @ w_out.t()  # (B·C, H·D)·(H·D, E) -> (B·C, E)
+        if b_out is not None:
+            y += b_out
+        ctx.save_for_backward(x2, w_qkv, qkv, r, lse, w_out)
+        ctx.n_head, ctx.has_bias, ctx.lib = n_head, b_qkv is not None, lib
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_y: Tensor) -> tuple[Tensor | None, ...]:
+        x2, w_qkv, qkv, r, lse, w_out = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        gy = grad_y.reshape(-1, grad_y.shape[-1])  # (B·C, E)
+        grad_w_out = gy.t() @ r.view(-1, r.shape[-1]) if need[3] else None  # (E, H·D)
+        grad_b_out = gy.sum(0) if need[4] else None
+        grad_r = (gy @ w_out).view(r.shape)  # (B·C, E)·(E, H·D) -> (B, C, H·D)
+        grad_x2, grad_w_qkv, grad_b_qkv = qkv_attention_backward(
+            ctx.lib, grad_r, x2, w_qkv, qkv, r, lse, ctx.n_head,
+            (need[0], need[1], ctx.has_bias and need[2]))
+        grad_x = grad_x2.view(*grad_y.shape[:-1], x2.shape[1]) if need[0] else None
+        return grad_x, grad_w_qkv, grad_b_qkv, grad_w_out, grad_b_out, None, None
+
+
+class BlockFn(torch.autograd.Function):
+    """A whole block for CPU training as one autograd step, with native kernels:
+
+        x1 = x + Attention(LN1(x))          y = x1 + FFN(LN2(x1))
+
+    The same tensors are kept for backward as the block's separate steps would keep
+    (LN inputs, LN outputs, qkv, the heads' outputs, the FFN's pre-activation), but
+    LayerNorm runs natively (:meth:`Library.layer_norm`), each residual add is
+    done by the output projection's product itself (beta = 1), and in backward the
+    residual gradient is added in place — where a graph of a dozen small autograd
+    steps per block (LN, projections, adds, gradient accumulation) costs more than
+    their arithmetic at small sizes. Applied by :class:`tinylm.native.plan.NativeBlock`
+    where :func:`tinylm.native.plan.eligibility` found the block's parts plain.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, n_head: int, eps1: float, eps2: float,
+                ln1_w: Tensor | None, ln1_b: Tensor | None, w_qkv: Tensor,
+                b_qkv: Tensor | None, w_out: Tensor, b_out: Tensor | None,
+                ln2_w: Tensor | None, ln2_b: Tensor | None, w_up: Tensor,
+                b_up: Tensor | None, w_down: Tensor, b_down: Tensor | None,
+                lib: Library) -> Tensor:
+        B, C, E = x.shape
+        x0 = x.contiguous().view(-1, E)  # (B·C, E)
+        a_in, mu1, rs1 = lib.layer_norm(x0, ln1_w, ln1_b, eps1)
+        qkv = (a_in @ w_qkv.t()).view(B, C, w_qkv.shape[0])  # (B, C, 3·H·D)
+        r, lse = lib.causal_attention(qkv, n_head, b_qkv)  # (B, C, H·D), (B, H, C)
+        r2 = r.view(B * C, -1)
+        x1 = torch.addmm(x0, r2, w_out.t())  # x + R·W_oᵀ
+        if b_out is not None:
+            x1 += b_out
+        f_in, mu2, rs2 = lib.layer_norm(x1, ln2_w, ln2_b, eps2)
+        h = f_in @ w_up.t()  # (B·C, 4E)
+        g = lib.bias_gelu_(h, b_up)  # h += b_up; g = GELU(h)
+        y = torch.addmm(x1, g, w_down.t())  # x1 + GELU(h)·W_downᵀ
+        if b_down is not None:
+            y += b_down
+        ctx.save_for_backward(x0, mu1, rs1, a_in, qkv, r2, lse, x1, mu2, rs2, f_in, h,
+                              ln1_w, w_qkv, w_out, ln2_w, w_up, w_down)
+        ctx.n_head, ctx.shape, ctx.lib = n_head, (B, C), lib
+        ctx.biases = (b_qkv is not None, b_out is not None, b_up is not None,
+                      b_down is not None)
+        return y.view(B, C, E)
+
+    @staticmethod
+    def backward(ctx, grad_y: Tensor) -> tuple[Tensor | None, ...]:
+        (x0, mu1, rs1, a_in, qkv, r2, lse, x1, mu2, rs2, f_in, h,
+         ln1_w, w_qkv, w_out, ln2_w, w_up, w_down) = ctx.saved_tensors
+        need, lib = ctx.needs_input_grad, ctx.lib
+        has_b_qkv, has_b_out, has_b_up, has_b_down = ctx.biases
+        gy = grad_y.contiguous().view(x0.shape)  # (B·C, E)
+        # FFN: y = x1 + GELU(f_in·W_upᵀ + b_up)·W_downᵀ + b_down
+        grad_f_in, grad_w_up, grad_b_up, grad_w_down = ffn_backward(
+            lib, gy, f_in, h, w_up, w_down, (True, need[12], has_b_up and need[13], need[14]))
+        grad_b_down = gy.sum(0) if has_b_down and need[15] else None
+        grad_x1, grad_ln2_w, grad_ln2_b = lib.layer_norm_backward(
+            grad_f_in, x1, ln2_w, mu2, rs2, ln2_w is not None and need[10], need[11])
+        grad_x1 += gy  # the residual path
+        # attention: x1 = x + R·W_oᵀ + b_out, R = attention(LN1(x)·W_qkvᵀ + b_qkv)
+        grad_w_out = grad_x1.t() @ r2 if need[8] else None
+        grad_b_out = grad_x1.sum(0) if has_b_out and need[9] else None
+        grad_r = (grad_x1 @ w_out).view(*ctx.shape, -1)  # (B·C, E)·(E, H·D) -> (B, C, H·D)
+        grad_a_in, grad_w_qkv, grad_b_qkv = qkv_attention_backward(
+            lib, grad_r, a_in, w_qkv, qkv, r2.view(*ctx.shape, -1), lse, ctx.n_head,
+            (True, need[6], has_b_qkv and need[7]))
+        grad_x, grad_ln1_w, grad_ln1_b = lib.layer_norm_backward(
+            grad_a_in, x0, ln1_w, mu1, rs1, ln1_w is not None and need[4], need[5])
+        grad_x += grad_x1  # the residual path
+        return (grad_x.view(grad_y.shape), None, None, None, grad_ln1_w, grad_ln1_b,
+                grad_w_qkv, grad_b_qkv, grad_w_out, grad_b_out, grad_ln2_w, grad_ln2_b,
+                grad_w_up, grad_b_up, grad_w_down, grad_b_down, None)

@@ -1,0 +1,350 @@
+"""The native ops, checked: every call validates its tensors before a pointer is passed.
+
+:func:`load` builds and loads the library once per process (:mod:`tinylm.native.build`),
+runs the self-check (:mod:`tinylm.native.selfcheck`) and returns a :class:`Library`, or
+None where the kernels cannot be used. It is called at explicit points only
+(``tinylm.native.accelerate``, the decoding plan); forwards use :func:`loaded`, which
+never compiles.
+
+The ctypes signatures are read from the ``TL_API`` declarations of ``csrc/tinylm.h``:
+the C header is the one place a signature is written. Every method of :class:`Library`
+checks dtype (float32, int64 for ids), device (CPU), contiguity and shapes and raises
+:class:`OpError` otherwise, so no call reads memory a tensor does not own.
+
+The switch: ``TINYLM_NATIVE=0`` in the environment, or ``with tinylm.native.disabled():``,
+turns every fast path off (:func:`enabled`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import math
+import os
+import re
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from tinylm.native import build, selfcheck
+
+log = logging.getLogger("tinylm.native")
+
+HEADER = build.SOURCES / "tinylm.h"
+ATTENTION_MAX_CONTEXT = 256  # the training attention holds a head's (C, C) map per thread
+MAX_ROWS = 16  # the packed linear serves at most this many rows (a decoding step)
+_NOMEM = 1
+
+
+class OpError(ValueError):
+    """A native op was given tensors it cannot take (wrong dtype, device, layout, shape)."""
+
+
+# --- the one declaration of every signature -------------------------------------------------
+
+_C_TYPES = {"void": None, "int": ctypes.c_int, "long": ctypes.c_long, "float": ctypes.c_float}
+_DECL = re.compile(r"TL_API\s+(\w+)\s+(\w+)\s*\(([^)]*)\)\s*;", re.S)
+
+
+def parse_header(text: str) -> dict[str, tuple[object, list[object]]]:
+    """``{name: (restype, argtypes)}`` from the TL_API declarations of a C header: pointers
+    become ``c_void_p``, ``long``/``int``/``float`` their ctypes types."""
+    out = {}
+    for ret, name, params in _DECL.findall(text):
+        args = []
+        for param in params.split(","):
+            words = param.replace("*", " * ").split()
+            if "*" in words:
+                args.append(ctypes.c_void_p)
+            else:
+                args.append(_C_TYPES[words[-2]])
+        out[name] = (_C_TYPES[ret], args)
+    return out
+
+
+def bind(cdll: ctypes.CDLL, header: Path = HEADER) -> ctypes.CDLL:
+    for name, (restype, argtypes) in parse_header(header.read_text()).items():
+        fn = getattr(cdll, name)
+        fn.restype, fn.argtypes = restype, argtypes
+    return cdll
+
+
+# --- checks ---------------------------------------------------------------------------------
+
+
+def check(name: str, t: Tensor, shape: tuple[int, ...] | None = None, *,
+          dtype: torch.dtype = torch.float32, contiguous: bool = True) -> int:
+    """Raise OpError unless ``t`` is a CPU tensor of ``dtype`` (contiguous, of ``shape``
+    where given; -1 matches any size); returns its data pointer."""
+    if not isinstance(t, Tensor):
+        raise OpError(f"{name} must be a tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise OpError(f"{name} must be on the CPU, got {t.device}")
+    if t.dtype != dtype:
+        raise OpError(f"{name} must be {dtype}, got {t.dtype}")
+    if contiguous and not t.is_contiguous():
+        raise OpError(f"{name} must be contiguous")
+    if shape is not None and (t.dim() != len(shape) or any(
+            want not in (-1, got) for want, got in zip(shape, t.shape, strict=True))):
+        raise OpError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+    return t.data_ptr()
+
+
+def _opt(name: str, t: Tensor | None, shape: tuple[int, ...]) -> int | None:
+    return None if t is None else check(name, t, shape)
+
+
+def _ok(code: int, op: str) -> None:
+    if code == _NOMEM:
+        raise MemoryError(f"native {op}: out of memory")
+
+
+def _threads() -> int:
+    return torch.get_num_threads()
+
+
+class Library:
+    """The loaded kernels, one checked method per op (see csrc/ for the math)."""
+
+    def __init__(self, cdll: ctypes.CDLL) -> None:
+        self.raw = bind(cdll)  # unchecked, for callers that checked their buffers once
+
+    def pack(self, weight: Tensor) -> Tensor:
+        """The panel-packed copy of a (O, I) weight for :meth:`linear`."""
+        w = weight.detach().contiguous()
+        check("weight", w, (-1, -1))
+        O, I = w.shape
+        out = torch.empty(self.raw.tl_packed_size(O, I), dtype=torch.float32)
+        self.raw.tl_pack(w.data_ptr(), out.data_ptr(), O, I, _threads())
+        return out
+
+    def linear(self, x: Tensor, packed: Tensor, bias: Tensor | None, out_features: int
+               ) -> Tensor:
+        """x (M, I) -> x·Wᵀ + b (M, O), W given by :meth:`pack`."""
+        M, I = x.shape if x.dim() == 2 else (0, 0)
+        check("x", x, (-1, -1))
+        check("packed", packed, (self.raw.tl_packed_size(out_features, I),))
+        b = _opt("bias", bias, (out_features,))
+        y = torch.empty(M, out_features)
+        self.raw.tl_linear(x.data_ptr(), I, packed.data_ptr(), b, y.data_ptr(), M, I,
+                           out_features, _threads(), 0, None)
+        return y
+
+    def argmax(self, x: Tensor) -> Tensor:
+        """x (B, V), unit stride along V -> the first index of each row's maximum (B,)."""
+        if x.dim() != 2 or x.shape[1] == 0 or x.stride(1) != 1:
+            raise OpError(f"argmax needs (B, V > 0) rows of unit stride, got {tuple(x.shape)}")
+        check("logits", x, contiguous=False)
+        out = torch.empty(x.shape[0], dtype=torch.int64)
+        self.raw.tl_argmax(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr(),
+                           _threads())
+        return out
+
+    def attend_one(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
+                   pos: int, scratch: Tensor) -> Tensor:
+        """Write k, v (B, H, 1, D) at ``pos`` of one layer's cache (B, H, max_len, D), then
+        attend q (B, H, 1, D) over positions 0..pos -> (B, H, 1, D)."""
+        B, H, _, D = q.shape
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            check(name, t, (B, H, 1, D), contiguous=False)
+            if t.stride(-1) != 1:
+                raise OpError(f"{name} must have a unit stride along D")
+        for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+            check(name, t, (B, H, -1, D), contiguous=False)
+            if t.stride(-1) != 1 or t.stride(-2) != D:
+                raise OpError(f"{name} must be (B, H, max_len, D) with contiguous rows")
+        if k_cache.stride() != v_cache.stride() or not 0 <= pos < k_cache.shape[2]:
+            raise OpError(f"position {pos} is outside the cache of {k_cache.shape[2]}")
+        check("scratch", scratch, (-1,))
+        if scratch.numel() < B * H * (pos + 1):
+            raise OpError(f"scratch needs {B * H * (pos + 1)} floats")
+        out = torch.empty(B, 1, H, D)
+        self.raw.tl_attend_one(q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(),
+                               k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1),
+                               k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
+                               k_cache.stride(1), B, H, D, pos, 1.0 / math.sqrt(D),
+                               out.data_ptr(), scratch.data_ptr(), _threads())
+        return out.transpose(1, 2)  # (B, 1, H, D) -> (B, H, 1, D)
+
+    def embed(self, ids: Tensor, tok: Tensor, pos: Tensor, position: int) -> Tensor:
+        """tok[ids] + pos[position] for ids (B,) -> (B, E); ids checked to be in range."""
+        V, E = tok.shape
+        check("ids", ids, (-1,), dtype=torch.int64)
+        check("tok", tok, (V, E))
+        check("pos", pos, (-1, E))
+        if not 0 <= position < pos.shape[0]:
+            raise OpError(f"position {position} is outside [0, {pos.shape[0]})")
+        x = torch.empty(ids.shape[0], E)
+        if self.raw.tl_embed(ids.data_ptr(), tok.data_ptr(), pos.data_ptr(), position,
+                             x.data_ptr(), ids.shape[0], E, V):
+            raise ValueError(f"token ids must be in [0, {V}), got {ids.tolist()}")
+        return x
+
+    def bias_gelu_(self, a: Tensor, bias: Tensor | None) -> Tensor:
+        """``a += bias`` in place (a (..., N)), then GELU_tanh(a) as a new tensor."""
+        N = a.shape[-1]
+        check("a", a)
+        b = _opt("bias", bias, (N,))
+        g = torch.empty_like(a)
+        self.raw.tl_bias_gelu(a.data_ptr(), b, g.data_ptr(), a.numel() // N if N else 0, N,
+                              _threads())
+        return g
+
+    def gelu_backward(self, grad: Tensor, x: Tensor, sum_rows: bool
+                      ) -> tuple[Tensor, Tensor, Tensor | None]:
+        """(dL/dx written over ``grad``, GELU(x), Σ_rows dL/dx or None)."""
+        N = x.shape[-1]
+        check("x", x)
+        check("grad", grad, tuple(x.shape))
+        y = torch.empty_like(x)
+        colsum = torch.empty(N) if sum_rows else None
+        self.raw.tl_gelu_backward(x.data_ptr(), grad.data_ptr(), y.data_ptr(),
+                                  colsum.data_ptr() if colsum is not None else None,
+                                  x.numel() // N if N else 0, N, _threads())
+        return grad, y, colsum
+
+    def layer_norm(self, x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
+                   ) -> tuple[Tensor, Tensor, Tensor]:
+        """F.layer_norm over the last dim of x (..., E), with each row's mean and 1/std."""
+        E = x.shape[-1]
+        M = x.numel() // E
+        check("x", x)
+        w, b = _opt("weight", weight, (E,)), _opt("bias", bias, (E,))
+        y, mean, rstd = torch.empty_like(x), torch.empty(M), torch.empty(M)
+        self.raw.tl_ln_fwd(x.data_ptr(), w, b, y.data_ptr(), mean.data_ptr(), rstd.data_ptr(),
+                           M, E, eps, _threads())
+        return y, mean, rstd
+
+    def layer_norm_backward(self, grad_y: Tensor, x: Tensor, weight: Tensor | None,
+                            mean: Tensor, rstd: Tensor, need_weight: bool, need_bias: bool
+                            ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """(dL/dx, dL/dweight or None, dL/dbias or None) of :meth:`layer_norm`."""
+        E = x.shape[-1]
+        M = x.numel() // E
+        check("x", x)
+        grad_y = grad_y.contiguous()
+        check("grad_y", grad_y, tuple(x.shape))
+        check("mean", mean, (M,))
+        check("rstd", rstd, (M,))
+        w = _opt("weight", weight, (E,))
+        dx = torch.empty_like(x)
+        dw = torch.empty(E) if need_weight else None
+        db = torch.empty(E) if need_bias else None
+        _ok(self.raw.tl_ln_bwd(x.data_ptr(), w, mean.data_ptr(), rstd.data_ptr(),
+                               grad_y.data_ptr(), dx.data_ptr(),
+                               dw.data_ptr() if dw is not None else None,
+                               db.data_ptr() if db is not None else None, M, E, _threads()),
+            "layer_norm_backward")
+        return dx, dw, db
+
+    def causal_attention(self, qkv: Tensor, n_head: int, bias: Tensor | None = None
+                         ) -> tuple[Tensor, Tensor]:
+        """Causal attention of every head from qkv (B, C, 3·H·D), laid out (B, C, 3, H, D):
+        -> (B, C, H·D) and each query's log-sum-exp (B, H, C). ``bias`` (3·H·D,) is first
+        added to qkv in place."""
+        B, C, H, D = attention_shape(qkv, n_head)
+        b = None if bias is None else _opt("bias", bias.detach().contiguous(), (3 * H * D,))
+        out, lse = torch.empty(B, C, H * D), torch.empty(B, H, C)
+        _ok(self.raw.tl_attn_fwd(qkv.data_ptr(), b, out.data_ptr(), lse.data_ptr(), B, C, H,
+                                 D, D**-0.5, _threads()), "causal_attention")
+        return out, lse
+
+    def causal_attention_backward(self, grad_out: Tensor, qkv: Tensor, out: Tensor,
+                                  lse: Tensor, n_head: int, *, bias_grad: bool = False
+                                  ) -> tuple[Tensor, Tensor | None]:
+        """dL/dqkv (B, C, 3·H·D) of :meth:`causal_attention` (and, with ``bias_grad``, its
+        sum over the B·C rows: the bias's gradient), from dL/dout (B, C, H·D)."""
+        B, C, H, D = attention_shape(qkv, n_head)
+        grad_out = grad_out.contiguous()
+        check("grad_out", grad_out, (B, C, H * D))
+        check("out", out, (B, C, H * D))
+        check("lse", lse, (B, H, C))
+        grad_qkv = torch.empty_like(qkv)
+        grad_bias = torch.empty(3 * H * D) if bias_grad else None
+        _ok(self.raw.tl_attn_bwd(qkv.data_ptr(), out.data_ptr(), grad_out.data_ptr(),
+                                 lse.data_ptr(), grad_qkv.data_ptr(),
+                                 grad_bias.data_ptr() if grad_bias is not None else None,
+                                 B, C, H, D, D**-0.5, _threads()), "causal_attention_backward")
+        return grad_qkv, grad_bias
+
+
+def attention_fits(context: int, n_head: int, head_dim: int) -> bool:
+    """Whether the training attention kernel takes these sizes: head size a multiple of
+    16 and 1 <= context <= ATTENTION_MAX_CONTEXT."""
+    return head_dim % 16 == 0 and head_dim > 0 and n_head > 0 \
+        and 0 < context <= ATTENTION_MAX_CONTEXT
+
+
+def attention_shape(qkv: Tensor, n_head: int) -> tuple[int, int, int, int]:
+    check("qkv", qkv, (-1, -1, -1))
+    B, C, three_hd = qkv.shape
+    if n_head < 1 or three_hd % (3 * n_head) or not attention_fits(C, n_head,
+                                                                   three_hd // (3 * n_head)):
+        raise OpError(f"causal attention takes (B, C <= {ATTENTION_MAX_CONTEXT}, 3·H·D) with "
+                      f"D a multiple of 16, got {tuple(qkv.shape)} for {n_head} heads")
+    return B, C, n_head, three_hd // (3 * n_head)
+
+
+# --- the library of this process, and the switch -----------------------------------------
+
+_lock = threading.Lock()
+_library: Library | None = None
+_tried = False
+_off = threading.local()
+
+
+def env_enabled() -> bool:
+    return os.environ.get("TINYLM_NATIVE", "1") != "0"
+
+
+def enabled() -> bool:
+    """False under ``TINYLM_NATIVE=0`` or inside :func:`disabled`: no fast path runs."""
+    return env_enabled() and not getattr(_off, "depth", 0)
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Within this block (in this thread) every fast path steps aside for the reference."""
+    _off.depth = getattr(_off, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _off.depth -= 1
+
+
+def _load() -> Library | None:
+    if sys.platform not in ("linux", "darwin") or sys.byteorder != "little":
+        log.info("native kernels: not built on %s; using torch's kernels", sys.platform)
+        return None
+    try:
+        cdll = build.load_library(build.SOURCES, build.cache_root(),
+                                  lambda lib: selfcheck.run(Library(lib)))
+    except build.NativeUnavailable as e:
+        quiet = "no C compiler" in str(e)  # the usual state of a machine without one
+        (log.info if quiet else log.warning)("native kernels unavailable: %s; using "
+                                             "torch's kernels", e)
+        return None
+    return Library(cdll)
+
+
+def load() -> Library | None:
+    """The checked library, built and self-checked on the first call in this process;
+    None where it cannot be used (said once) or under ``TINYLM_NATIVE=0``."""
+    global _library, _tried
+    if not env_enabled():
+        return None
+    with _lock:
+        if not _tried:
+            _tried = True
+            _library = _load()
+    return _library
+
+
+def loaded() -> Library | None:
+    """The library if :func:`load` has built it and the fast paths are on; never builds."""
+    return _library if _library is not None and enabled() else None

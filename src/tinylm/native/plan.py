@@ -1,0 +1,368 @@
+"""Which fast paths a model gets, decided once, and how they are applied from outside.
+
+:func:`eligibility` is the one decision, shared by training and decoding. It reads the
+modules' declared types and the config, never hooks or private registries:
+
+- **ffn** (:class:`~tinylm.native.functions.FeedForwardFn`, any device): a
+  :class:`~tinylm.model.FeedForward` whose ``up``/``down`` are plain ``nn.Linear`` and
+  whose ``act`` is ``nn.GELU(approximate="tanh")``;
+- **attention** (:class:`~tinylm.native.functions.CausalAttentionFn`, CPU with the
+  library): a :class:`~tinylm.attention.MultiHeadAttention` with plain ``nn.Linear``
+  projections and a head size the kernel takes (a multiple of 16);
+- **block** (:class:`~tinylm.native.functions.BlockFn`, CPU with the library): a
+  :class:`~tinylm.model.Block` whose norms are plain ``nn.LayerNorm`` and whose
+  attention and FFN are both eligible as above;
+- **decode** (the fused decoding step of :mod:`tinylm.native.decoding`): a
+  :class:`~tinylm.model.GPT` whose every block is eligible for **block** (any head size)
+  with plain embeddings, final norm and LM head.
+
+A replaced part (tinylm.lowrank's LowRankLinear, a LoRA or quantized Linear, another
+activation or norm) makes the paths that contain it step aside, as does any config
+field this package does not know with a non-default value (an architecture variant).
+
+:func:`accelerate` applies the training/forward paths by giving the eligible modules a
+subclass of their own class (``NativeBlock``, ``NativeAttention``, ``NativeFeedForward``:
+the technique of ``torch.nn.utils.parametrize``): parameters, state_dict keys,
+``isinstance`` and DDP are unchanged, and :meth:`Plan.restore` gives the classes back.
+At run time each accelerated forward still steps aside for what only a call can tell:
+gradients off (block, ffn), active dropout, other dtypes, CPU autocast, a context longer
+than the kernel takes, ``tinylm.native.disabled()``, or a part replaced after the
+decision. An accelerated block computes its sub-modules' math itself, so forward hooks
+on those sub-modules do not fire in training; :meth:`Plan.restore` (or not accelerating)
+keeps every module call, as the reference model does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from tinylm.attention import KVCache, MultiHeadAttention
+from tinylm.config import ModelConfig
+from tinylm.decoding import Decoder
+from tinylm.model import GPT, Block, FeedForward
+from tinylm.native import decoding, ops
+from tinylm.native.functions import BlockFn, CausalAttentionFn, FeedForwardFn
+
+log = logging.getLogger("tinylm.native")
+
+# The config fields whose every value the fast paths implement (dropout is checked per
+# call). A field added later (an architecture variant) must keep its default value.
+KNOWN_FIELDS = frozenset({"vocab_size", "context_length", "n_layer", "n_head", "n_embd",
+                          "head_dim", "dropout", "bias", "tie_embeddings", "norm_eps"})
+# The architecture variants (docs/architectures.md): the fast paths implement GPT-2's
+# layout of them only, which ``ModelConfig.gpt2_layout`` decides in one place.
+LAYOUT_FIELDS = frozenset({"norm", "position", "rope_theta", "mlp", "ffn_hidden",
+                           "n_kv_head", "qk_norm", "qkv_bias"})
+
+
+@dataclass(frozen=True)
+class BlockPaths:
+    """The fast paths one block takes (each False: the reference path)."""
+
+    block: bool
+    attention: bool
+    ffn: bool
+
+
+@dataclass(frozen=True)
+class Eligibility:
+    """The decision for one model on one device; ``reasons`` say why paths step aside."""
+
+    device: str
+    native: bool  # the library is loaded, the parameters float32 on the CPU
+    blocks: tuple[BlockPaths, ...]
+    decode: bool
+    reasons: tuple[str, ...]
+
+
+# --- the declared types ---------------------------------------------------------------------
+
+
+def declared(module: nn.Module) -> type:
+    """The reference class of ``module`` (its own, unless :func:`accelerate` swapped it)."""
+    return getattr(type(module), "reference_class", type(module))
+
+
+def _ffn_reason(ffn: nn.Module) -> str | None:
+    if declared(ffn) is not FeedForward:
+        return f"the FFN is a {type(ffn).__name__}"
+    for name in ("up", "down"):
+        if type(getattr(ffn, name)) is not nn.Linear:
+            return f"ffn.{name} is a {type(getattr(ffn, name)).__name__}, not nn.Linear"
+    act = ffn.act
+    if type(act) is not nn.GELU or act.approximate != "tanh":
+        return f"ffn.act is {act!r}, not nn.GELU(approximate='tanh')"
+    return None
+
+
+def _attention_reason(attn: nn.Module) -> str | None:
+    if declared(attn) is not MultiHeadAttention:
+        return f"the attention is a {type(attn).__name__}"
+    for name in ("qkv", "out"):
+        if type(getattr(attn, name)) is not nn.Linear:
+            return f"attn.{name} is a {type(getattr(attn, name)).__name__}, not nn.Linear"
+    return None
+
+
+def _norm_reason(name: str, norm: nn.Module) -> str | None:
+    if type(norm) is not nn.LayerNorm or len(norm.normalized_shape) != 1:
+        return f"{name} is a {type(norm).__name__}, not a 1-D nn.LayerNorm"
+    return None
+
+
+def _block_reason(block: nn.Module) -> str | None:
+    if declared(block) is not Block:
+        return f"the block is a {type(block).__name__}"
+    return (_norm_reason("ln1", block.ln1) or _norm_reason("ln2", block.ln2)
+            or _attention_reason(block.attn) or _ffn_reason(block.ffn))
+
+
+def _config_reason(config: ModelConfig) -> str | None:
+    if not config.gpt2_layout:
+        return (f"the config is not GPT-2's layout (norm={config.norm}, position="
+                f"{config.position}, mlp={config.mlp}, n_kv_head={config.n_kv_head}/"
+                f"{config.n_head}, qk_norm={config.qk_norm}, qkv_bias={config.qkv_bias})")
+    for field in dataclasses.fields(config):
+        if field.name in KNOWN_FIELDS or field.name in LAYOUT_FIELDS:
+            continue
+        default = field.default if field.default is not dataclasses.MISSING else (
+            field.default_factory() if field.default_factory is not dataclasses.MISSING
+            else dataclasses.MISSING)
+        if getattr(config, field.name) != default:
+            return f"config.{field.name} = {getattr(config, field.name)!r} is not known here"
+    return None
+
+
+def _model_reason(model: nn.Module) -> str | None:
+    if type(model) is not GPT:
+        return f"the model is a {type(model).__name__}, not a GPT"
+    for name in ("tok_emb", "pos_emb"):
+        if type(getattr(model, name)) is not nn.Embedding:
+            return f"{name} is not an nn.Embedding"
+    if type(model.lm_head) is not nn.Linear:
+        return f"lm_head is a {type(model.lm_head).__name__}, not nn.Linear"
+    return _norm_reason("final_norm", model.final_norm)
+
+
+def eligibility(model: nn.Module, device: torch.device | str | None = None,
+                lib: ops.Library | None = None) -> Eligibility:
+    """The fast paths ``model`` may take on ``device`` with the loaded ``lib`` (None: no
+    native kernels): see the module docstring. Pure: changes nothing."""
+    param = next(model.parameters(), None)
+    device = torch.device(device) if device is not None else (
+        param.device if param is not None else torch.device("cpu"))
+    reasons: list[str] = []
+    if not ops.enabled():
+        reasons.append("the fast paths are off (TINYLM_NATIVE=0 or native.disabled())")
+        return Eligibility(str(device), False, (), False, tuple(reasons))
+    if not isinstance(model, GPT):
+        reasons.append(f"the model is a {type(model).__name__}, not a GPT")
+        return Eligibility(str(device), False, (), False, tuple(reasons))
+    native = (lib is not None and device.type == "cpu"
+              and all(p.dtype == torch.float32 for p in model.parameters()))
+    if not native:
+        reasons.append("no native kernels for this device/dtype" if lib is not None
+                       else "the native library is not loaded")
+    config_reason = _config_reason(model.config)
+    if config_reason:
+        reasons.append(config_reason + ": every fast path steps aside")
+    fits = ops.attention_fits(1, model.config.n_head, model.config.head_dim)
+    blocks = []
+    for i, block in enumerate(model.blocks):
+        ffn = attn = whole = None
+        if config_reason is None and declared(block) is Block:
+            ffn, attn, whole = _ffn_reason(block.ffn), _attention_reason(block.attn), \
+                _block_reason(block)
+        else:
+            ffn = attn = whole = config_reason or f"block {i} is a {type(block).__name__}"
+        for what, reason in (("ffn", ffn), ("attention", attn), ("block", whole)):
+            if reason and config_reason is None:
+                reasons.append(f"block {i}: {reason}; its {what} path steps aside")
+        blocks.append(BlockPaths(block=native and fits and whole is None,
+                                 attention=native and fits and attn is None,
+                                 ffn=ffn is None))
+    model_reason = _model_reason(model)
+    if model_reason:
+        reasons.append(model_reason + "; the fused decoding step steps aside")
+    decode = (native and config_reason is None and model_reason is None
+              and all(_block_reason(b) is None for b in model.blocks))
+    return Eligibility(str(device), native, tuple(blocks), decode, tuple(reasons))
+
+
+# --- the accelerated modules ----------------------------------------------------------------
+
+
+def _cpu_float32(x: Tensor) -> bool:
+    return x.dtype == torch.float32 and x.device.type == "cpu" \
+        and not torch.is_autocast_enabled("cpu")
+
+
+def _same(now: tuple[nn.Module, ...], then: tuple[nn.Module, ...]) -> bool:
+    return all(a is b for a, b in zip(now, then, strict=True))
+
+
+class NativeFeedForward(FeedForward):
+    """:class:`FeedForward` whose training forward is one :class:`FeedForwardFn`."""
+
+    reference_class = FeedForward
+
+    def _parts(self) -> tuple[nn.Module, ...]:
+        return self.up, self.act, self.down
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not (torch.is_grad_enabled() and ops.enabled()
+                and _same(self._parts(), self._tinylm_parts)):
+            return super().forward(x)
+        lib = ops.loaded() if _cpu_float32(x) else None
+        y = FeedForwardFn.apply(x, self.up.weight, self.up.bias, self.down.weight,
+                                self.down.bias, lib)  # (B, C, E) -> (B, C, E)
+        return self.drop(y) if self.drop.training and self.drop.p > 0 else y
+
+
+class NativeAttention(MultiHeadAttention):
+    """:class:`MultiHeadAttention` whose cache-free forward runs the native kernels."""
+
+    reference_class = MultiHeadAttention
+
+    def _parts(self) -> tuple[nn.Module, ...]:
+        return self.qkv, self.out
+
+    def native_lib(self, x: Tensor) -> ops.Library | None:
+        """The library, where this call can run natively (else None)."""
+        lib = ops.loaded()
+        if lib is None or not _cpu_float32(x) or (self.training and self.dropout > 0) \
+                or self.qkv.weight.dtype != torch.float32 \
+                or not ops.attention_fits(x.shape[1], self.n_head, self.head_dim) \
+                or not _same(self._parts(), self._tinylm_parts):
+            return None
+        return lib
+
+    def forward(self, x: Tensor, cache: KVCache | None = None, layer: int = 0, *,
+                return_weights: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+        lib = self.native_lib(x) if cache is None and not return_weights else None
+        if lib is None:
+            return super().forward(x, cache, layer, return_weights=return_weights)
+        return CausalAttentionFn.apply(x, self.qkv.weight, self.qkv.bias, self.out.weight,
+                                       self.out.bias, self.n_head, lib)
+
+
+class NativeBlock(Block):
+    """:class:`Block` whose training forward is one :class:`BlockFn` (CPU)."""
+
+    reference_class = Block
+
+    def _parts(self) -> tuple[nn.Module, ...]:
+        a, f = self.attn, self.ffn
+        return self.ln1, a, a.qkv, a.out, self.ln2, f, f.up, f.act, f.down
+
+    def _fused_lib(self, x: Tensor) -> ops.Library | None:
+        lib = ops.loaded()
+        drops = (self.drop, self.ffn.drop)
+        if lib is None or not torch.is_grad_enabled() or not _cpu_float32(x) \
+                or any(d.training and d.p > 0 for d in drops) \
+                or (self.attn.training and self.attn.dropout > 0) \
+                or not ops.attention_fits(x.shape[1], self.attn.n_head, self.attn.head_dim) \
+                or not _same(self._parts(), self._tinylm_parts):
+            return None
+        return lib
+
+    def forward(self, x: Tensor, cache: KVCache | None = None, layer: int = 0,
+                return_weights: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+        lib = self._fused_lib(x) if cache is None and not return_weights else None
+        if lib is None:
+            return super().forward(x, cache, layer, return_weights)
+        attn, ffn, ln1, ln2 = self.attn, self.ffn, self.ln1, self.ln2
+        return BlockFn.apply(  # LayerNorm weight/bias may be None
+            x, attn.n_head, ln1.eps, ln2.eps, ln1.weight, ln1.bias, attn.qkv.weight,
+            attn.qkv.bias, attn.out.weight, attn.out.bias, ln2.weight, ln2.bias,
+            ffn.up.weight, ffn.up.bias, ffn.down.weight, ffn.down.bias, lib)
+
+
+# --- the plan -------------------------------------------------------------------------------
+
+
+class Plan:
+    """The fast paths chosen for one model on one device (:func:`plan`), applied by
+    :meth:`apply` and undone by :meth:`restore`; as a context manager it undoes on exit
+    what it applied. :meth:`decoder` makes the decoding plan, which changes nothing."""
+
+    def __init__(self, model: nn.Module, decision: Eligibility, lib: ops.Library | None):
+        self.model, self.eligibility, self.lib = model, decision, lib
+        self._swapped: list[tuple[nn.Module, type]] = []
+
+    @property
+    def paths(self) -> frozenset[str]:
+        """The fast paths in this plan: a subset of {"block", "attention", "ffn",
+        "decode"}."""
+        e = self.eligibility
+        names = {name for b in e.blocks for name in ("block", "attention", "ffn")
+                 if getattr(b, name)}
+        return frozenset(names | ({"decode"} if e.decode else set()))
+
+    def _swap(self, module: nn.Module, cls: type) -> None:
+        parts = cls._parts(module)
+        if type(module) is not cls:
+            self._swapped.append((module, type(module)))
+            module.__class__ = cls
+        module._tinylm_parts = parts
+
+    def apply(self, only: Iterable[str] | None = None) -> Plan:
+        """Give each eligible module its accelerated class (idempotent); ``only`` limits
+        this to some of "block", "attention", "ffn" (e.g. to measure or test one)."""
+        want = {"block", "attention", "ffn"} if only is None else set(only)
+        for block, paths in zip(self.model.blocks if self.eligibility.blocks else (),
+                                self.eligibility.blocks, strict=True):
+            if paths.ffn and "ffn" in want:
+                self._swap(block.ffn, NativeFeedForward)
+            if paths.attention and "attention" in want:
+                self._swap(block.attn, NativeAttention)
+            if paths.block and "block" in want:
+                self._swap(block, NativeBlock)
+        return self
+
+    def restore(self) -> None:
+        """Give back the classes this plan swapped: the model runs its reference path."""
+        for module, cls in reversed(self._swapped):
+            module.__class__ = cls
+            module.__dict__.pop("_tinylm_parts", None)
+        self._swapped.clear()
+
+    def decoder(self, batch_size: int) -> Decoder:
+        """The decoding plan for ``batch_size`` rows: the fused native step where the
+        decision allows, else the model's own forward through a (native, on CPU) cache."""
+        if self.eligibility.decode and ops.enabled() and self.lib is not None:
+            return decoding.FusedDecoder(self.model, batch_size, self.lib)
+        if self.eligibility.native and ops.enabled() and self.lib is not None:
+            return decoding.NativeCacheDecoder(self.model, batch_size, self.lib)
+        return Decoder(self.model, batch_size)
+
+    def __enter__(self) -> Plan:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.restore()
+
+
+def plan(model: nn.Module, device: torch.device | str | None = None) -> Plan:
+    """Decide the fast paths of ``model`` on ``device`` (default: its parameters'); on
+    the CPU this builds and loads the native library if that has not happened yet."""
+    param = next(model.parameters(), None)
+    dev = torch.device(device) if device is not None else (
+        param.device if param is not None else torch.device("cpu"))
+    lib = ops.load() if dev.type == "cpu" and ops.enabled() else None
+    decision = eligibility(model, dev, lib)
+    for reason in decision.reasons:
+        log.debug("native: %s", reason)
+    return Plan(model, decision, lib)
+
+
+def accelerate(model: nn.Module, device: torch.device | str | None = None) -> Plan:
+    """Choose the fast paths of ``model`` on ``device`` and apply them to its modules
+    (see the module docstring); returns the :class:`Plan`."""
+    return plan(model, device).apply()

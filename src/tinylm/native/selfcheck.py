@@ -1,0 +1,98 @@
+"""Every native op against its torch equivalent on small odd shapes (vector bodies and
+scalar tails), run once after the library is loaded: a miscompiled library is never
+used. :func:`run` raises RuntimeError naming the op that disagrees."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+
+def _expect(ok: bool, what: str) -> None:
+    if not ok:
+        raise RuntimeError(f"{what} self-check failed")
+
+
+def _linear_and_argmax(lib: Any, g: torch.Generator) -> None:
+    for O, I in ((37, 19), (64, 33)):
+        W, b = torch.randn(O, I, generator=g), torch.randn(O, generator=g)
+        packed = lib.pack(W)
+        for M in (1, 3, 8, 11):
+            x = torch.randn(M, I, generator=g)
+            for bias in (None, b):
+                got = lib.linear(x, packed, bias, O)
+                _expect(torch.allclose(got, F.linear(x, W, bias), rtol=1e-4, atol=1e-4),
+                        f"linear (O={O} I={I} M={M})")
+    for V in (1, 7, 16, 100):
+        x = torch.randn(3, V, generator=g)
+        x[1] = x[1].round()  # ties: the first index wins
+        x[2, V // 2] = float("nan")  # NaN counts as the largest, as in torch.argmax
+        _expect(torch.equal(lib.argmax(x), x.argmax(-1)), f"argmax (V={V})")
+
+
+def _decode_attention(lib: Any, g: torch.Generator) -> None:
+    for B, H, D, T in ((2, 3, 16, 5), (1, 2, 20, 1)):
+        q, k, v = torch.randn(B, 1, 3, H, D, generator=g).permute(2, 0, 3, 1, 4).unbind(0)
+        kc, vc = torch.randn(2, B, H, T + 2, D, generator=g).unbind(0)
+        got = lib.attend_one(q, k, v, kc, vc, T - 1, torch.empty(B * H * T))
+        want = F.scaled_dot_product_attention(q, kc[:, :, :T], vc[:, :, :T])
+        _expect(torch.equal(kc[:, :, T - 1:T], k) and torch.allclose(got, want, atol=1e-5),
+                f"decoding attention (B={B} H={H} D={D} T={T})")
+
+
+def _gelu(lib: Any, g: torch.Generator) -> None:
+    h, b = torch.randn(5, 37, generator=g) * 4, torch.randn(37, generator=g)
+    want_g = F.gelu(h + b, approximate="tanh")
+    grad = torch.randn(5, 37, generator=g)
+    want_grad = torch.ops.aten.gelu_backward(grad, h + b, approximate="tanh")
+    got_g = lib.bias_gelu_(h, b)  # h += b
+    grad_x, recomputed, colsum = lib.gelu_backward(grad, h, True)
+    _expect(torch.allclose(got_g, want_g, atol=1e-5)
+            and torch.allclose(recomputed, got_g, atol=1e-6)
+            and torch.allclose(grad_x, want_grad, atol=1e-4)
+            and torch.allclose(colsum, want_grad.sum(0), atol=1e-4), "GELU")
+
+
+def _training_attention(lib: Any, g: torch.Generator) -> None:
+    B, C, H, D = 2, 19, 2, 16
+    grad = torch.randn(B, C, H * D, generator=g)
+    bias = torch.randn(3 * H * D, generator=g)
+    with torch.inference_mode(False), torch.enable_grad():  # load() may run under either
+        qkv = torch.randn(B, C, 3 * H * D, generator=g, requires_grad=True)
+        q, k, v = (qkv + bias).view(B, C, 3, H, D).permute(2, 0, 3, 1, 4).unbind(0)
+        want = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+        want = want.reshape(B, C, H * D)
+        (want_grad,) = torch.autograd.grad(want, qkv, grad)
+    qkv = qkv.detach().clone()
+    out, lse = lib.causal_attention(qkv, H, bias)  # qkv += bias, in place
+    got_grad, got_bias_grad = lib.causal_attention_backward(grad, qkv, out, lse, H,
+                                                            bias_grad=True)
+    _expect(torch.allclose(out, want, atol=1e-5)
+            and torch.allclose(got_grad, want_grad, atol=1e-4)
+            and torch.allclose(got_bias_grad, want_grad.sum((0, 1)), atol=1e-4),
+            "causal attention")
+
+
+def _layer_norm(lib: Any, g: torch.Generator) -> None:
+    x, w = torch.randn(5, 37, generator=g) * 3 + 1, torch.randn(37, generator=g)
+    b, grad = torch.randn(37, generator=g), torch.randn(5, 37, generator=g)
+    with torch.inference_mode(False), torch.enable_grad():
+        xr, wr, br = (t.clone().requires_grad_() for t in (x, w, b))
+        want = F.layer_norm(xr, (37,), wr, br, 1e-5)
+        want_grads = torch.autograd.grad(want, [xr, wr, br], grad)
+    y, mean, rstd = lib.layer_norm(x, w, b, 1e-5)
+    grads = lib.layer_norm_backward(grad, x, w, mean, rstd, True, True)
+    _expect(torch.allclose(y, want, atol=1e-5) and all(
+        torch.allclose(got, ref, atol=1e-4) for got, ref in zip(grads, want_grads, strict=True)),
+        "LayerNorm")
+
+
+def run(lib: Any) -> None:
+    """Check every op of ``lib`` (a :class:`tinylm.native.ops.Library`)."""
+    g = torch.Generator().manual_seed(0)
+    with torch.inference_mode(False), torch.no_grad():
+        for part in (_linear_and_argmax, _decode_attention, _gelu, _training_attention,
+                     _layer_norm):
+            part(lib, g)
