@@ -5,11 +5,11 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: help install demo test lint bench clean
+.PHONY: help install browser demo test lint bench clean
 
 help:
 	@echo "make demo   set up .venv, prepare the built-in corpus, train ~3 min, print samples"
-	@echo "make test   set up .venv and run the whole test suite"
+	@echo "make test   set up .venv (and Chromium for the browser tests) and run the whole test suite"
 	@echo "make lint   ruff check"
 	@echo "make bench  run the benchmarks and rewrite their tables in BENCHMARKS.md"
 
@@ -17,10 +17,17 @@ help:
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet -c constraints.txt -e '.[dev]'
+	$(PIP) install --quiet -c constraints.txt -e '.[dev,serve]'
 	@touch $(STAMP)
 
 install: $(STAMP)
+
+# The real-browser tests drive Debian's Chromium (/usr/bin/chromium) through Playwright,
+# which is pointed at it and never downloads a browser. Installed once, as root, when
+# missing (a fresh Debian CI machine); a no-op where it is already there.
+browser:
+	@test -x /usr/bin/chromium || { apt-get update && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y chromium; }
 
 # data/ and runs/ are gitignored. The run is replaced on each `make demo`.
 demo: $(STAMP)
@@ -32,7 +39,7 @@ demo: $(STAMP)
 		--max-new-tokens 100 --temperature 0.8 --seed 0
 	@echo "loss curve: runs/demo/loss.png"
 
-test: $(STAMP)
+test: $(STAMP) browser
 	$(PY) -m ruff check src tests benchmarks
 	$(PY) -m pytest -q
 

@@ -1,29 +1,35 @@
-"""Throughput of ``tinylm prepare`` (MB/s of input text) against single-call encoding.
+"""Throughput of ``tinylm prepare`` on JSONL and Parquet corpora, beside plain encoders.
 
-    python benchmarks/prepare.py [--size-mb 100] [--repeats 3] [--input FILE] [--no-write]
+    python benchmarks/prepare.py [--size-mb 500] [--workers 1,all] [--formats jsonl,parquet]
+                                 [--tokenizers char,bpe] [--source-text FILE] [--no-write]
 
-Generates a corpus of at least ``--size-mb`` MB (shuffled python-docs paragraphs with
-Japanese lines, :func:`tinylm.corpora.write_synthetic`) unless ``--input`` names a
-file, then times, each in a fresh subprocess that also reports its peak RSS:
+Generates documents (:func:`tinylm.corpora.synthetic_documents`: 8 random paragraphs each
+of python-docs, or of ``--source-text`` such as ../shared/data/tinyshakespeare/input.txt,
+with some Japanese lines) until ``--size-mb`` MB of text, writes them once as JSONL
+(``{"id", "text"}`` per line) and once as Parquet (row groups of 4096 rows), trains one
+byte-level BPE (vocab 4096 + ``<|endoftext|>``) on the first 32 MB, and then times, each
+in a fresh process that reports wall seconds, CPU seconds (its own and its workers') and
+peak memory (the proportional set size of the process and its workers, sampled):
 
-1. char prepare (scan pass for the alphabet + encode pass), median of ``--repeats``;
-2. bpe prepare (train byte-level BPE, vocab 4096, on the default 32 MB sample spread
-   over the input, + encode pass), median of repeats; once more training on everything;
-3. bpe prepare with the tokenizer from 2 (encode pass only), median of repeats;
-4. for comparison, the plain single call on the whole text in memory: Hugging Face
-   ``tokenizers.Tokenizer.encode(text)`` with the same BPE, and for char both
-   ``CharTokenizer.encode(text)`` and a Python dict lookup per character (one run each).
+1. ``prepare()`` for every format x tokenizer (char: alphabet scan + encode; bpe: the
+   trained tokenizer.json, encode only) x ``--workers`` (1 and all cores);
+2. for comparison, the same documents already in memory encoded with the same BPE by
+   Hugging Face ``tokenizers`` (``encode_batch_fast``, 1 thread and all) and by
+   ``tiktoken`` (an ``Encoding`` built from tinylm's vocabulary: ranks = ids, GPT-2's
+   pattern; ``encode_ordinary_batch``, 1 thread and all). Only encoding is timed for
+   these: no reading, no JSON, no writing, so they are an upper bound for prepare.
 
-The table is printed and written to BENCHMARKS.md under ``## Prepare throughput``.
+MB/s is of the documents' UTF-8 text for every row, so formats compare fairly. The table
+is printed and written to BENCHMARKS.md under ``## Prepare throughput``.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -33,44 +39,110 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import write_section  # noqa: E402
 
-CHILD = textwrap.dedent("""
-    import json, resource, sys, time
-    from tinylm.data import prepare
-    out, src, tok, train_mb = sys.argv[1:5]
-    train_mb = None if train_mb == "all" else float(train_mb)
-    use = resource.getrusage(resource.RUSAGE_SELF)
-    base, cpu0 = use.ru_maxrss, use.ru_utime + use.ru_stime
-    t0 = time.perf_counter()
-    d = prepare(out, [src], tokenizer=tok, force=True, progress=False, bpe_train_mb=train_mb)
-    seconds = time.perf_counter() - t0
-    use = resource.getrusage(resource.RUSAGE_SELF)
-    peak, cpu = use.ru_maxrss, use.ru_utime + use.ru_stime - cpu0
-    print(json.dumps({"seconds": seconds, "cpu": cpu, "rss_mb": (peak - base) / 1024,
-                      "tokens": len(d.train) + len(d.val), "vocab": d.vocab_size}))
+EOT = "<|endoftext|>"
+
+#: Prints peak memory of this process + its children (PSS, sampled) and CPU seconds.
+MONITOR = textwrap.dedent("""
+    import json, os, resource, sys, threading, time, psutil
+    me = psutil.Process()
+    def pss():
+        total = 0
+        for p in [me, *me.children(recursive=True)]:
+            try:
+                total += p.memory_full_info().pss
+            except psutil.Error:
+                pass
+        return total / 2**20
+    peak, done = [0.0], threading.Event()
+    def watch():
+        while not done.is_set():
+            peak[0] = max(peak[0], pss())
+            time.sleep(0.25)
+    def cpu():
+        a = resource.getrusage(resource.RUSAGE_SELF)
+        b = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime
+    def measure(run):
+        base = pss()
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        c0, t0 = cpu(), time.perf_counter()
+        tokens = run()
+        seconds, used = time.perf_counter() - t0, cpu() - c0
+        done.set()
+        watcher.join()
+        print(json.dumps({"seconds": seconds, "cpu": used, "peak_mb": max(peak[0], pss()),
+                          "base_mb": base, "tokens": tokens}))
 """)
 
-SINGLE = textwrap.dedent("""
-    import json, resource, sys, time
-    from tinylm.tokenizers import load_tokenizer
-    src, tok_path, how = sys.argv[1:4]
-    text = open(src, encoding="utf-8").read()
-    tok = load_tokenizer(tok_path)
-    use = resource.getrusage(resource.RUSAGE_SELF)
-    cpu0 = use.ru_utime + use.ru_stime
-    t0 = time.perf_counter()
-    if how == "hf":
-        n = len(tok.hf.encode(text, add_special_tokens=False).ids)
-    elif how == "numpy":
-        n = len(tok.encode(text))
+PREPARE = MONITOR + textwrap.dedent("""
+    from tinylm.data import prepare
+    out, src, tok, workers = sys.argv[1:5]
+    def run():
+        d = prepare(out, [src], tokenizer=tok, special_tokens=[EOT] if tok == "char" else (),
+                    workers=int(workers), force=True, progress=False)
+        return len(d.train) + len(d.val)
+    measure(run)
+""").replace("EOT", repr(EOT))
+
+ENCODE = MONITOR + textwrap.dedent("""
+    engine, src, tok_path, threads = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    os.environ["TOKENIZERS_PARALLELISM"] = "true" if threads > 1 else "false"
+    os.environ["RAYON_NUM_THREADS"] = str(threads)
+    docs = [json.loads(line)["text"] for line in open(src, encoding="utf-8")]
+    sys.path.insert(0, sys.argv[5])
+    from prepare import tiktoken_encoding
+    if engine == "hf":
+        from tokenizers import Tokenizer
+        tok = Tokenizer.from_file(tok_path)
+        def run():
+            n = 0
+            for i in range(0, len(docs), 1024):
+                n += sum(len(e.ids) for e in tok.encode_batch_fast(docs[i:i + 1024],
+                                                                   add_special_tokens=False))
+            return n
     else:
-        stoi = {c: i for i, c in enumerate(tok.chars)}
-        n = len([stoi[c] for c in text])
-    seconds = time.perf_counter() - t0
-    use = resource.getrusage(resource.RUSAGE_SELF)
-    cpu = use.ru_utime + use.ru_stime - cpu0
-    print(json.dumps({"seconds": seconds, "cpu": cpu, "rss_mb": use.ru_maxrss / 1024,
-                      "tokens": n}))
+        enc = tiktoken_encoding(tok_path)
+        def run():
+            n = 0
+            for i in range(0, len(docs), 1024):
+                n += sum(map(len, enc.encode_ordinary_batch(docs[i:i + 1024],
+                                                            num_threads=threads)))
+            return n
+    measure(run)
 """)
+
+GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+
+def tiktoken_encoding(tokenizer_json: str):
+    """A ``tiktoken.Encoding`` with tinylm's byte-level BPE: each token's bytes ranked by
+    its id (merges were learned in id order) and GPT-2's pre-tokenization pattern."""
+    import tiktoken
+
+    from tinylm.tokenizers import load_tokenizer
+
+    tok = load_tokenizer(tokenizer_json)
+    decoder = {c: b for b, c in _bytes_to_unicode().items()}
+    vocab = tok.hf.get_vocab(with_added_tokens=False)
+    ranks = {bytes(decoder[c] for c in token): i for token, i in vocab.items()}
+    specials = {t: tok.token_to_id(t) for t in tok.special_tokens}
+    return tiktoken.Encoding("tinylm-bpe", pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
+                             special_tokens=specials)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (the byte-level alphabet)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+            *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
 
 
 def child(script: str, *args: str) -> dict:
@@ -80,88 +152,148 @@ def child(script: str, *args: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def write_corpus(work: Path, size_mb: float, source_text: str | None) -> tuple[int, int]:
+    """docs.jsonl and docs.parquet with the same documents; returns (text bytes, docs)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tinylm.corpora import synthetic_documents
+
+    text = Path(source_text).read_text(encoding="utf-8") if source_text else None
+    docs = synthetic_documents(int(size_mb * 1e6), text=text)
+    n_bytes = n_docs = 0
+    schema = pa.schema([("id", pa.int64()), ("text", pa.string())])
+    with open(work / "docs.jsonl", "w", encoding="utf-8") as jf, \
+            pq.ParquetWriter(work / "docs.parquet", schema) as pw:
+        while batch := list(itertools.islice(docs, 4096)):
+            for i, d in enumerate(batch, n_docs):
+                jf.write(json.dumps({"id": i, "text": d}, ensure_ascii=False) + "\n")
+            pw.write_table(pa.table({"id": range(n_docs, n_docs + len(batch)), "text": batch},
+                                    schema=schema))
+            n_docs += len(batch)
+            n_bytes += sum(len(d.encode("utf-8")) for d in batch)
+    return n_bytes, n_docs
+
+
+def train_bpe(work: Path) -> Path:
+    from tinylm.tokenizers import BPETokenizer
+
+    def texts():
+        seen = 0
+        for line in open(work / "docs.jsonl", encoding="utf-8"):
+            text = json.loads(line)["text"]
+            seen += len(text)
+            if seen > 32e6:
+                return
+            yield text
+
+    path = work / "bpe.json"
+    BPETokenizer.train(texts(), 4096, [EOT]).save(path)
+    return path
+
+
+def check_tiktoken(work: Path, tok_path: Path) -> bool:
+    """tiktoken with tinylm's vocabulary gives tinylm's ids (on the first 300 documents)."""
+    from tinylm.tokenizers import load_tokenizer
+
+    tok, enc = load_tokenizer(tok_path), tiktoken_encoding(str(tok_path))
+    lines = itertools.islice(open(work / "docs.jsonl", encoding="utf-8"), 300)
+    return all(tok.encode(t) == enc.encode_ordinary(t)
+               for t in (json.loads(line)["text"] for line in lines))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--size-mb", type=float, default=100, help="generated corpus size")
-    ap.add_argument("--repeats", type=int, default=3, help="runs per prepare (median)")
-    ap.add_argument("--input", help="benchmark this text file instead of a generated one")
+    ap.add_argument("--size-mb", type=float, default=500, help="text in the corpus (MB)")
+    ap.add_argument("--workers", default="1,all", help="worker counts to time ('all': cores)")
+    ap.add_argument("--formats", default="jsonl,parquet")
+    ap.add_argument("--tokenizers", default="char,bpe")
+    ap.add_argument("--source-text", metavar="FILE",
+                    help="take paragraphs from this text (e.g. ../shared/data/"
+                    "tinyshakespeare/input.txt) instead of python-docs")
     ap.add_argument("--workdir", help="folder for the corpus and outputs (default: a temp dir)")
     ap.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md")
     args = ap.parse_args()
 
-    from tinylm.corpora import write_synthetic
+    from tinylm.data import default_workers
 
+    cores = default_workers()
+    counts = [cores if w == "all" else int(w) for w in args.workers.split(",")]
     work = Path(args.workdir or tempfile.mkdtemp(prefix="tinylm-bench-prepare-"))
     work.mkdir(parents=True, exist_ok=True)
-    if args.input:
-        src = Path(args.input)
-    else:
-        src = write_synthetic(work / "corpus.txt", int(args.size_mb * 1e6))
-    mb = src.stat().st_size / 1e6
+    n_bytes, n_docs = write_corpus(work, args.size_mb, args.source_text)
+    mb = n_bytes / 1e6
+    tok_path = train_bpe(work)
+    same = check_tiktoken(work, tok_path)
     load = os.getloadavg()[0]
-    print(f"corpus {src} ({mb:.1f} MB), load average {load:.2f}", flush=True)
+    sizes = {f: (work / f"docs.{f}").stat().st_size / 1e6 for f in ("jsonl", "parquet")}
+    print(f"{n_docs:,} documents, {mb:.1f} MB of text (jsonl {sizes['jsonl']:.0f} MB, parquet "
+          f"{sizes['parquet']:.0f} MB); tiktoken ids == tinylm ids: {same}; load average "
+          f"{load:.2f}", flush=True)
 
-    rows = []
+    rows: list[tuple[str, str, str, int, dict]] = []
 
-    def prepared(label: str, tok: str, out: str, train_mb: str = "32", repeats: int = 0) -> None:
-        runs = [child(CHILD, str(work / out), str(src), tok, train_mb)
-                for _ in range(repeats or args.repeats)]
-        sec = statistics.median(r["seconds"] for r in runs)
-        rss = max(r["rss_mb"] for r in runs)
-        runs_text = f"median of {len(runs)}" if len(runs) > 1 else "1 run"
-        cpu = statistics.median(r["cpu"] for r in runs)
-        rows.append((label, runs_text, sec, cpu, runs[0]["tokens"], rss))
-        each = ", ".join(f"{r['seconds']:.2f}" for r in runs)
-        print(f"{label}: {mb / sec:.2f} MB/s ({sec:.2f} s, runs {each})", flush=True)
+    def row(fmt: str, tok: str, what: str, n: int, r: dict) -> None:
+        rows.append((fmt, tok, what, n, r))
+        print(f"{fmt} {tok} {what} x{n}: {mb / r['seconds']:.2f} MB/s ({r['seconds']:.1f} s, "
+              f"cpu {r['cpu']:.1f} s, peak {r['peak_mb']:.0f} MB)", flush=True)
 
-    def single(label: str, tok_dir: str, how: str) -> None:
-        r = child(SINGLE, str(src), str(work / tok_dir), how)
-        rows.append((label, "1 run", r["seconds"], r["cpu"], r["tokens"], r["rss_mb"]))
-        print(f"{label}: {mb / r['seconds']:.2f} MB/s ({r['seconds']:.2f} s)", flush=True)
+    for fmt in args.formats.split(","):
+        for tok in args.tokenizers.split(","):
+            spec = "char" if tok == "char" else str(tok_path)
+            for n in counts:
+                out = work / f"out-{fmt}-{tok}-{n}"
+                row(fmt, tok, "`tinylm prepare`", n,
+                    child(PREPARE, str(out), str(work / f"docs.{fmt}"), spec, str(n)))
+    if "bpe" in args.tokenizers.split(","):
+        here = str(Path(__file__).resolve().parent)
+        for engine, label in (("hf", "HF `tokenizers` encode_batch_fast"),
+                              ("tiktoken", "`tiktoken` encode_ordinary_batch")):
+            for n in counts:
+                row("in memory", "bpe", label, n,
+                    child(ENCODE, engine, str(work / "docs.jsonl"), str(tok_path), str(n), here))
+    report(args, rows, mb, n_docs, cores, load, same)
 
-    prepared("char: `tinylm prepare --tokenizer char`", "char", "char")
-    prepared("bpe: `tinylm prepare --tokenizer bpe` (train 4096 on a 32 MB sample + encode)",
-             "bpe", "bpe")
-    prepared("bpe: same with `--bpe-train-mb all` (train on everything + encode)", "bpe",
-             "bpe-all", train_mb="all", repeats=1)
-    prepared("bpe: `tinylm prepare --tokenizer tokenizer.json` (encode only)",
-             str(work / "bpe" / "tokenizer.json"), "bpe-encode")
-    single("bpe: HF `Tokenizer.encode(text)`, one call on the whole text", "bpe", "hf")
-    single("char: `CharTokenizer.encode(text)`, one call (numpy table)", "char", "numpy")
-    single("char: Python dict lookup per character, one call", "char", "dict")
 
+def report(args, rows, mb, n_docs, cores, load, same) -> None:
     import tokenizers
 
-    cpu = platform.processor() or platform.machine()
     body = [
-        f"Input: {'`' + str(src) + '`' if args.input else 'generated corpus'} of {mb:.1f} MB "
-        f"(`tinylm.corpora.write_synthetic`: shuffled python-docs paragraphs, ~5% Japanese "
-        f"lines). Machine: {os.cpu_count()} CPU cores ({cpu}), Python "
+        f"{n_docs:,} generated documents, {mb:.1f} MB of UTF-8 text, as JSONL and as Parquet. "
+        f"Machine: {cores} cores ({platform.processor() or platform.machine()}), Python "
         f"{platform.python_version()}, tokenizers {tokenizers.__version__}; load average "
-        f"{load:.2f} at the start. Prepare rows run the library call `prepare()` in a fresh "
-        f"process; peak RSS is the growth over the process after imports (prepare rows) or "
-        f"the whole process holding the text (single-call rows). CPU seconds (user + system "
-        f"of that process) against wall seconds show how much of the 2 cores it got: other "
-        f"jobs shared this machine, so wall-clock MB/s is a lower bound; MB per CPU-second "
-        f"does not depend on the load.",
+        f"{load:.2f} at the start. Each row is a fresh process; peak MB is the proportional "
+        f"set size of it and its workers, sampled; CPU seconds include the workers. BPE is "
+        f"the same trained vocabulary (4096) everywhere; tiktoken ids equal tinylm's: {same}. "
+        f"The encoder rows time encoding only (documents already in memory).",
         "",
-        "| what | runs | seconds | MB/s | CPU seconds | MB per CPU-second | tokens | "
-        "peak RSS MB |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| input | tokenizer | what | workers / threads | seconds | MB/s | CPU s | peak MB | "
+        "tokens |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for label, runs, sec, cpu, tokens, rss in rows:
-        body.append(f"| {label} | {runs} | {sec:.2f} | **{mb / sec:.2f}** | {cpu:.1f} | "
-                    f"{mb / cpu:.2f} | {tokens:,} | {rss:.0f} |")
-    body += [
-        "",
-        f"Command: `python benchmarks/prepare.py --size-mb {args.size_mb:g} "
-        f"--repeats {args.repeats}" + (f" --input {args.input}`" if args.input else "`"),
-    ]
+    for fmt, tok, what, n, r in rows:
+        body.append(f"| {fmt} | {tok} | {what} | {n} | {r['seconds']:.1f} | "
+                    f"**{mb / r['seconds']:.2f}** | {r['cpu']:.1f} | {r['peak_mb']:.0f} | "
+                    f"{r['tokens']:,} |")
+    speed = {(f, t, w, n): mb / r["seconds"] for f, t, w, n, r in rows}
+    top = max(n for *_, n, _ in rows)
+    body.append("")
+    for fmt in args.formats.split(","):
+        one, all_ = speed.get((fmt, "bpe", "`tinylm prepare`", 1)), \
+            speed.get((fmt, "bpe", "`tinylm prepare`", top))
+        best = max((v for (f, t, w, n), v in speed.items() if f == "in memory" and n == top),
+                   default=None)
+        if one and all_ and top > 1:
+            body.append(f"- {fmt} BPE: {top} workers are **{all_ / one:.2f}x** one worker "
+                        f"(target >= 1.8x)" + (f"; {all_ / best:.2f}x the fastest encoder on "
+                                              f"{top} threads (target >= 1)" if best else ""))
+    body += ["", f"Command: `python benchmarks/prepare.py --size-mb {args.size_mb:g} --workers "
+                 f"{args.workers}" + (f" --source-text {args.source_text}" if args.source_text
+                                      else "") + "`"]
     text = "\n".join(body)
     print(text)
     if not args.no_write:
-        path = write_section("prepare", "Prepare throughput", text)
-        print(f"wrote {path}")
+        print(f"wrote {write_section('prepare', 'Prepare throughput', text)}")
 
 
 if __name__ == "__main__":

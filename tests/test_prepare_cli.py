@@ -67,14 +67,16 @@ def test_stdin_and_rerun_of_same_dataset(text_file, tmp_path) -> None:
     d = load_prepared(out)
     assert d.meta["source"] == "-"
     assert d.tokenizer.decode(np.concatenate([d.train, d.val])) == text_file.read_text()
-    assert sorted(p.name for p in out.iterdir()) == ["meta.json", "tokenizer.json", "train.bin",
-                                                     "val.bin"]
+    assert sorted(p.name for p in out.iterdir()) == ["meta.json", "tokenizer.json",
+                                                     "train-00000.bin", "val-00000.bin"]
 
 
 @pytest.mark.parametrize("case", ["missing", "empty", "short", "non_utf8", "non_utf8_bpe",
                                   "binary",
                                   "vocab_small", "bad_val_fraction", "unknown_corpus",
-                                  "different_dataset", "different_text", "missing_tokenizer"])
+                                  "different_dataset", "different_text", "missing_tokenizer",
+                                  "shard_tokens", "workers", "no_text_field", "bad_parquet",
+                                  "no_glob_match", "separator", "json_file"])
 def test_bad_input_one_line_exit_2_nothing_overwritten(case, prepared, text_file, tmp_path,
                                                        capsys) -> None:
     before = _snapshot(prepared)
@@ -86,6 +88,11 @@ def test_bad_input_one_line_exit_2_nothing_overwritten(case, prepared, text_file
     bad.write_bytes("caf\u00e9 ".encode("utf-8") * 100 + "na\u00efve".encode("latin-1"))
     binary = tmp_path / "image.png"
     binary.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR")
+    records = tmp_path / "r.jsonl"
+    records.write_text('{"body": "no text field here"}\n' * 50)
+    parquet = tmp_path / "broken.parquet"
+    parquet.write_bytes(b"PAR1 but not really")
+    (tmp_path / "x.json").write_text('[{"text": "a list of records"}]')
     args = {
         "missing": ["--input", str(tmp_path / "nope.txt")],
         "empty": ["--input", str(empty)],
@@ -99,6 +106,14 @@ def test_bad_input_one_line_exit_2_nothing_overwritten(case, prepared, text_file
         "different_dataset": ["--tokenizer", "bpe"],
         "different_text": ["--input", str(text_file)],
         "missing_tokenizer": ["--tokenizer", str(tmp_path / "tok.json")],
+        "shard_tokens": ["--shard-tokens", "0"],
+        "workers": ["--workers", "-2"],
+        "no_text_field": ["--input", str(records)],
+        "bad_parquet": ["--input", str(parquet)],
+        "no_glob_match": ["--input", str(tmp_path / "*.parquet.nope")],
+        "separator": ["--input", str(text_file), "--input", str(short), "--doc-separator",
+                      "<|endoftext|>"],
+        "json_file": ["--input", str(tmp_path / "x.json")],
     }[case]
     expect = {
         "missing": "does not exist",
@@ -113,6 +128,14 @@ def test_bad_input_one_line_exit_2_nothing_overwritten(case, prepared, text_file
         "different_dataset": "already holds a different dataset",
         "different_text": "already holds a different dataset",
         "missing_tokenizer": "does not exist",
+        "shard_tokens": "--shard-tokens must be a positive integer, got 0",
+        "workers": "--workers must be a positive integer, got -2",
+        "no_text_field": f"50 record(s) have no usable text (50 field 'text' is missing); "
+                         f"the first: {records} line 1",
+        "bad_parquet": f"{parquet} is not a readable Parquet file",
+        "no_glob_match": "matches no files",
+        "separator": "--doc-separator <|endoftext|> is not a special token",
+        "json_file": "x.json is a .json file, which prepare does not read as text",
     }[case]
     if not case.startswith("different"):  # --force: only the bad input may stop the run
         args.append("--force")

@@ -234,8 +234,97 @@ class KVCache:
         """Mark n more positions as filled (called once per forward, after all layers)."""
         self.length += n
 
+    def positions(self, C: int, device: torch.device | str | None = None) -> Tensor:
+        """Absolute positions of the next C tokens, (C,): [length, length + C)."""
+        return torch.arange(self.length, self.length + C, device=device)
+
     def reset(self) -> None:
         self.length = 0
+
+
+class RaggedKVCache(KVCache):
+    """A KV cache whose rows have their own lengths, for continuous batching.
+
+    Row b holds ``lengths[b]`` positions; the first ``rows`` rows are in use, and a
+    forward over ids (rows, 1) gives row b's token the position ``lengths[b]``
+    (:meth:`positions`), writes its key and value there and lets its query see only
+    keys j <= lengths[b] (:meth:`attend`) — exactly what a cache of that row alone would
+    compute, with no padding. Rows are filled from a one-row :class:`KVCache` after a
+    prompt was prefilled (:meth:`put`) and freed by moving the last row in use into
+    their place (:meth:`remove`), so the rows in use stay the first ``rows``. Only
+    one-token steps (C = 1) are supported: prompts are prefilled one row at a time.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # Zeros, not torch.empty's garbage: a masked key gets weight 0, but 0·NaN in
+        # A·V would still be NaN, and rows read past their own length (up to the longest).
+        self.k.zero_()
+        self.v.zero_()
+        self.lengths = torch.zeros(self.k.shape[1], dtype=torch.long, device=self.k.device)
+        self.rows = 0
+
+    @property
+    def length(self) -> int:
+        """The longest row in use (what the base class's checks read)."""
+        return int(self.lengths[:self.rows].max()) if self.rows else 0
+
+    @length.setter
+    def length(self, value: int) -> None:  # the base __init__ sets 0; nothing else may
+        assert value == 0, "a RaggedKVCache's rows have their own lengths"
+
+    def positions(self, C: int, device: torch.device | str | None = None) -> Tensor:
+        """Each row's next position, (rows, 1)."""
+        if C != 1:
+            raise ValueError(f"RaggedKVCache steps one token per row, got C={C}; prefill a "
+                             f"prompt in a one-row KVCache and put() it")
+        self.check_room(1)
+        return self.lengths[:self.rows, None].to(device)  # (rows, 1)
+
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        raise ValueError("RaggedKVCache only attends one token per row (attend)")
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """q, k, v (rows, H, 1, D): write row b's k, v at lengths[b], attend over its keys
+        j <= lengths[b]; -> (rows, H, 1, D)."""
+        n = q.shape[0]
+        assert n == self.rows, f"a step must feed every row in use ({self.rows}), got {n}"
+        pos = self.lengths[:n]  # (rows,)
+        idx = torch.arange(n, device=pos.device)
+        self.k[layer, idx, :, pos] = k[:, :, 0]  # (rows, H, D) at each row's own position
+        self.v[layer, idx, :, pos] = v[:, :, 0]
+        T = int(pos.max()) + 1
+        keys = torch.arange(T, device=pos.device)  # (T,)
+        mask = (keys[None, :] <= pos[:, None])[:, None, None, :]  # (rows, 1, 1, T)
+        return F.scaled_dot_product_attention(q, self.k[layer, :n, :, :T],
+                                              self.v[layer, :n, :, :T], attn_mask=mask)
+
+    def advance(self, n: int) -> None:
+        self.lengths[:self.rows] += n
+
+    def put(self, row: int, cache: KVCache) -> None:
+        """Fill ``row`` with the one-row ``cache`` (a prefilled prompt)."""
+        n = cache.length
+        if n > self.max_len:
+            raise ValueError(f"{n} cached positions do not fit max_len {self.max_len}")
+        self.k[:, row, :, :n] = cache.k[:, 0, :, :n]
+        self.v[:, row, :, :n] = cache.v[:, 0, :, :n]
+        self.lengths[row] = n
+
+    def remove(self, row: int) -> None:
+        """Free ``row``: the last row in use moves into its place (rows shrinks by one)."""
+        last = self.rows - 1
+        if row != last:
+            n = int(self.lengths[last])
+            self.k[:, row, :, :n] = self.k[:, last, :, :n]
+            self.v[:, row, :, :n] = self.v[:, last, :, :n]
+            self.lengths[row] = n
+        self.lengths[last] = 0
+        self.rows = last
+
+    def reset(self) -> None:
+        self.lengths.zero_()
+        self.rows = 0
 
 
 # --- multi-head attention ---------------------------------------------------------------
@@ -308,6 +397,10 @@ class MultiHeadAttention(nn.Module):
         """
         B, C, _ = x.shape
         start = cache.length if cache is not None else 0
+        if cache is not None and (self.rope_theta is not None or self.n_kv_head != self.n_head) \
+                and cache.positions(C).dim() != 1:
+            raise ValueError("a cache whose rows have their own positions (RaggedKVCache) "
+                             "is not supported for RoPE or grouped-query attention yet")
         q, k, v = self._heads(x, start)  # (B, H, C, D), 2 × (B, H_kv, C, D)
         gqa = self.n_kv_head != self.n_head
         if cache is not None and C == 1 and not return_weights \

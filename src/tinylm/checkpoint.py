@@ -16,6 +16,7 @@ run killed mid-save never leaves a folder that looks complete but is not.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -25,8 +26,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from tinylm.config import ModelConfig
+from tinylm.config import ModelConfig, check_model_fits
 from tinylm.errors import CheckpointError, ConfigError, TinyLMError
+from tinylm.jsonio import read_json
 from tinylm.model import GPT
 
 FORMAT = "tinylm"
@@ -36,6 +38,8 @@ WEIGHTS_FILE = "model.safetensors"
 TOKENIZER_FILE = "tokenizer.json"
 STATE_TENSORS_FILE = "train_state.safetensors"
 STATE_JSON_FILE = "train_state.json"
+
+log = logging.getLogger(__name__)
 
 # Prefixes that wrappers add to parameter names: torch.compile and DDP/FSDP.
 _WRAPPER_PREFIXES = ("_orig_mod.", "module.")
@@ -187,6 +191,13 @@ def resolve_checkpoint_dir(path: str | os.PathLike) -> Path:
     return folder
 
 
+#: config.json sections that hold JSON objects when present (others are free-form).
+_OBJECT_SECTIONS = ("train", "lowrank", "compress")
+#: The largest config.json read (tinylm's are a few kB; a lowrank map of a huge model
+#: stays far below this).
+CONFIG_MAX_BYTES = 16 * 1024 * 1024
+
+
 def read_config(path: str | os.PathLike) -> dict[str, Any]:
     """config.json of a checkpoint folder (or run folder), checked for format and version."""
     folder = resolve_checkpoint_dir(path)
@@ -196,19 +207,27 @@ def read_config(path: str | os.PathLike) -> dict[str, Any]:
                               f"folder of 'tinylm train' or 'tinylm convert'")
     cfg_path = folder / CONFIG_FILE
     try:
-        data = json.loads(cfg_path.read_text(encoding="utf-8"))
+        data = read_json(cfg_path, error=CheckpointError, max_bytes=CONFIG_MAX_BYTES,
+                         fix="the checkpoint is corrupt, restore it or retrain")
     except FileNotFoundError as exc:
         raise CheckpointError(f"{cfg_path} is missing: {folder} is not a complete tinylm "
                               f"checkpoint") from exc
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{cfg_path} is not valid JSON ({exc}); the checkpoint is "
-                              f"corrupt, restore it or retrain") from exc
     if not isinstance(data, dict) or data.get("format") != FORMAT or "model" not in data:
         raise CheckpointError(f"{cfg_path} is not a tinylm checkpoint config; for a Hugging "
                               f"Face folder use 'tinylm convert --from-hf'")
-    if data.get("version", 0) > VERSION:
+    version = data.get("version", 0)
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        raise CheckpointError(f"{cfg_path} has format version {version!r}, not a whole number "
+                              f"such as {VERSION}; the checkpoint is corrupt, restore it or "
+                              f"retrain")
+    if version > VERSION:
         raise CheckpointError(f"{folder} was written by a newer tinylm (format version "
-                              f"{data['version']}); upgrade tinylm")
+                              f"{version}); upgrade tinylm")
+    for section in ("model", *_OBJECT_SECTIONS):
+        if section in data and not isinstance(data[section], dict):
+            raise CheckpointError(f"{cfg_path}: \"{section}\" must be a JSON object, got "
+                                  f"{type(data[section]).__name__}; the checkpoint is corrupt, "
+                                  f"restore it or retrain")
     return data
 
 
@@ -220,10 +239,17 @@ def read_tensors(path: str | os.PathLike) -> dict[str, Tensor]:
     if not p.is_file():
         raise CheckpointError(f"{p} is missing; the checkpoint is incomplete")
     try:
+        try:
+            str(p).encode("utf-8")
+        except UnicodeEncodeError:  # safetensors takes UTF-8 paths only: read the bytes
+            from safetensors.torch import load as load_bytes
+
+            return load_bytes(p.read_bytes())
         return load_file(str(p))
     except Exception as exc:  # safetensors raises several types for corrupt headers/data
-        raise CheckpointError(f"{p} is corrupt or not a safetensors file ({exc}); restore it "
-                              f"or retrain") from exc
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise CheckpointError(f"{p} is corrupt or not a safetensors file ({reason}); restore "
+                              f"it or retrain") from None
 
 
 def build_model(config: dict[str, Any]) -> GPT:
@@ -232,6 +258,11 @@ def build_model(config: dict[str, Any]) -> GPT:
         model_config = ModelConfig.from_dict(config["model"])
     except (ConfigError, TypeError) as exc:
         raise CheckpointError(f"config.json has an invalid model config: {exc}") from exc
+    try:  # estimated before allocating: a hostile n_layer must not eat the machine
+        check_model_fits(model_config, "cpu")
+    except ConfigError as exc:
+        raise CheckpointError(f"config.json describes a model too large to load: {exc}") \
+            from None
     model = GPT(model_config)
     lowrank = config.get("lowrank")
     if lowrank:
@@ -241,8 +272,14 @@ def build_model(config: dict[str, Any]) -> GPT:
     return model
 
 
-def load_model(path: str | os.PathLike, device: torch.device | str = "cpu") -> GPT:
-    """The model stored in a checkpoint folder, in eval mode, on ``device``."""
+def load_model(path: str | os.PathLike, device: torch.device | str = "cpu", *,
+               allow_nonfinite: bool = False) -> GPT:
+    """The model stored in a checkpoint folder, in eval mode, on ``device``.
+
+    Weights stored in another float dtype (float16, bfloat16, float64) are cast to the
+    model's with a note; integer or bool weights are refused, and so are NaN/infinite
+    weights unless ``allow_nonfinite``.
+    """
     path = resolve_checkpoint_dir(path)
     config = read_config(path)
     model = build_model(config)
@@ -263,8 +300,48 @@ def load_model(path: str | os.PathLike, device: torch.device | str = "cpu") -> G
                 f"{path}: weight {key} has shape {tuple(value.shape)} but config.json implies "
                 f"{tuple(own[key].shape)}; the folder mixes files from different models"
             )
+    state = _check_weights(path, state, own, allow_nonfinite)
     model.load_state_dict(state, strict=False)
     return model.to(device).eval()
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _check_weights(path: Path, state: dict[str, Tensor], own: dict[str, Tensor],
+                   allow_nonfinite: bool) -> dict[str, Tensor]:
+    """``state`` cast to the model's dtypes; refuses non-float and (unless allowed)
+    non-finite weights. One pass over the tensors."""
+    cast: dict[str, tuple[torch.dtype, torch.dtype]] = {}
+    bad, first = 0, None
+    out = {}
+    for key, value in state.items():
+        want = own[key].dtype
+        if value.dtype != want:
+            if not value.is_floating_point() or not want.is_floating_point:
+                raise CheckpointError(
+                    f"{path}: weight {key} is stored as {_dtype_name(value.dtype)} but the "
+                    f"model's weights are {_dtype_name(want)}; the file was relabelled or "
+                    f"damaged, restore it or retrain")
+            cast.setdefault(key, (value.dtype, want))
+            value = value.to(want)
+        if not allow_nonfinite and value.is_floating_point():
+            n = value.numel() - int(torch.isfinite(value).sum())
+            if n and first is None:
+                first = key
+            bad += n
+        out[key] = value
+    if bad:
+        raise CheckpointError(
+            f"{path}: {bad:,} weights are NaN or infinite (the first in {first}); training "
+            f"diverged or the file is damaged: use an earlier checkpoint (e.g. the run's "
+            f"best/), or load them anyway with eval/sample --allow-nonfinite")
+    if cast:
+        kinds = sorted({_dtype_name(a) for a, _ in cast.values()})
+        log.warning("note: %s: %d weight tensors stored as %s were cast to %s", path,
+                    len(cast), "/".join(kinds), _dtype_name(next(iter(cast.values()))[1]))
+    return out
 
 
 def load_tokenizer_of(path: str | os.PathLike):
@@ -283,9 +360,65 @@ def load_tokenizer_of(path: str | os.PathLike):
                               f"'tinylm prepare'") from exc
 
 
-def load_checkpoint(path: str | os.PathLike, device: torch.device | str = "cpu"):
-    """(model, tokenizer or None) from a checkpoint folder."""
-    return load_model(path, device), load_tokenizer_of(path)
+def load_checkpoint(path: str | os.PathLike, device: torch.device | str = "cpu", *,
+                    allow_nonfinite: bool = False):
+    """(model, tokenizer or None) from a checkpoint folder (see :func:`load_model`)."""
+    return load_model(path, device, allow_nonfinite=allow_nonfinite), load_tokenizer_of(path)
+
+
+def describe_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """What ``tinylm info`` shows about a checkpoint or run folder, as JSON-ready values.
+
+    Keys: folder, model (config fields), parameters, nonfinite (count of NaN/inf
+    weights), tokenizer ({kind, vocab_size, eos} or None), step and val_loss (from the
+    training state, the best/ record or the run's metrics.jsonl; None when unknown),
+    lowrank ({layer: rank}, empty when none).
+    """
+    folder = resolve_checkpoint_dir(path)
+    config = read_config(folder)
+    model = load_model(folder, allow_nonfinite=True)
+    nonfinite = sum(p.numel() - int(torch.isfinite(p).sum()) for p in model.parameters())
+    tok = load_tokenizer_of(folder)
+    tokenizer = None
+    if tok is not None:
+        eos = tok.eos_id
+        tokenizer = {"kind": tok.kind, "vocab_size": tok.vocab_size,
+                     "eos": None if eos is None else tok.decode([eos]) or f"id {eos}"}
+    step, val_loss = _training_progress(folder, config)
+    return {"folder": str(folder), "model": model.config.to_dict(),
+            "parameters": model.num_parameters(), "nonfinite": nonfinite,
+            "tokenizer": tokenizer, "step": step, "val_loss": val_loss,
+            "lowrank": dict(config.get("lowrank") or {})}
+
+
+def _training_progress(folder: Path, config: dict[str, Any]) -> tuple[int | None, float | None]:
+    """(step, val loss) of a checkpoint: its training state, its "best" record, and the
+    last validation loss in the run's metrics.jsonl (the folder's parent)."""
+    step = val = None
+    best = config.get("best") if isinstance(config.get("best"), dict) else {}
+    try:
+        meta = read_json(folder / STATE_JSON_FILE, error=CheckpointError)
+    except (FileNotFoundError, CheckpointError):
+        meta = {}
+    meta = meta if isinstance(meta, dict) else {}
+    for source in (meta, best):
+        if step is None and isinstance(source.get("step"), int):
+            step = source["step"]
+    if isinstance(best.get("val_loss"), (int, float)):
+        val = float(best["val_loss"])
+    metrics = folder.parent / "metrics.jsonl"
+    if val is None and metrics.is_file() and metrics.stat().st_size < 256 * 1024 * 1024:
+        for line in metrics.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict) and isinstance(record.get("val_loss"), (int, float)) \
+                    and (step is None or record.get("step") == step):
+                val = float(record["val_loss"])
+    if val is None and isinstance(meta.get("best_val_loss"), (int, float)):
+        val = float(meta["best_val_loss"])
+    return step, val
 
 
 def load_train_state(path: str | os.PathLike) -> tuple[dict[str, Tensor], dict[str, Any]]:

@@ -9,6 +9,7 @@ library. Only this module prints. Errors a user can cause are ``TinyLMError``s:
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import sys
 from collections.abc import Callable, Sequence
@@ -19,6 +20,46 @@ from tinylm.errors import TinyLMError
 log = logging.getLogger("tinylm")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (exit 2, as for every TinyLMError) and '--' read as
+    a flag's value in ``--flag=--`` (argparse before 3.12 turns it into an empty list)."""
+
+    def _get_formatter(self):  # argparse asks the terminal's size once per flag otherwise
+        return self.formatter_class(prog=self.prog, width=_help_width())
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}; see '{self.prog} --help'\n")
+
+    def _get_values(self, action, arg_strings):  # type: ignore[override]
+        if arg_strings == ["--"] and action.option_strings and action.nargs is None:
+            value = self._get_value(action, "--")
+            self._check_value(action, value)
+            return value
+        return super()._get_values(action, arg_strings)
+
+
+@functools.lru_cache(maxsize=1)
+def _help_width() -> int:
+    import shutil
+
+    return max(shutil.get_terminal_size().columns - 2, 20)  # what argparse itself uses
+
+
+def _count(value: str) -> int:
+    """An integer flag that also takes integral scientific notation ("1e6")."""
+    try:
+        return int(value)
+    except ValueError:
+        pass
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
+    if number != number or number in (float("inf"), float("-inf")) or number != int(number):
+        raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}")
+    return int(number)
+
+
 # --- subcommands ------------------------------------------------------------------------
 # Each entry: (name, adder). The adder creates the subparser and sets func=<handler>.
 # Keep one _add_/_cmd_ pair per command below, in the order of the list.
@@ -27,45 +68,111 @@ log = logging.getLogger("tinylm")
 def _add_info(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "info",
-        help="show versions, the device tinylm would use, and a model's shape",
-        description="Print tinylm/torch versions and the device tinylm picks "
-        "(cuda > mps > cpu). With --model DIR, also the checkpoint's config and "
-        "parameter count.",
+        help="show versions, the device and native kernels, and what a model is",
+        description="Print tinylm/torch versions, the device tinylm picks (cuda > mps > "
+        "cpu) and whether its native kernels are active. Given a checkpoint or run folder, "
+        "also its architecture, parameter count, tokenizer kind and size, training step "
+        "and validation loss, and low-rank ranks.",
     )
-    p.add_argument("--model", metavar="DIR", help="a checkpoint folder to describe")
+    p.add_argument("run", nargs="?", metavar="RUN",
+                   help="a checkpoint folder or training run folder to describe")
+    p.add_argument("--model", metavar="DIR", help="the same as RUN")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_cmd_info)
 
 
+def _native_status() -> str:
+    """'active' or 'off' for the native kernels, asked through the acceleration door."""
+    from tinylm import acceleration
+
+    native = getattr(acceleration, "native", None)
+    available = getattr(acceleration, "available", None) or getattr(native, "available", None)
+    if native is None or not callable(available):
+        return "off (no native package)"
+    try:
+        return "active" if available() else "off (torch's kernels)"
+    except Exception:  # a broken build must not break `info`
+        return "off (torch's kernels)"
+
+
 def _cmd_info(args: argparse.Namespace) -> int:
+    import json
+
     import torch
 
+    from tinylm.checkpoint import describe_checkpoint
     from tinylm.config import resolve_device
+    from tinylm.errors import ConfigError
 
-    print(f"tinylm {__version__}, torch {torch.__version__}, device {resolve_device()}")
-    if args.model:
-        from tinylm.checkpoint import load_checkpoint
-
-        model, _tok = load_checkpoint(args.model)
-        print(model.config.to_json())
-        print(f"parameters: {model.num_parameters():,}")
+    if args.run and args.model and args.run != args.model:
+        raise ConfigError(f"give the folder once: RUN ({args.run}) or --model ({args.model})")
+    folder = args.run or args.model
+    runtime = {"tinylm": __version__, "torch": torch.__version__,
+               "device": str(resolve_device()), "native_kernels": _native_status()}
+    info = describe_checkpoint(folder) if folder else None
+    if args.json:
+        print(json.dumps({**runtime, **({"checkpoint": info} if info else {})}))
+        return 0
+    print(f"tinylm {runtime['tinylm']}, torch {runtime['torch']}, device {runtime['device']}, "
+          f"native kernels {runtime['native_kernels']}")
+    if info is not None:
+        for label, text in _info_lines(info):
+            print(f"{label:<13} {text}")
     return 0
+
+
+def _info_lines(info: dict) -> list[tuple[str, str]]:
+    m = dict(info["model"])
+    sizes = [f"{m.pop(k)} {label}" for k, label in (
+        ("n_layer", "layers"), ("n_head", "heads"), ("head_dim", "dims/head"),
+        ("n_embd", "n_embd"), ("context_length", "context"), ("vocab_size", "vocab"))
+        if k in m]
+    options = ", ".join(f"{k}={v}" for k, v in sorted(m.items()))
+    tok = info["tokenizer"]
+    tok_text = "none (no tokenizer.json)" if tok is None else (
+        f"{tok['kind']}, {tok['vocab_size']:,} tokens, end-of-text "
+        f"{tok['eos'] if tok['eos'] is not None else 'none'}")
+    step, val = info["step"], info["val_loss"]
+    training = ", ".join(([f"step {step:,}"] if step is not None else [])
+                         + ([f"val loss {val:.4f}"] if val is not None else [])) or "unknown"
+    ranks = info["lowrank"]
+    lowrank = "none (full-rank)" if not ranks else (
+        f"{len(ranks)} layers, ranks {min(ranks.values())}..{max(ranks.values())}: "
+        + ", ".join(f"{k} {v}" for k, v in list(ranks.items())[:6])
+        + (", ..." if len(ranks) > 6 else ""))
+    lines = [("checkpoint", info["folder"]), ("architecture", ", ".join(sizes)),
+             ("options", options), ("parameters", f"{info['parameters']:,}"),
+             ("tokenizer", tok_text), ("training", training), ("low-rank", lowrank)]
+    if info["nonfinite"]:
+        lines.append(("WARNING", f"{info['nonfinite']:,} weights are NaN or infinite"))
+    return lines
 
 
 def _add_prepare(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "prepare",
-        help="text -> tokenizer.json + train.bin/val.bin token shards + meta.json",
-        description="Tokenize a file, a folder of files, standard input or a built-in "
-        "corpus (default: python-docs, no download) into --out: tokenizer.json, "
-        "train.bin and val.bin (uint16 when the vocabulary fits, else uint32) and "
-        "meta.json. Streams the input, so it scales to multi-GB corpora; writes "
-        "atomically, so an interrupted run leaves the folder as it was.",
+        help="text/JSONL/Parquet/datasets -> tokenizer.json + token shards + meta.json",
+        description="Tokenize files (text, .jsonl, .jsonl.gz, .jsonl.zst, .parquet, a "
+        "datasets save_to_disk folder), folders or globs of them, standard input or a "
+        "built-in corpus (default: python-docs, no download) into --out: tokenizer.json, "
+        "train-NNNNN.bin and val-NNNNN.bin shards (uint16 when the vocabulary fits, else "
+        "uint32) and meta.json. Each record or text file is one document; documents are "
+        "joined with the end-of-text token. Streams the input in two passes with flat "
+        "memory, encodes on every core, and writes atomically, so an interrupted run "
+        "leaves the folder as it was.",
     )
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--input", action="append", metavar="FILE|DIR|-",
-                     help="text file, folder of text files, or - for stdin (repeatable)")
+    src.add_argument("--input", action="append", metavar="FILE|DIR|GLOB|-",
+                     help="a text, JSONL or Parquet file, a folder of them (or a datasets "
+                     "folder), a quoted glob, or - for stdin (repeatable)")
     src.add_argument("--corpus", metavar="NAME",
-                     help="a built-in corpus (python-docs); the default without --input")
+                     help="a built-in corpus (default: python-docs, when no --input is given)")
+    p.add_argument("--text-field", default="text", metavar="NAME",
+                   help="the records' text field in JSONL/Parquet/datasets inputs; dotted "
+                   "for nested fields, e.g. meta.text (default: text)")
+    p.add_argument("--skip-bad", action="store_true",
+                   help="skip records whose text field is missing, null or not a string "
+                   "(counted and reported) instead of refusing the input")
     p.add_argument("--tokenizer", default="char", metavar="char|bpe|PATH",
                    help="char (one token per character), bpe (byte-level BPE trained on "
                    "the input), or an existing tokenizer.json / folder with vocab.json + "
@@ -73,10 +180,24 @@ def _add_prepare(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--vocab-size", type=int, default=4096, metavar="N",
                    help="BPE vocabulary size, at least 256 + special tokens (default: 4096)")
     p.add_argument("--val-fraction", type=float, default=0.1, metavar="F",
-                   help="fraction of tokens held out in val.bin (default: 0.1)")
+                   help="fraction of the documents held out for validation, whole and "
+                   "spread evenly; a single document splits by tokens (default: 0.1)")
+    p.add_argument("--val-files", action="append", default=[], metavar="FILE|DIR|GLOB",
+                   help="validation documents from these inputs instead (repeatable)")
     p.add_argument("--context-length", type=int, default=256, metavar="C",
                    help="context length the data is for: each split needs at least C + 1 "
                    "tokens (default: 256)")
+    p.add_argument("--doc-separator", default=None, metavar="TEXT",
+                   help="what goes between documents: a special token, any text, or '' for "
+                   "nothing (default: the tokenizer's end-of-text token, a line break if it "
+                   "has none)")
+    p.add_argument("--dedup", action="store_true",
+                   help="drop exact duplicate documents (by hash), counted in meta.json")
+    p.add_argument("--shard-tokens", type=int, default=100_000_000, metavar="N",
+                   help="at most N tokens per shard file (default: 100000000)")
+    p.add_argument("--workers", type=int, default=None, metavar="N",
+                   help="encoding processes; the output is the same for any N (default: "
+                   "every core for inputs over 16 MB, else 1)")
     p.add_argument("--unknown", choices=("error", "replace"), default="error",
                    help="char tokenizer, later text with unseen characters: error, or "
                    "replace them with <unk> (default: error)")
@@ -112,22 +233,31 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
     import time
 
     from tinylm.data import prepare
+    from tinylm.readers import display_path
 
     start = time.perf_counter()
     data = prepare(
         args.out, args.input, corpus=args.corpus, tokenizer=args.tokenizer,
-        vocab_size=args.vocab_size, val_fraction=args.val_fraction,
+        vocab_size=args.vocab_size, val_fraction=args.val_fraction, val_files=args.val_files,
         context_length=args.context_length, unknown=args.unknown, errors=args.errors,
         special_tokens=args.special_tokens, glob=args.glob, force=args.force,
         bpe_train_mb=args.bpe_train_mb, progress=False if args.no_progress else None,
+        text_field=args.text_field, skip_bad=args.skip_bad, doc_separator=args.doc_separator,
+        dedup=args.dedup, shard_tokens=args.shard_tokens, workers=args.workers,
     )
     seconds = time.perf_counter() - start
     meta = data.meta
     mb = meta["input_bytes"] / 1e6
-    print(f"prepared {data.dir}: {meta['train_tokens']:,} train + {meta['val_tokens']:,} val "
-          f"tokens ({meta['dtype']}), {data.tokenizer.kind} tokenizer with "
-          f"{data.vocab_size:,} tokens, from {meta['source']} ({mb:.2f} MB) in {seconds:.1f} s "
-          f"({mb / max(seconds, 1e-9):.1f} MB/s)")
+    docs = meta["documents"]
+    extra = "".join(f", {n:,} {what}" for what, n in (
+        ("duplicates removed", docs["duplicates_removed"]),
+        ("bad records skipped", docs["skipped_records"])) if n)
+    shards = sum(len(v) for v in meta["shards"].values())
+    print(f"prepared {display_path(data.dir)}: {meta['train_tokens']:,} train + "
+          f"{meta['val_tokens']:,} val tokens ({meta['dtype']}, {shards} shard(s)) from "
+          f"{docs['train']:,} + {docs['val']:,} documents{extra}, {data.tokenizer.kind} "
+          f"tokenizer with {data.vocab_size:,} tokens, from {meta['source']} ({mb:.2f} MB) in "
+          f"{seconds:.1f} s ({mb / max(seconds, 1e-9):.1f} MB/s, {meta['workers']} worker(s))")
     return 0
 
 
@@ -176,7 +306,7 @@ def _add_compress(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--fractions", default="0.9,0.75,0.5,0.35,0.25", metavar="P,P,...",
                    help="parameter fractions of --sweep (default: 0.9,0.75,0.5,0.35,0.25)")
     p.add_argument("--plot", metavar="FILE.png", help="with --sweep: write the loss/speed plot")
-    p.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:N or mps")
+    _device_flag(p)
     p.set_defaults(func=_cmd_compress)
 
 
@@ -298,7 +428,7 @@ _MODEL_FLAG_HELP = {
     "n_layer": "number of Transformer blocks",
     "n_head": "H, attention heads per block",
     "n_embd": "E, embedding width",
-    "head_dim": "D per head (default n_embd // n_head)",
+    "head_dim": "D per head (default: n_embd // n_head)",
     "dropout": "dropout probability while training",
     "bias": "biases in Linear layers and LayerNorms",
     "tie_embeddings": "share the token embedding with the LM head",
@@ -328,7 +458,7 @@ def _config_flags(group: argparse._ArgumentGroup, cls: type, helps: dict[str, st
         kind = str(f.type).replace(" | None", "")
         default = f.default if f.default is not dataclasses.MISSING else None
         if default is not None:
-            help_text = f"{help_text} (default {default})"
+            help_text = f"{help_text} (default: {default})"
         if kind == "bool":
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
                                help=help_text)
@@ -422,7 +552,7 @@ def _add_plot(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run folders (tinylm train --out)")
     p.add_argument("--out", default="loss-comparison.png", metavar="FILE.png",
-                   help="the PNG to write (default loss-comparison.png)")
+                   help="the PNG to write (default: loss-comparison.png)")
     p.add_argument("--log-scale", action="store_true", help="log-scale loss axis")
     p.set_defaults(func=_cmd_plot)
 
@@ -449,16 +579,17 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", required=True, metavar="DIR", help="a checkpoint or run folder")
     p.add_argument("--split", choices=("val", "train"), default="val",
                    help="which split of --data (default: val)")
-    p.add_argument("--stride", type=int, metavar="N",
+    p.add_argument("--stride", type=_count, metavar="N",
                    help="sliding-window step, 1..C; each scored token then sees at least "
                    "C - N tokens of context (default: C, non-overlapping windows)")
-    p.add_argument("--batch-size", type=int, default=16, metavar="B",
+    p.add_argument("--batch-size", type=_count, default=16, metavar="B",
                    help="windows per forward pass (default: 16)")
-    p.add_argument("--max-windows", type=int, metavar="N",
+    p.add_argument("--max-windows", type=_count, metavar="N",
                    help="stop after N windows: a quick estimate instead of the exact value")
-    p.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, ...")
+    _device_flag(p)
     p.add_argument("--json", action="store_true",
                    help="print one JSON object: loss, perplexity, bits_per_byte, tokens")
+    _allow_nonfinite_flag(p)
     p.set_defaults(func=_cmd_eval)
 
 
@@ -472,7 +603,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from tinylm.evaluation import evaluate_split, evaluate_text
 
     device = resolve_device(args.device)
-    model, tokenizer = load_checkpoint(args.model, device)
+    model, tokenizer = load_checkpoint(args.model, device, allow_nonfinite=args.allow_nonfinite)
     options = {"stride": args.stride, "batch_size": args.batch_size,
                "max_windows": args.max_windows}
     if args.text is not None:
@@ -523,14 +654,21 @@ def _add_explain(sub: argparse._SubParsersAction) -> None:
                    help="print JSON: a list of rows {token, id, position, candidates: "
                    "[{token, id, prob}]} (with --neighbours, their list too)")
     p.add_argument("--attention", metavar="FILE.png",
-                   help="draw all attention maps as a grid of heatmaps (needs matplotlib)")
+                   help="draw all attention maps as a grid of heatmaps, in the format the "
+                   "suffix names: .png, .jpg, .svg or .pdf (needs matplotlib)")
     p.add_argument("--html", metavar="FILE.html",
-                   help="write a self-contained offline page to explore the maps")
+                   help="write the explorer: one offline page that walks every equation of "
+                   "attention on the prompt (steps, heads, maps, logit lens, ablation, low "
+                   "rank, next-token table)")
+    p.add_argument("--layer", type=int, default=0, metavar="L",
+                   help="the layer the page opens on (default: 0)")
+    p.add_argument("--head", type=int, default=0, metavar="H",
+                   help="the head the page opens on (default: 0)")
     p.add_argument("--neighbours", metavar="TOKEN",
                    help="list the tokens nearest to TOKEN by cosine similarity of embeddings")
     p.add_argument("--count", type=int, default=10, metavar="N",
                    help="how many neighbours (default: 10)")
-    p.add_argument("--device", default="cpu", help="cpu (default), cuda, mps or auto")
+    _device_flag(p)
     p.set_defaults(func=_cmd_explain)
 
 
@@ -538,36 +676,26 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     import json
 
     from tinylm import inspection
-    from tinylm.checkpoint import load_checkpoint
-    from tinylm.config import resolve_device
-    from tinylm.errors import CheckpointError, ConfigError
+    from tinylm.explorer import run_explain
 
-    if args.prompt is None and args.neighbours is None:
-        raise ConfigError("nothing to explain; pass --prompt TEXT and/or --neighbours TOKEN")
-    if args.prompt is None and (args.attention or args.html):
-        raise ConfigError("--attention and --html draw the maps of a prompt; pass --prompt TEXT")
-    model, tokenizer = load_checkpoint(args.model, resolve_device(args.device))
-    if tokenizer is None:
-        raise CheckpointError(f"{args.model} has no tokenizer.json; explain needs the model's "
-                              f"tokenizer to show tokens")
+    report = run_explain(args.model, prompt=args.prompt, top_k=args.top_k,
+                         attention=args.attention, html_path=args.html, layer=args.layer,
+                         head=args.head, neighbours=args.neighbours, count=args.count,
+                         device=args.device)
+    for path in report.written:
+        log.info("wrote %s", path)
     out: dict[str, object] = {}
-    if args.prompt is not None:
-        explanation = inspection.explain(model, tokenizer, args.prompt, top_k=args.top_k)
-        out["rows"] = explanation.to_json()
-        if args.attention:
-            log.info("wrote %s", inspection.plot_attention(explanation, args.attention))
-        if args.html:
-            log.info("wrote %s", inspection.write_html(explanation, args.html))
+    if report.explanation is not None:
+        out["rows"] = report.explanation.to_json()
         if not args.json:
-            print(inspection.format_table(explanation))
-    if args.neighbours is not None:
-        neighbours = inspection.nearest_tokens(model, tokenizer, args.neighbours, args.count)
+            print(inspection.format_table(report.explanation))
+    if report.neighbours is not None:
         out["neighbours"] = [{"token": n.token, "id": n.id, "similarity": n.similarity}
-                             for n in neighbours]
+                             for n in report.neighbours]
         if not args.json:
-            if args.prompt is not None:
+            if report.explanation is not None:
                 print()
-            print(inspection.format_neighbours(args.neighbours, neighbours))
+            print(inspection.format_neighbours(args.neighbours, report.neighbours))
     if args.json:
         print(json.dumps(out if len(out) > 1 else next(iter(out.values())), ensure_ascii=False,
                          indent=1))
@@ -641,22 +769,42 @@ def _add_sample(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--prompt", metavar="TEXT", help="the text to continue")
     src.add_argument("--prompt-file", metavar="FILE",
                      help="read the prompt from a UTF-8 file ('-' = stdin), used as is")
-    p.add_argument("--max-new-tokens", type=int, default=200, metavar="N",
+    p.add_argument("--max-new-tokens", type=_count, default=200, metavar="N",
                    help="tokens to generate per sample (default: 200)")
     p.add_argument("--temperature", type=float, default=1.0, metavar="T",
                    help="0 = greedy; <1 sharper, >1 more random (default: 1.0)")
-    p.add_argument("--top-k", type=int, metavar="K", help="sample among the K most likely")
+    p.add_argument("--top-k", type=_count, metavar="K",
+                   help="sample among the K most likely (default: all)")
     p.add_argument("--top-p", type=float, metavar="P",
                    help="sample among the smallest set of tokens whose probability reaches P "
-                   "(0 < P <= 1)")
-    p.add_argument("--seed", type=int, metavar="S", help="random seed: same seed, same text")
-    p.add_argument("--num-samples", type=int, default=1, metavar="N",
-                   help="samples generated together in one batch, printed one after another")
+                   "(0 < P <= 1) (default: all)")
+    p.add_argument("--seed", type=_count, metavar="S",
+                   help="random seed in [0, 2^63 - 1]: same seed, same text (default: random)")
+    p.add_argument("--num-samples", type=_count, default=1, metavar="N",
+                   help="samples generated together in one batch, printed one after another "
+                   "(default: 1)")
     p.add_argument("--stop", action="append", default=[], metavar="STRING",
                    help="end a sample before this string (repeatable; escapes like \\n work)")
     p.add_argument("--no-echo", action="store_true", help="print only the continuation")
-    p.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, ...")
+    _allow_nonfinite_flag(p)
+    _device_flag(p)
     p.set_defaults(func=_cmd_sample)
+
+
+def _allow_nonfinite_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--allow-nonfinite", action="store_true",
+                   help="load a model whose weights hold NaN or inf (refused otherwise)")
+
+
+def _device_flag(p: argparse.ArgumentParser) -> None:
+    """--device, with the same default and help in every command that computes."""
+    p.add_argument("--device", default="auto", metavar="DEVICE",
+                   help="auto (cuda > mps > cpu), cpu, cuda, cuda:N or mps (default: auto)")
+
+
+#: The most prompt text read from --prompt-file (a prompt uses at most its last C - 1
+#: tokens; this only stops /dev/zero or a huge file from filling memory).
+PROMPT_MAX_BYTES = 16 * 1024 * 1024
 
 
 def _read_prompt(args: argparse.Namespace) -> str:
@@ -666,22 +814,32 @@ def _read_prompt(args: argparse.Namespace) -> str:
 
     if args.prompt_file is None:
         return args.prompt or ""
-    if args.prompt_file == "-":
-        if sys.stdin is None or sys.stdin.isatty():
-            raise DataError("--prompt-file - reads the prompt from stdin, but stdin is a "
-                            "terminal; pipe text in or use --prompt")
-        try:
-            return sys.stdin.read()
-        except UnicodeDecodeError as exc:
-            raise DataError(f"stdin is not UTF-8 text ({exc}); convert it to UTF-8") from exc
+    name = "stdin" if args.prompt_file == "-" else f"prompt file {args.prompt_file}"
     try:
-        return Path(args.prompt_file).read_text(encoding="utf-8")
+        if args.prompt_file == "-":
+            if sys.stdin is None or sys.stdin.isatty():
+                raise DataError("--prompt-file - reads the prompt from stdin, but stdin is a "
+                                "terminal; pipe text in or use --prompt")
+            raw = getattr(sys.stdin, "buffer", None)  # text-only streams (tests) have none
+            data = raw.read(PROMPT_MAX_BYTES + 1) if raw is not None else \
+                sys.stdin.read(PROMPT_MAX_BYTES + 1).encode("utf-8", "surrogateescape")
+        else:
+            with open(Path(args.prompt_file), "rb") as f:
+                data = f.read(PROMPT_MAX_BYTES + 1)
     except FileNotFoundError as exc:
-        raise DataError(f"prompt file {args.prompt_file} does not exist; pass a UTF-8 text "
-                        f"file to --prompt-file") from exc
-    except (OSError, UnicodeDecodeError) as exc:
-        raise DataError(f"cannot read {args.prompt_file} as UTF-8 text ({exc}); convert it "
-                        f"to UTF-8") from exc
+        raise DataError(f"{name} does not exist; pass a UTF-8 text file to --prompt-file") \
+            from exc
+    except OSError as exc:
+        raise DataError(f"cannot read {name} ({exc.strerror or exc}); pass a UTF-8 text file "
+                        f"to --prompt-file") from exc
+    if len(data) > PROMPT_MAX_BYTES:
+        raise DataError(f"{name} is larger than {PROMPT_MAX_BYTES // 2**20} MB; a prompt uses "
+                        f"only its last context-length tokens, so pass the end of the text")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{name} is not UTF-8 text ({exc.reason} at byte {exc.start}); "
+                        f"convert it to UTF-8") from exc
 
 
 def _cmd_sample(args: argparse.Namespace) -> int:
@@ -690,19 +848,21 @@ def _cmd_sample(args: argparse.Namespace) -> int:
     from tinylm.checkpoint import load_checkpoint
     from tinylm.config import resolve_device
     from tinylm.errors import CheckpointError, ConfigError
-    from tinylm.sampling import SamplingConfig, generate_text
+    from tinylm.sampling import SamplingConfig, check_generation, generate_text
 
     SamplingConfig(args.temperature, args.top_k, args.top_p)  # check flags before loading
-    if args.max_new_tokens < 1:
-        raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.num_samples < 1:
-        raise ConfigError(f"--num-samples must be >= 1, got {args.num_samples}")
+    device = resolve_device(args.device)
+    check_generation(args.max_new_tokens, args.num_samples, args.seed, device=device)
     escapes = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
     stop = [re.sub(r"\\([ntr\\])", lambda m: escapes[m.group(1)], s) for s in args.stop]
     if any(not s for s in stop):
         raise ConfigError("--stop needs a non-empty string")
     prompt = _read_prompt(args)
-    model, tokenizer = load_checkpoint(args.model, resolve_device(args.device))
+    model, tokenizer = load_checkpoint(args.model, device,
+                                       allow_nonfinite=args.allow_nonfinite)
+    check_generation(args.max_new_tokens, args.num_samples, args.seed,
+                     prompt_tokens=len(prompt.encode("utf-8")) + 1, device=device,
+                     model_config=model.config)
     if tokenizer is None:
         raise CheckpointError(f"{args.model} has no tokenizer.json; sample needs the model's "
                               f"tokenizer to turn text into ids")
@@ -731,6 +891,58 @@ def _cmd_sample(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return n
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server (continuous batching) and a web page",
+        description="Serve a checkpoint over HTTP: POST /v1/completions, /v1/chat/completions "
+                    "(models with a chat template), /v1/explain; GET /v1/models, /health, "
+                    "/metrics; the playground and explorer page at /. Concurrent requests "
+                    "decode together in one batched step. Needs the [serve] extra.")
+    p.add_argument("--model", required=True, metavar="DIR", help="checkpoint folder")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default: 127.0.0.1; any other needs an API key)")
+    p.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' (default: $TINYLM_API_KEY; "
+                        "none on 127.0.0.1)")
+    p.add_argument("--max-batch", type=_positive, default=16, metavar="N",
+                   help="requests decoded together in one step (default: 16)")
+    p.add_argument("--max-queue", type=_positive, default=64, metavar="N",
+                   help="requests waiting beyond the batch; more get 429 (default: 64)")
+    p.add_argument("--max-tokens", type=_positive, default=256, metavar="N",
+                   help="the largest max_tokens a request may ask for (default: 256)")
+    p.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="per-request time limit; generation ends there (default: 60)")
+    p.add_argument("--threads", type=_positive, default=None, metavar="N",
+                   help="torch threads of the decoding loop (default: torch's own choice)")
+    p.add_argument("--model-name", default=None, metavar="NAME",
+                   help="the model id clients send (default: the folder's name)")
+    p.set_defaults(func=_cmd_serve)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from tinylm.errors import ConfigError
+    from tinylm.serve import serve
+
+    if not args.timeout > 0:
+        raise ConfigError(f"--timeout must be > 0 seconds, got {args.timeout}")
+    kwargs = {} if args.model_name is None else {"model_name": args.model_name}
+    serve(args.model, host=args.host, port=args.port, api_key=args.api_key,
+          max_batch=args.max_batch, max_queue=args.max_queue, max_tokens=args.max_tokens,
+          timeout=args.timeout, threads=args.threads, **kwargs)
+    return 0
+
+
 COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_prepare,
     _add_train,
@@ -740,6 +952,7 @@ COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_explain,
     _add_compress,
     _add_convert,
+    _add_serve,
     _add_info,
 ]
 
@@ -748,32 +961,72 @@ COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="tinylm",
         description="GPT-style language models from the attention equations up.",
         epilog="Run 'tinylm COMMAND --help' for the flags of one command.",
     )
     parser.add_argument("--version", action="version", version=f"tinylm {__version__}")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log debug details")
-    parser.add_argument("-q", "--quiet", action="store_true", help="log warnings only")
+    _verbosity_flags(parser, argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for add in COMMANDS:
         add(sub)
+    for command in sub.choices.values():  # -v/-q also after the command
+        _verbosity_flags(command, argparse.SUPPRESS)
+    parser.commands = dict(sub.choices)
     return parser
 
 
+def _verbosity_flags(parser: argparse.ArgumentParser, default: object) -> None:
+    parser.add_argument("-v", "--verbose", action="store_true", default=default,
+                        help="log tinylm's debug details")
+    parser.add_argument("-q", "--quiet", action="store_true", default=default,
+                        help="log warnings and errors only")
+
+
+#: Libraries whose debug/info lines are noise on tinylm's stderr, even with -v.
+_QUIET_LOGGERS = ("matplotlib", "PIL", "filelock", "urllib3", "httpx", "httpcore",
+                  "asyncio", "fsspec", "torch", "h5py")
+
+
+def _configure_logging(verbose: bool, quiet: bool) -> None:
+    """tinylm's own lines at INFO (DEBUG with -v, WARNING with -q); others at WARNING."""
+    level = logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO
+    logging.basicConfig(level=logging.WARNING if quiet else logging.INFO,
+                        format="%(message)s", stream=sys.stderr)
+    for name, want in (("tinylm", level), *((n, logging.WARNING) for n in _QUIET_LOGGERS)):
+        logger = logging.getLogger(name)
+        if logger.level != want:  # setLevel clears every logger's cache
+            logger.setLevel(want)
+
+
+@functools.lru_cache(maxsize=1)
+def _cached_parser() -> argparse.ArgumentParser:
+    """One parser per process (parsing leaves it unchanged; building costs ~30 ms)."""
+    return build_parser()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    parser = _cached_parser()
+    try:
+        args, extra = parser.parse_known_args(argv)
+        if extra:  # named by the command's parser, so the hint points at its --help
+            parser.commands.get(args.command, parser).error(
+                f"unrecognized arguments: {' '.join(extra)}")
+    except SystemExit as exc:  # --help, --version, or a bad flag (one line, status 2)
+        return exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 2
     if args.command is None:
         parser.print_help()
         return 2
-    level = logging.DEBUG if args.verbose else logging.WARNING if args.quiet else logging.INFO
-    logging.basicConfig(level=level, format="%(message)s", stream=sys.stderr)
+    _configure_logging(getattr(args, "verbose", False), getattr(args, "quiet", False))
+    for stream in (sys.stdout, sys.stderr):  # a path with undecodable bytes must print
+        if hasattr(stream, "reconfigure") and getattr(stream, "errors", "") == "strict":
+            stream.reconfigure(errors="backslashreplace")
     try:
         return int(args.func(args) or 0)
     except TinyLMError as exc:
-        print(f"tinylm {args.command}: error: {exc}", file=sys.stderr)
+        message = " ".join(str(exc).split())  # one line, whatever a message quoted
+        print(f"tinylm {args.command}: error: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"tinylm {args.command}: interrupted", file=sys.stderr)

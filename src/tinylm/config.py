@@ -32,6 +32,32 @@ def _check_fraction(name: str, value: Any, *, low: float = 0.0, high: float = 1.
         raise ConfigError(f"{name} must be a number in [{low}, {high}{bracket}, got {value!r}")
 
 
+#: The largest integer any field of a config accepts (sizes are int32 in every kernel and
+#: file format tinylm writes; counters and seeds are int64), and tighter bounds on sizes
+#: that no real model reaches (the deepest published models have ~100 blocks): a value
+#: past these is a typo or a hostile file, refused before anything is allocated.
+_INT_MAX = {"ModelConfig": 2**31 - 1}
+_INT64_MAX = 2**63 - 1
+_PLAUSIBLE_MAX = {"n_layer": 10_000}
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _check_plausible(kind: str, data: dict[str, Any]) -> None:
+    """Every integer value of ``data`` within the limits above (generic over fields)."""
+    limit = _INT_MAX.get(kind, _INT64_MAX)
+    for name, value in data.items():
+        if isinstance(value, bool) or not isinstance(value, int):
+            continue
+        bound = min(limit, _PLAUSIBLE_MAX.get(name, limit)) if kind == "ModelConfig" else limit
+        if abs(value) > bound:
+            raise ConfigError(f"{name} = {_short(value)} is not a plausible value (at most "
+                              f"{bound:,}); fix {name} in the config")
+
+
 class _JSONMixin:
     """to_dict/from_dict/JSON for frozen dataclasses, rejecting unknown keys."""
 
@@ -43,6 +69,10 @@ class _JSONMixin:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]):
+        if not isinstance(data, dict):
+            raise ConfigError(f"a {cls.__name__} must be a JSON object / TOML table of "
+                              f"fields, got {type(data).__name__} {_short(data)}")
+        _check_plausible(cls.__name__, data)
         known = {f.name for f in fields(cls)}  # type: ignore[arg-type]
         unknown = sorted(set(data) - known)
         if unknown:
@@ -412,3 +442,107 @@ def resolve_device(name: str | None = "auto"):
     if device.type == "mps" and not torch.backends.mps.is_available():
         raise ConfigError(f"device {name!r} requested but MPS is not available; use --device cpu")
     return device
+
+
+# --- memory: estimated before a model is allocated ----------------------------------------
+
+#: Python objects of one block (modules, parameters, hooks), beyond its weights.
+_BLOCK_OVERHEAD_BYTES = 64 * 1024
+
+
+def estimate_parameters(config: ModelConfig) -> int:
+    """About how many parameters a model of ``config`` has, without building it.
+
+    Closed form over the embedding, the positional table, and per block the QKV and
+    output projections, the MLP and the norms; exact for GPT-2 layouts, within a few
+    percent for the other architecture options.
+    """
+    V, C, L, E = config.vocab_size, config.context_length, config.n_layer, config.n_embd
+    inner = config.inner_dim
+    kv = getattr(config, "kv_dim", inner)
+    ffn = getattr(config, "ffn_dim", 4 * E)
+    mats = 3 if getattr(config, "mlp", "gelu") in ("swiglu", "geglu") else 2
+    bias = bool(getattr(config, "bias", True))
+    norm = 2 * E if bias else E  # a norm's weight (and bias)
+    per_block = E * (inner + 2 * kv) + inner * E + mats * E * ffn + 2 * norm
+    if bias:
+        per_block += (inner + 2 * kv) + E + (mats - 1) * ffn + E
+    total = V * E + L * per_block + norm
+    if getattr(config, "position", "learned") == "learned":
+        total += C * E
+    if not config.tie_embeddings:
+        total += V * E
+    return total
+
+
+def estimate_model_bytes(config: ModelConfig, *, training: bool = False,
+                         parameters: int | None = None) -> int:
+    """Bytes a float32 model of ``config`` needs: weights (x4 when ``training``: gradients
+    and two AdamW moments) plus a fixed overhead per block. ``parameters`` replaces the
+    closed-form estimate when the caller knows the count."""
+    count = estimate_parameters(config) if parameters is None else parameters
+    return 4 * count * (4 if training else 1) + config.n_layer * _BLOCK_OVERHEAD_BYTES
+
+
+def available_memory(device: Any = "cpu") -> int | None:
+    """Bytes that can still be allocated on ``device`` (None when it cannot be told).
+
+    CPU: MemAvailable + SwapFree from /proc/meminfo (Linux), else psutil, else the
+    physical memory; CUDA: the free memory torch reports.
+    """
+    kind = getattr(device, "type", str(device).split(":")[0])
+    if kind == "cuda":
+        import torch
+
+        try:
+            return int(torch.cuda.mem_get_info(device)[0])
+        except (RuntimeError, AssertionError, ValueError):
+            return None
+    if kind != "cpu":
+        return None
+    try:
+        info = dict(line.split(":", 1) for line in
+                    Path("/proc/meminfo").read_text().splitlines() if ":" in line)
+        return 1024 * sum(int(info[k].split()[0]) for k in ("MemAvailable", "SwapFree")
+                          if k in info) or None
+    except (OSError, ValueError):
+        pass
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available + psutil.swap_memory().free)
+    except (ImportError, OSError):
+        pass
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def format_bytes(n: float) -> str:
+    """``n`` bytes as "1.5 GB" (decimal units, as disks and free(1) -h --si print)."""
+    if abs(n) >= 1e18:
+        return f"{n:.1e} bytes"
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(n) < 1000:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} PB"
+
+
+def check_model_fits(config: ModelConfig, device: Any = "cpu", *, training: bool = False,
+                     parameters: int | None = None) -> int:
+    """The estimated bytes of a model of ``config``; ConfigError when they cannot fit in
+    the memory available on ``device`` (the message gives the estimate). Call it before
+    allocating: ``training=True`` counts gradients and optimizer moments too."""
+    need = estimate_model_bytes(config, training=training, parameters=parameters)
+    have = available_memory(device)
+    if have is not None and need > have:
+        params = estimate_parameters(config) if parameters is None else parameters
+        extra = " with gradients and AdamW moments" if training else ""
+        raise ConfigError(
+            f"a model of this config needs about {format_bytes(need)} "
+            f"({params:,} float32 parameters{extra}) but only {format_bytes(have)} is "
+            f"available on {device}; make vocab_size, "
+            f"n_layer or n_embd smaller, or use a machine with more memory")
+    return need

@@ -6,13 +6,14 @@ every CPython install carries, so ``tinylm prepare`` works with no input at all.
 Register more named corpora in :data:`CORPORA`.
 
 :func:`write_synthetic` writes an arbitrarily large corpus of real-looking text
-(shuffled python-docs paragraphs with some Japanese lines) for tests and benchmarks.
+(shuffled python-docs paragraphs with some Japanese lines) for tests and benchmarks;
+:func:`synthetic_documents` yields the same kind of text as separate documents.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,6 +69,26 @@ _JAPANESE = [
     "東京の天気は晴れ、気温は二十三度です。🌤️",
     "カタカナ、ひらがな、漢字が混ざった文章もそのまま扱える。",
 ]
+
+
+def synthetic_documents(n_bytes: int, seed: int = 0, paragraphs: int = 8,
+                        text: str | None = None) -> Iterator[str]:
+    """Documents of ``paragraphs`` random paragraphs (python-docs, or those of ``text``,
+    with about one Japanese line in twenty paragraphs) until ``n_bytes`` of UTF-8 in all.
+    Deterministic for a given seed; one document is held at a time."""
+    source = text if text is not None else load_corpus("python-docs")
+    pool = [p for p in source.split("\n\n") if p.strip()]
+    rng = random.Random(seed)
+    written = 0
+    while written < n_bytes:
+        doc = []
+        for _ in range(paragraphs):
+            doc.append(rng.choice(pool))
+            if rng.random() < 0.05:
+                doc.append(rng.choice(_JAPANESE))
+        text_out = "\n\n".join(doc)
+        written += len(text_out.encode("utf-8"))
+        yield text_out
 
 
 def write_synthetic(path: str | Path, n_bytes: int, seed: int = 0) -> Path:

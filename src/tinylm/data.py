@@ -1,45 +1,62 @@
-"""Prepared data: text -> tokenizer + token shards, and batches for training.
+"""Prepared data: documents -> tokenizer + token shards, and batches for training.
 
-``prepare()`` turns a file, a folder of files, standard input or a built-in corpus
+``prepare()`` turns files (text, JSONL, Parquet, a ``datasets`` folder; see
+:mod:`tinylm.readers`), folders and globs of them, standard input or a built-in corpus
 into a folder holding
 
-    tokenizer.json   the tokenizer (one Hugging Face tokenizers JSON, any kind)
-    train.bin        the first (1 - val_fraction) of the token stream, raw little-endian
-    val.bin          the rest; uint16 when the vocabulary fits (V <= 65536), else uint32
-    meta.json        counts, dtype, source, tokenizer kind, sha256 of the inputs
+    tokenizer.json     the tokenizer (one Hugging Face tokenizers JSON, any kind)
+    train-00000.bin    the training split in shards of at most ``shard_tokens`` ids
+    ...                (raw little-endian uint16 when V <= 65536, else uint32)
+    val-00000.bin      the validation split, likewise
+    meta.json          counts (tokens, documents, skipped, duplicates), dtype, the shard
+                       index, the largest id, the source and sha256 of the inputs
 
-It streams: the input is read in chunks (two passes: one to build the char alphabet
-or train the BPE and hash the input, one to encode), so memory stays flat however
-large the corpus. BPE text is encoded in parallel batches of pieces cut only where
-GPT-2's pre-tokenizer cannot look across the cut (:func:`safe_split`), so the shards
-equal a one-shot encoding of the whole text. Outputs are written under temporary
-names and renamed at the end, meta.json last: a folder with meta.json is complete.
+Each record (or text file) is one document; documents are joined with a separator,
+by default the tokenizer's end-of-text token, so a window can tell where one ends.
+Validation takes whole documents (every k-th, evenly along the input, or the
+documents of ``val_files``); with a single document it falls back to the last
+fraction of the tokens.
 
-Training reads the shards memory-mapped: :func:`get_batch` draws random windows of
-C+1 tokens (inputs (B, C), targets shifted by one) from a ``torch.Generator``, and
-:func:`iter_windows` walks a split sequentially so every target is scored once.
+``prepare`` runs in phases: **scan** (pass 1: hash the inputs, count documents and bad
+records, find duplicates, build the char alphabet or train BPE on a bounded sample),
+**encode** (pass 2: documents cut into pieces where tokenization cannot look across
+the cut (:func:`safe_split`), encoded in order by worker processes, written to
+shards), **split** and **commit** (outputs staged in a temporary folder, moved in at
+the end, meta.json last: a folder with meta.json is complete). Memory stays flat in
+the corpus size.
+
+Training reads the shards memory-mapped as one stream (:class:`tinylm.shards.TokenShards`):
+:func:`get_batch` draws random windows of C+1 tokens (inputs (B, C), targets shifted by
+one) from a ``torch.Generator``, and :func:`iter_windows` walks a split sequentially
+so every target is scored once. Folders written by older versions (one ``train.bin``
+and ``val.bin``) load too.
 """
 
 from __future__ import annotations
 
-import codecs
 import hashlib
+import itertools
 import json
 import logging
+import math
+import multiprocessing
 import os
 import shutil
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections import deque
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from tinylm.corpora import corpus_names, load_corpus
 from tinylm.errors import DataError
-from tinylm.tokenizers import BPETokenizer, CharTokenizer, Tokenizer, load_tokenizer
+from tinylm.readers import BadRecords, Source, display_path, iter_documents, resolve_inputs
+from tinylm.shards import DTYPES, SHARD_RE, ShardWriter, move_tail, open_split
+from tinylm.tokenizers import EOS_NAMES, BPETokenizer, CharTokenizer, Tokenizer, load_tokenizer
 
 if TYPE_CHECKING:
     import torch
@@ -47,129 +64,21 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 FORMAT = "tinylm-prepared"
-FORMAT_VERSION = 1
-OUTPUT_NAMES = ("tokenizer.json", "train.bin", "val.bin", "meta.json")
-CHUNK_BYTES = 1 << 20  # bytes read per step of the stream (fits in cache: fastest)
-PIECE_CHARS = 1 << 16  # target length of one BPE piece handed to encode_batch
-BATCH_PIECES = 32  # pieces per encode_batch call (parallel over the CPU cores)
+FORMAT_VERSION = 2  # 1: one train.bin + val.bin; 2: shards listed in meta.json
+OUTPUT_NAMES = ("tokenizer.json", "meta.json")  # besides the shards
+LEGACY_NAMES = ("train.bin", "val.bin")
+CHUNK_BYTES = 1 << 20  # bytes read per step of a text file
+PIECE_CHARS = 1 << 16  # a long document is cut into pieces of about this many chars
+TASK_CHARS = 1 << 20  # chars of text per encoding task handed to a worker
+TASK_PIECES = 4096  # at most this many pieces (documents) per task
+SHARD_TOKENS = 100_000_000  # default --shard-tokens
+PARALLEL_MIN_BYTES = 16 << 20  # smaller inputs are encoded in-process by default
+MAX_META_BYTES = 16 << 20
 _MAX_CARRY = 64 << 20  # chars without any safe cut point before we give up streaming
+_PARALLELISM = "TOKENIZERS_PARALLELISM"
 
 
-# --- sources -------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Source:
-    """One input: a file on disk or in-memory bytes (a built-in corpus)."""
-
-    name: str
-    path: Path | None = None
-    data: bytes | None = None
-
-    @property
-    def size(self) -> int:
-        return len(self.data) if self.data is not None else self.path.stat().st_size  # type: ignore[union-attr]
-
-    def open(self) -> IO[bytes]:
-        import io
-
-        return io.BytesIO(self.data) if self.data is not None else open(self.path, "rb")  # type: ignore[arg-type]
-
-
-def _resolve_inputs(inputs: Sequence[str | Path], glob: str, out: Path) -> list[Source]:
-    """Files to read, in order; a folder's files sorted, hidden ones and --out skipped."""
-    sources: list[Source] = []
-    out = out.resolve()
-    for raw in inputs:
-        if str(raw) == "-":
-            if sys.stdin is None or sys.stdin.isatty():
-                raise DataError("--input - reads standard input, but nothing is piped in; "
-                                "use e.g. cat file.txt | tinylm prepare --input - --out DIR")
-            sources.append(Source("<stdin>"))
-            continue
-        path = Path(raw)
-        if path.is_file():
-            sources.append(Source(str(path), path=path))
-        elif path.is_dir():
-            found = sorted(
-                p for p in path.glob(glob if glob.startswith("**") else f"**/{glob}")
-                if p.is_file()
-                and not any(part.startswith(".") for part in p.relative_to(path).parts)
-                and out not in p.resolve().parents
-            )
-            if not found:
-                raise DataError(f"input folder {path} has no files matching {glob!r}; "
-                                f"put text files in it or pass --glob")
-            sources.extend(Source(str(p), path=p) for p in found)
-        elif path.exists():
-            raise DataError(f"input {path} is neither a file nor a folder; pass a text file, "
-                            f"a folder of text files, or - for standard input")
-        else:
-            raise DataError(f"input {path} does not exist; pass a text file, a folder of text "
-                            f"files, - for standard input, or --corpus python-docs")
-    return sources
-
-
-# --- streaming text ------------------------------------------------------------------------
-
-
-def _utf8_error(src: Source, offset: int, data: bytes, start: int) -> DataError:
-    byte = data[start] if start < len(data) else None
-    what = f"byte 0x{byte:02x}" if byte is not None else "a truncated character"
-    return DataError(
-        f"{src.name} is not UTF-8 text: {what} at byte offset {offset} cannot be decoded; "
-        f"convert it to UTF-8, leave it out, or pass --errors replace to substitute U+FFFD"
-    )
-
-
-def _binary_error(src: Source, offset: int) -> DataError:
-    return DataError(f"{src.name} looks binary: NUL byte at byte offset {offset}; pass text "
-                     f"files only (see --glob), or --errors replace to keep going")
-
-
-def _iter_text(sources: Sequence[Source], errors: str, chunk_bytes: int,
-               on_bytes: Callable[[int], None] | None = None,
-               hashes: list[Any] | None = None) -> Iterator[str]:
-    """Decoded text of all sources in order, in chunks of about ``chunk_bytes``.
-
-    A file that does not end in a newline is followed by one, so files never run
-    into each other. With errors="strict", invalid UTF-8 and NUL bytes (binary files)
-    raise a DataError naming the file and byte offset.
-    """
-    strict = errors == "strict"
-    last_char = "\n"
-    for k, src in enumerate(sources):
-        if k and last_char != "\n":
-            yield "\n"
-            last_char = "\n"
-        decoder = codecs.getincrementaldecoder("utf-8")("strict" if strict else "replace")
-        hasher = hashes[k] if hashes is not None else None
-        pos = 0
-        with src.open() as f:
-            while True:
-                raw = f.read(chunk_bytes)
-                if hasher is not None:
-                    hasher.update(raw)
-                pending = decoder.getstate()[0]
-                base = pos - len(pending)
-                try:
-                    text = decoder.decode(raw, final=not raw)
-                except UnicodeDecodeError as exc:
-                    nul = (pending + raw).find(b"\x00", 0, exc.start)
-                    if nul >= 0:
-                        raise _binary_error(src, base + nul) from None
-                    raise _utf8_error(src, base + exc.start, pending + raw, exc.start) from None
-                pos += len(raw)
-                if strict and "\x00" in text:
-                    at = base + len(text[: text.index("\x00")].encode("utf-8"))
-                    raise _binary_error(src, at)
-                if on_bytes is not None:
-                    on_bytes(len(raw))
-                if text:
-                    last_char = text[-1]
-                    yield text
-                if not raw:
-                    break
+# --- cutting text for byte-level BPE -------------------------------------------------------
 
 
 def safe_split(text: str, lo: int, hi: int) -> int:
@@ -199,41 +108,25 @@ def safe_split(text: str, lo: int, hi: int) -> int:
     return -1
 
 
-def _bpe_pieces(chunks: Iterator[str], piece_chars: int | None = None) -> Iterator[str]:
-    """Re-cut a text stream into pieces of about ``piece_chars`` at safe points only."""
-    piece_chars = piece_chars or PIECE_CHARS
-    carry = ""
-    for chunk in chunks:
-        buf = carry + chunk if carry else chunk
-        start = 0
-        while len(buf) - start > piece_chars:
-            p = safe_split(buf, start, start + piece_chars)
-            if p < 0:  # no cut in this window: look further, else wait for more text
-                p = safe_split(buf, start + piece_chars, len(buf))
-                if p < 0:
-                    break
-            yield buf[start:p]
-            start = p
-        carry = buf[start:]
-        if len(carry) > _MAX_CARRY:
-            raise DataError(
-                f"the input has over {_MAX_CARRY:,} characters without a space or line break "
-                f"before a non-space, which byte-level BPE cannot stream; is it text? "
-                f"Use the char tokenizer or add line breaks"
-            )
-    if carry:
-        yield carry
-
-
-def _batches(pieces: Iterator[str], n: int = BATCH_PIECES) -> Iterator[list[str]]:
-    batch: list[str] = []
-    for piece in pieces:
-        batch.append(piece)
-        if len(batch) == n:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
+def _cut(buf: str, piece_chars: int) -> tuple[list[str], str]:
+    """Pieces of about ``piece_chars`` cut from ``buf`` at safe points, and the rest."""
+    pieces, start = [], 0
+    while len(buf) - start > piece_chars:
+        p = safe_split(buf, start, start + piece_chars)
+        if p < 0:  # no cut in this window: look further, else wait for more text
+            p = safe_split(buf, start + piece_chars, len(buf))
+            if p < 0:
+                break
+        pieces.append(buf[start:p])
+        start = p
+    rest = buf[start:]
+    if len(rest) > _MAX_CARRY:
+        raise DataError(
+            f"the input has over {_MAX_CARRY:,} characters without a space or line break "
+            f"before a non-space, which byte-level BPE cannot stream; is it text? "
+            f"Use the char tokenizer or add line breaks"
+        )
+    return pieces, rest
 
 
 # --- the prepared folder -------------------------------------------------------------------
@@ -246,11 +139,12 @@ def dtype_for_vocab(vocab_size: int) -> np.dtype:
 
 @dataclass(frozen=True, eq=False)
 class PreparedData:
-    """A prepared folder: memory-mapped 1-D token arrays, meta.json and the tokenizer."""
+    """A prepared folder: each split one 1-D token sequence (a memmap for one shard, a
+    :class:`tinylm.shards.TokenShards` over several), meta.json and the tokenizer."""
 
     dir: Path
-    train: np.ndarray
-    val: np.ndarray
+    train: Any
+    val: Any
     meta: dict[str, Any] = field(repr=False)
     tokenizer: Tokenizer = field(repr=False)
 
@@ -264,89 +158,225 @@ class PreparedData:
 
 
 def _incomplete(path: Path, what: str) -> DataError:
-    return DataError(f"prepared data folder {path} is incomplete or corrupt ({what}); "
-                     f"run tinylm prepare --out {path} again")
+    return DataError(f"prepared data folder {display_path(path)} is incomplete or corrupt "
+                     f"({what}); run tinylm prepare --out {display_path(path)} again")
 
 
-def _map(path: Path, dtype: np.dtype, count: int) -> np.ndarray:
-    if count == 0:
-        return np.zeros(0, dtype=dtype)
-    return np.memmap(path, dtype=dtype, mode="r", shape=(count,))
+def _count(meta: dict[str, Any], key: str, path: Path) -> int:
+    value = meta.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise _incomplete(path, f"meta.json {key} is {value!r}, not a count")
+    return value
 
 
-def load_prepared(path: str | Path) -> PreparedData:
-    """Open a folder written by :func:`prepare` (shards memory-mapped read-only)."""
-    path = Path(path)
-    if not path.is_dir():
-        raise DataError(f"prepared data folder {path} does not exist; create it with "
-                        f"tinylm prepare --out {path}")
+def read_meta(path: Path) -> dict[str, Any]:
+    """meta.json of a prepared folder, checked: a typed one-line error for anything
+    unreadable, too large, too deeply nested, foreign, newer, or of another dtype."""
     meta_path = path / "meta.json"
     if not meta_path.is_file():
         raise _incomplete(path, "no meta.json")
     try:
+        if meta_path.stat().st_size > MAX_META_BYTES:
+            raise _incomplete(path, f"meta.json is over {MAX_META_BYTES >> 20} MB")
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
-        dtype = np.dtype(meta["dtype"])
-        counts = {"train": int(meta["train_tokens"]), "val": int(meta["val_tokens"])}
-        vocab_size = int(meta["vocab_size"])
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise _incomplete(path, f"unreadable meta.json: {exc}") from exc
-    if meta.get("format") != FORMAT:
-        raise DataError(f"{meta_path} is not a tinylm prepared-data meta.json; "
-                        f"run tinylm prepare --out {path}")
-    if meta.get("version", 0) > FORMAT_VERSION:
-        raise DataError(f"{path} was prepared by a newer tinylm (format version "
-                        f"{meta.get('version')}); upgrade tinylm or prepare it again")
-    arrays = {}
-    for split, count in counts.items():
-        shard = path / f"{split}.bin"
-        if not shard.is_file():
-            raise _incomplete(path, f"no {split}.bin")
-        size = shard.stat().st_size
-        if size != count * dtype.itemsize:
-            raise _incomplete(path, f"{split}.bin has {size} bytes, meta.json says "
-                                    f"{count} {dtype.name} tokens = {count * dtype.itemsize}")
-        arrays[split] = _map(shard, dtype, count)
+    except RecursionError:
+        raise _incomplete(path, "unreadable meta.json: nested too deeply") from None
+    except (OSError, ValueError) as exc:
+        line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise _incomplete(path, f"unreadable meta.json: {line}") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise DataError(f"{display_path(meta_path)} is not a tinylm prepared-data meta.json; "
+                        f"run tinylm prepare --out {display_path(path)}")
+    version = meta.get("version", 0)
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise DataError(f"{display_path(path)} was prepared by a newer tinylm (format "
+                        f"version {version!r}); upgrade tinylm or prepare it again")
+    if meta.get("dtype") not in DTYPES:
+        raise _incomplete(path, f"meta.json says dtype {meta.get('dtype')!r}; prepare writes "
+                                f"only {' or '.join(DTYPES)}")
+    for key in ("train_tokens", "val_tokens", "vocab_size"):
+        _count(meta, key, path)
+    return meta
+
+
+def _shard_index(path: Path, meta: dict[str, Any], split: str) -> list[dict[str, Any]]:
+    if meta.get("version", 1) < 2:
+        return [{"file": f"{split}.bin", "tokens": meta[f"{split}_tokens"]}]
+    entries = (meta.get("shards") or {}).get(split) if isinstance(meta.get("shards"), dict) \
+        else None
+    if not isinstance(entries, list):
+        raise _incomplete(path, f"meta.json has no shard index for {split}")
+    for e in entries:
+        if not (isinstance(e, dict) and isinstance(e.get("file"), str)
+                and SHARD_RE.match(e["file"]) and e["file"].startswith(split + "-")):
+            raise _incomplete(path, f"meta.json lists a bad {split} shard {e!r}")
+        _count(e, "tokens", path)
+    if sum(e["tokens"] for e in entries) != meta[f"{split}_tokens"]:
+        raise _incomplete(path, f"the {split} shards do not add up to {split}_tokens")
+    return entries
+
+
+def load_prepared(path: str | Path) -> PreparedData:
+    """Open a folder written by :func:`prepare` (shards memory-mapped read-only).
+
+    Checks meta.json, every shard's size, the tokenizer's size, and that no token id
+    (the largest is recorded at prepare time) reaches past the tokenizer's vocabulary.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise DataError(f"prepared data folder {display_path(path)} does not exist; create it "
+                        f"with tinylm prepare --out {display_path(path)}")
+    meta = read_meta(path)
+    dtype = np.dtype(meta["dtype"])
+    splits = {}
+    for split in ("train", "val"):
+        entries = _shard_index(path, meta, split)
+        for e in entries:
+            shard = path / e["file"]
+            if not shard.is_file():
+                raise _incomplete(path, f"no {e['file']}")
+            size = shard.stat().st_size
+            if size != e["tokens"] * dtype.itemsize:
+                raise _incomplete(path, f"{e['file']} has {size} bytes, meta.json says "
+                                        f"{e['tokens']} {dtype.name} tokens = "
+                                        f"{e['tokens'] * dtype.itemsize}")
+        splits[split] = open_split(path, entries, dtype)
     if not (path / "tokenizer.json").is_file():
         raise _incomplete(path, "no tokenizer.json")
     tokenizer = load_tokenizer(path / "tokenizer.json")
-    if tokenizer.vocab_size != vocab_size:
+    if tokenizer.vocab_size != meta["vocab_size"]:
         raise _incomplete(path, f"tokenizer.json has {tokenizer.vocab_size} tokens, "
-                                f"meta.json says {vocab_size}")
-    return PreparedData(path, arrays["train"], arrays["val"], meta, tokenizer)
+                                f"meta.json says {meta['vocab_size']}")
+    top = meta.get("max_token_id")
+    if top is None:  # format 1 did not record it: look
+        top = max((int(a.max()) for a in splits.values() if len(a)), default=0)
+    if isinstance(top, bool) or not isinstance(top, int) or top >= tokenizer.vocab_size:
+        raise DataError(f"{display_path(path)} holds token ids up to {top!r}, outside its "
+                        f"tokenizer's vocabulary of {tokenizer.vocab_size}; the shards were "
+                        f"made with another tokenizer — run tinylm prepare again")
+    return PreparedData(path, splits["train"], splits["val"], meta, tokenizer)
 
 
-# --- prepare -------------------------------------------------------------------------------
+# --- prepare: options ------------------------------------------------------------------------
 
 
-def _check_args(tokenizer: str, vocab_size: int, val_fraction: float, context_length: int,
-                unknown: str, errors: str, special_tokens: Sequence[str]) -> None:
-    if not isinstance(val_fraction, (int, float)) or not 0 < val_fraction < 1:
+@dataclass
+class _Options:
+    """Every prepare() argument, checked; ``settings`` is what a re-run must match."""
+
+    out: Path
+    inputs: list[str | Path]
+    val_files: list[str | Path]
+    corpus: str | None
+    tok_spec: str
+    given: Tokenizer | None
+    vocab_size: int
+    val_fraction: float
+    context_length: int
+    unknown: str
+    errors: str
+    special_tokens: list[str]
+    glob: str
+    force: bool
+    progress: bool | None
+    bpe_train_mb: float | None
+    chunk_bytes: int
+    text_field: str
+    skip_bad: bool
+    doc_separator: str | None
+    dedup: bool
+    shard_tokens: int
+    workers: int | None
+    settings: dict[str, Any] = field(default_factory=dict)
+
+
+def _positive_int(value: Any, what: str, hint: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise DataError(f"{what} must be a positive integer, got {value!r}; {hint}")
+
+
+def _check_args(o: _Options) -> None:
+    if not isinstance(o.val_fraction, (int, float)) or not 0 < o.val_fraction < 1:
         raise DataError(f"val fraction must be between 0 and 1 (exclusive), got "
-                        f"{val_fraction!r}; the default is 0.1")
-    if isinstance(context_length, bool) or not isinstance(context_length, int) \
-            or context_length < 1:
-        raise DataError(f"context length must be a positive integer, got {context_length!r}")
-    if unknown not in ("error", "replace"):
-        raise DataError(f"--unknown must be error or replace, got {unknown!r}")
-    if errors not in ("strict", "replace"):
-        raise DataError(f"--errors must be strict or replace, got {errors!r}")
-    if tokenizer == "bpe":
-        minimum = 256 + len(set(special_tokens))
-        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) \
-                or vocab_size < minimum:
+                        f"{o.val_fraction!r}; the default is 0.1")
+    _positive_int(o.context_length, "context length", "the default is 256")
+    _positive_int(o.shard_tokens, "--shard-tokens", f"the default is {SHARD_TOKENS:,}")
+    if o.workers is not None:
+        _positive_int(o.workers, "--workers", "omit it to use every core")
+    if o.unknown not in ("error", "replace"):
+        raise DataError(f"--unknown must be error or replace, got {o.unknown!r}")
+    if o.errors not in ("strict", "replace"):
+        raise DataError(f"--errors must be strict or replace, got {o.errors!r}")
+    if o.tok_spec == "bpe":
+        minimum = 256 + len(o.special_tokens)
+        if isinstance(o.vocab_size, bool) or not isinstance(o.vocab_size, int) \
+                or o.vocab_size < minimum:
             raise DataError(
-                f"vocab size {vocab_size!r} is too small for byte-level BPE: it needs the 256 "
-                f"byte tokens plus {len(set(special_tokens))} special token(s), so at least "
+                f"vocab size {o.vocab_size!r} is too small for byte-level BPE: it needs the "
+                f"256 byte tokens plus {len(o.special_tokens)} special token(s), so at least "
                 f"{minimum}; use --vocab-size {max(minimum, 512)} or more (default 4096)"
             )
+    if o.bpe_train_mb is not None and not (isinstance(o.bpe_train_mb, (int, float))
+                                           and o.bpe_train_mb > 0):
+        raise DataError(f"BPE training size must be a positive number of MB, got "
+                        f"{o.bpe_train_mb!r}")
+    if o.inputs and o.corpus:
+        raise DataError("pass either inputs or a corpus, not both")
+    if o.val_files and not o.inputs:
+        raise DataError("--val-files needs --input for the training documents")
+    if not o.inputs and o.corpus not in corpus_names():
+        raise DataError(f"unknown corpus {o.corpus!r}; built-in corpora: "
+                        f"{', '.join(corpus_names())}")
 
 
-def _tmp_name(out: Path, name: str) -> Path:
-    return out / f".{name}.tmp-{os.getpid()}"
+def _tokenizer_settings(o: _Options) -> dict[str, Any]:
+    if o.tok_spec == "char":
+        return {"kind": "char", "unknown": o.unknown, "special_tokens": o.special_tokens}
+    if o.tok_spec == "bpe":
+        return {"kind": "bpe", "vocab_size": o.vocab_size, "special_tokens": o.special_tokens,
+                "train_mb": o.bpe_train_mb}
+    o.given = o.given if o.given is not None else load_tokenizer(o.tok_spec)
+    where = "object" if o.tok_spec == "given" else display_path(Path(o.tok_spec).resolve())
+    digest = hashlib.sha256(json.dumps(o.given.to_hf_json(), sort_keys=True).encode())
+    return {"kind": o.given.kind, "path": where, "sha256": digest.hexdigest()}
+
+
+def _describe(inputs: Sequence[str | Path]) -> str:
+    return ", ".join(display_path(Path(x).resolve()) if str(x) != "-" else "-" for x in inputs)
+
+
+def _options(out_dir: str | Path, inputs: Sequence[str | Path] | None,
+             tokenizer: str | Path | Tokenizer, kw: dict[str, Any]) -> _Options:
+    given = tokenizer if isinstance(tokenizer, Tokenizer) else None
+    o = _Options(out=Path(out_dir), inputs=list(inputs or []),
+                 val_files=list(kw.pop("val_files") or []),
+                 corpus=kw.pop("corpus") or (None if inputs else "python-docs"),
+                 tok_spec="given" if given is not None else str(tokenizer), given=given,
+                 special_tokens=list(dict.fromkeys(kw.pop("special_tokens"))), **kw)
+    _check_args(o)
+    o.settings = {
+        "source": f"corpus:{o.corpus}" if o.corpus else _describe(o.inputs),
+        "tokenizer": _tokenizer_settings(o), "val_fraction": o.val_fraction,
+        "errors": o.errors, "text_field": o.text_field, "skip_bad": o.skip_bad,
+        "doc_separator": o.doc_separator, "dedup": o.dedup, "shard_tokens": o.shard_tokens,
+        "val_files": _describe(o.val_files) if o.val_files else None,
+    }
+    return o
+
+
+# --- prepare: the output folder -------------------------------------------------------------
+
+
+def _is_output(name: str) -> bool:
+    return name in OUTPUT_NAMES or name in LEGACY_NAMES or bool(SHARD_RE.match(name))
+
+
+def _stage_name(out: Path) -> Path:
+    return out / f".prepare.tmp-{os.getpid()}"
 
 
 def _remove_stale_temps(out: Path) -> None:
-    """Delete temporary files left by prepare runs that were killed."""
+    """Delete temporary files and folders left by prepare runs that were killed."""
     for p in out.glob(".*.tmp-*"):
         pid = p.name.rsplit("-", 1)[-1]
         if not pid.isdigit() or int(pid) == os.getpid():
@@ -354,15 +384,17 @@ def _remove_stale_temps(out: Path) -> None:
         try:
             os.kill(int(pid), 0)
         except ProcessLookupError:
-            p.unlink(missing_ok=True)
+            shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
         except PermissionError:
             pass
 
 
-def _check_out(out: Path, settings: dict[str, Any], force: bool) -> dict[str, Any] | None:
+def _check_out(o: _Options) -> dict[str, Any] | None:
     """Refuse an output folder that holds something else; return its old meta, if any."""
+    out, settings, force = o.out, o.settings, o.force
     if out.exists() and not out.is_dir():
-        raise DataError(f"output {out} is a file, not a folder; pass a folder path to --out")
+        raise DataError(f"output {display_path(out)} is a file, not a folder; pass a folder "
+                        f"path to --out")
     if not out.is_dir():
         return None
     old = None
@@ -370,30 +402,31 @@ def _check_out(out: Path, settings: dict[str, Any], force: bool) -> dict[str, An
     if meta_path.is_file():
         try:
             old = json.loads(meta_path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):
             old = {}
         if not force and (not isinstance(old, dict) or old.get("format") != FORMAT):
-            raise DataError(f"output folder {out} has a meta.json that tinylm did not write; "
-                            f"choose another --out, or pass --force to replace it")
+            raise DataError(f"output folder {display_path(out)} has a meta.json that tinylm did "
+                            f"not write; choose another --out, or pass --force to replace it")
         if not force and old.get("settings") != settings:
             raise DataError(
-                f"output folder {out} already holds a different dataset "
+                f"output folder {display_path(out)} already holds a different dataset "
                 f"({_describe_settings(old.get('settings') or {})}; this run: "
                 f"{_describe_settings(settings)}); choose another --out, "
                 f"or pass --force to overwrite it"
             )
     elif not force:
         foreign = sorted(p.name for p in out.iterdir()
-                         if p.name not in OUTPUT_NAMES and ".tmp-" not in p.name)
+                         if not _is_output(p.name) and ".tmp-" not in p.name)
         if foreign:
-            raise DataError(f"output folder {out} is not empty (has {', '.join(foreign[:3])}"
-                            f"{', ...' if len(foreign) > 3 else ''}); choose an empty or new "
-                            f"--out, or pass --force to write there anyway")
-    return old
+            raise DataError(f"output folder {display_path(out)} is not empty (has "
+                            f"{', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}); "
+                            f"choose an empty or new --out, or pass --force to write there "
+                            f"anyway")
+    return old if isinstance(old, dict) else None
 
 
 def _describe_settings(s: dict[str, Any]) -> str:
-    tok = s.get("tokenizer", {})
+    tok = s.get("tokenizer", {}) if isinstance(s.get("tokenizer"), dict) else {}
     return (f"source {s.get('source', '?')}, tokenizer {tok.get('kind', '?')}"
             + (f" vocab {tok['vocab_size']}" if tok.get("vocab_size") else "")
             + f", val fraction {s.get('val_fraction', '?')}")
@@ -411,7 +444,7 @@ def _progress(total: int, desc: str, enabled: bool | None):
 
 
 class _Bar:
-    """A tqdm bar on a terminal, nothing otherwise; used as a byte counter callback."""
+    """A tqdm bar over input bytes on a terminal, nothing otherwise (a callback)."""
 
     def __init__(self, total: int, desc: str, enabled: bool | None) -> None:
         self.bar = _progress(total, desc, enabled)
@@ -433,6 +466,537 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
+def _commit(out: Path, stage: Path, names: Sequence[str]) -> None:
+    """Move the staged files into ``out``: old outputs go, meta.json comes in last."""
+    for name in names:
+        _fsync(stage / name)
+    (out / "meta.json").unlink(missing_ok=True)  # the completeness marker goes first
+    for p in out.iterdir():
+        if _is_output(p.name) and p.name not in names:
+            p.unlink()
+    for name in sorted(names, key=lambda n: n == "meta.json"):
+        os.replace(stage / name, out / name)
+    try:
+        dir_fd = os.open(out, os.O_RDONLY)
+        os.fsync(dir_fd)
+        os.close(dir_fd)
+    except OSError:  # not every platform can fsync a directory
+        pass
+
+
+# --- prepare: sources and the scan pass ------------------------------------------------------
+
+
+def _sources(o: _Options, stage: Path) -> tuple[list[Source], list[bool]]:
+    """The inputs in reading order, and for each whether it belongs to val (--val-files)."""
+    if o.corpus:
+        data = load_corpus(o.corpus).encode("utf-8")
+        return [Source(f"corpus {o.corpus}", data=data)], [False]
+    train = resolve_inputs(o.inputs, o.glob, o.out)
+    val = resolve_inputs(o.val_files, o.glob, o.out) if o.val_files else []
+    sources = train + val
+    if any(s.name == "<stdin>" for s in sources):
+        # Standard input can be read once; spool it so both passes can read it.
+        with open(stage / "stdin", "wb") as f:
+            shutil.copyfileobj(sys.stdin.buffer, f, 1 << 20)
+        sources = [Source("<stdin>", path=stage / "stdin") if s.name == "<stdin>" else s
+                   for s in sources]
+    return sources, [False] * len(train) + [True] * len(val)
+
+
+@dataclass
+class _Scan:
+    """What pass 1 learns: input hashes, documents, bad records, the tokenizer."""
+
+    digests: list[str] = field(default_factory=list)
+    stamps: list[Any] = field(default_factory=list)
+    documents: int = 0
+    duplicates: int = 0
+    chars: int = 0
+    read: int = 0  # input bytes read so far
+    keep: bytearray | None = None  # per document: 0 = a duplicate, dropped (with dedup)
+    bad: BadRecords = field(default_factory=BadRecords)
+    tokenizer: Tokenizer | None = None
+    trained_on: int | None = None
+
+
+def _hash_sources(sources: Sequence[Source], scan: _Scan) -> None:
+    for src in sources:
+        h = hashlib.sha256()
+        with src.open_raw() as f:
+            while block := f.read(1 << 20):
+                h.update(block)
+        scan.digests.append(h.hexdigest())
+        scan.stamps.append(src.stamp())
+
+
+def _documents_pass(o: _Options, sources: Sequence[Source], scan: _Scan, bar: _Bar
+                    ) -> Iterator[str]:
+    """Pass 1's reading: every chunk of text, counting documents and (with dedup) marking
+    exact duplicates by a 128-bit BLAKE2 hash of their text."""
+    seen: set[bytes] = set()
+    hasher = None
+
+    def on_bytes(n: int) -> None:
+        scan.read += n
+        bar(n)
+    if o.dedup:
+        scan.keep = bytearray()
+
+    def end_document() -> None:
+        if hasher is not None:
+            digest = hasher.digest()
+            dup = digest in seen
+            seen.add(digest)
+            scan.keep.append(0 if dup else 1)  # type: ignore[union-attr]
+            scan.duplicates += dup
+
+    for text, start, _ in iter_documents(sources, text_field=o.text_field, errors=o.errors,
+                                         chunk_bytes=o.chunk_bytes, bad=scan.bad,
+                                         on_bytes=on_bytes):
+        if start:
+            end_document()
+            scan.documents += 1
+            hasher = hashlib.blake2b(digest_size=16) if o.dedup else None
+        if hasher is not None:
+            hasher.update(text.encode("utf-8"))
+        scan.chars += len(text)
+        yield text
+    end_document()
+
+
+def _scan(o: _Options, sources: Sequence[Source]) -> _Scan:
+    """Pass 1: hash the inputs, count documents, build the char alphabet or train BPE."""
+    scan = _Scan()
+    _hash_sources(sources, scan)
+    total = sum(s.size for s in sources)
+    bar = _Bar(total, "train bpe" if o.tok_spec == "bpe" else "scan", o.progress)
+    try:
+        texts = _documents_pass(o, sources, scan, bar)
+        if o.tok_spec == "char":
+            seen = np.zeros(0x110000, dtype=bool)
+            for text in texts:
+                CharTokenizer.seen_code_points(text, seen)
+            scan.tokenizer = _char_tokenizer(o, seen, scan)
+        elif o.tok_spec == "bpe":
+            scan.tokenizer = _train_bpe(o, texts, total, scan)
+        else:
+            for _ in texts:
+                pass
+            scan.tokenizer = o.given
+    finally:
+        bar.close()
+    return scan
+
+
+def _char_tokenizer(o: _Options, seen: np.ndarray, scan: _Scan) -> Tokenizer:
+    tok = CharTokenizer.from_code_points(seen, o.unknown, o.special_tokens)
+    sep = _separator_text(o, tok)
+    if scan.documents > 1 and sep and any(not seen[ord(c)] for c in sep):
+        CharTokenizer.seen_code_points(sep, seen)  # the separator's characters join in
+        tok = CharTokenizer.from_code_points(seen, o.unknown, o.special_tokens)
+    return tok
+
+
+def _train_bpe(o: _Options, texts: Iterator[str], total: int, scan: _Scan) -> Tokenizer:
+    """Train on about bpe_train_mb million characters taken evenly along the input
+    (bounded time and memory on huge corpora); every byte is still read and encoded."""
+    budget = math.inf if o.bpe_train_mb is None else o.bpe_train_mb * 1e6
+    fed = 0
+
+    def sample() -> Iterator[str]:
+        nonlocal fed
+        for text in texts:  # cut points do not matter here: they only split a few words
+            if fed < budget * scan.read / max(total, 1):  # keep pace with the reading
+                fed += len(text)
+                yield text
+
+    tok = BPETokenizer.train(sample(), o.vocab_size, o.special_tokens)
+    scan.trained_on = fed
+    if tok.vocab_size < o.vocab_size:
+        log.warning("BPE stopped at %d tokens (asked for %d): the training text has no more "
+                    "pairs to merge", tok.vocab_size, o.vocab_size)
+    return tok
+
+
+# --- prepare: the encode pass ------------------------------------------------------------------
+
+
+def _separator_text(o: _Options, tok: Tokenizer) -> str | None:
+    """The document separator as text to encode (None: a special token or nothing)."""
+    sep = o.doc_separator
+    if sep is None:
+        return None if tok.eos_id is not None else "\n"
+    return None if sep == "" or sep in tok.special_tokens else sep
+
+
+def _separator_ids(o: _Options, tok: Tokenizer, documents: int) -> np.ndarray:
+    sep = o.doc_separator
+    if documents < 2:  # nothing to separate
+        return np.zeros(0, dtype=np.uint32)
+    if sep is None and tok.eos_id is not None:
+        return np.array([tok.eos_id], dtype=np.uint32)
+    if sep is not None and sep in tok.special_tokens:
+        return np.array([tok.token_to_id(sep)], dtype=np.uint32)
+    if sep is not None and (sep in EOS_NAMES or (sep.startswith("<|") and sep.endswith("|>"))):
+        raise DataError(f"--doc-separator {sep} is not a special token of this tokenizer; add "
+                        f"it with --special-token '{sep}' (or pass plain text, or '')")
+    text = _separator_text(o, tok)
+    if sep is None:
+        log.debug("the tokenizer has no end-of-text token: documents are separated by a line "
+                 "break; add --special-token '<|endoftext|>' or pass --doc-separator")
+    return tok.encode_array([text]) if text else np.zeros(0, dtype=np.uint32)
+
+
+@dataclass
+class _Route:
+    """Which split each kept document goes to."""
+
+    mode: str  # documents: every k-th to val; files: --val-files; tokens: cut the stream
+    kept: int
+    n_val: int
+
+    def split_of(self, rank: int, val_source: bool) -> int:
+        if self.mode == "files":
+            return int(val_source)
+        if self.mode == "tokens":
+            return 0
+        return int((rank + 1) * self.n_val // self.kept > rank * self.n_val // self.kept)
+
+
+def _route(o: _Options, scan: _Scan) -> _Route:
+    kept = scan.documents - scan.duplicates
+    if o.val_files:
+        return _Route("files", kept, 0)
+    n_val = round(kept * o.val_fraction)
+    if 0 < n_val < kept:
+        return _Route("documents", kept, n_val)
+    log.debug("%d document(s): too few to split by documents; val is the last %g of the "
+             "tokens", kept, o.val_fraction)
+    return _Route("tokens", kept, 0)
+
+
+class _Tasks:
+    """Collects the pieces of documents into encoding tasks of about TASK_CHARS.
+
+    A task is ``(pieces, splits, seps)``: the texts, for each its split (0 train,
+    1 val), and whether a separator goes before it (a document's first piece, unless
+    it is the first document of its split). Byte-level BPE documents are cut at safe
+    points only; char tokenizers take any cut.
+    """
+
+    def __init__(self, bpe: bool) -> None:
+        self.bpe = bpe
+        self.carry, self.split, self.sep, self.emitted = "", 0, False, True
+        self._reset()
+
+    def _reset(self) -> None:
+        self.pieces: list[str] = []
+        self.splits, self.seps, self.chars = bytearray(), bytearray(), 0
+
+    def _piece(self, text: str) -> None:
+        self.pieces.append(text)
+        self.splits.append(self.split)
+        self.seps.append(self.sep)
+        self.sep, self.emitted = False, True
+        self.chars += len(text)
+
+    def start(self, split: int, sep: bool) -> None:
+        self.split, self.sep, self.emitted = split, sep, False
+
+    def add(self, text: str) -> None:
+        if not self.bpe:
+            self._piece(text)
+            return
+        pieces, self.carry = _cut(self.carry + text if self.carry else text, PIECE_CHARS)
+        for p in pieces:
+            self._piece(p)
+
+    def end(self) -> None:
+        if self.carry or not self.emitted:
+            self._piece(self.carry)
+        self.carry = ""
+
+    def full(self) -> bool:
+        return self.chars >= TASK_CHARS or len(self.pieces) >= TASK_PIECES
+
+    def take(self) -> tuple[list[str], bytes, bytes]:
+        task = (self.pieces, bytes(self.splits), bytes(self.seps))
+        self._reset()
+        return task
+
+
+def _task_stream(o: _Options, sources: Sequence[Source], val_source: Sequence[bool],
+                 scan: _Scan, route: _Route, docs: list[int], bar: _Bar
+                 ) -> Iterator[tuple[list[str], bytes, bytes]]:
+    """Pass 2's reading: the documents again, routed to splits, cut into tasks."""
+    tasks = _Tasks(bpe=not isinstance(scan.tokenizer, CharTokenizer))
+    started = [False, False]
+    doc = rank = -1
+    open_doc = False
+    for text, start, k in iter_documents(sources, text_field=o.text_field, errors=o.errors,
+                                         chunk_bytes=o.chunk_bytes, on_bytes=bar):
+        if start:
+            if open_doc:
+                tasks.end()
+            doc += 1
+            open_doc = scan.keep is None or bool(scan.keep[doc])
+            if not open_doc:
+                continue
+            rank += 1
+            split = route.split_of(rank, val_source[k])
+            docs[split] += 1
+            tasks.start(split, started[split])
+            started[split] = True
+        if open_doc:
+            tasks.add(text)
+            if tasks.full():
+                yield tasks.take()
+    if open_doc:
+        tasks.end()
+    if tasks.pieces:
+        yield tasks.take()
+
+
+def _encode_pieces(tok: Tokenizer, sep: np.ndarray, dtype: np.dtype, pieces: list[str],
+                   splits: bytes, seps: bytes) -> tuple[np.ndarray, np.ndarray]:
+    """One task's ids: (train ids, val ids), separators in place, as ``dtype``."""
+    if isinstance(tok, CharTokenizer):  # one id per code point
+        flat = tok.encode_array(pieces)
+        lengths = [len(p) for p in pieces]
+    else:
+        lists = tok.encode_batch(pieces)
+        lengths = [len(ids) for ids in lists]
+        flat = np.fromiter(itertools.chain.from_iterable(lists), dtype=np.uint32,
+                           count=sum(lengths))
+    bounds = np.cumsum([0, *lengths]).tolist()
+    out: tuple[list[np.ndarray], list[np.ndarray]] = ([], [])
+    for i in range(len(pieces)):
+        part = out[splits[i]]
+        if seps[i]:
+            part.append(sep)
+        part.append(flat[bounds[i]:bounds[i + 1]])
+    return tuple(np.concatenate(p).astype(dtype, copy=False) if p  # type: ignore[return-value]
+                 else np.zeros(0, dtype=dtype) for p in out)
+
+
+_WORKER: tuple[Tokenizer, np.ndarray, np.dtype] | None = None
+
+
+def _init_worker(tok: Tokenizer, sep: np.ndarray, dtype: np.dtype) -> None:
+    global _WORKER
+    os.environ[_PARALLELISM] = "false"  # one core per worker: the pool is the parallelism
+    _WORKER = (tok, sep, dtype)
+
+
+def _encode_task(task: tuple[list[str], bytes, bytes]) -> tuple[np.ndarray, np.ndarray]:
+    assert _WORKER is not None
+    return _encode_pieces(*_WORKER, *task)
+
+
+def default_workers() -> int:
+    """The CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+class _SerialTokenizers:
+    """Within the block, Hugging Face tokenizers encode batches on one thread."""
+
+    def __enter__(self) -> None:
+        self.old = os.environ.get(_PARALLELISM)
+        os.environ[_PARALLELISM] = "false"
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.old is None:
+            os.environ.pop(_PARALLELISM, None)
+        else:
+            os.environ[_PARALLELISM] = self.old
+
+
+def _encoded(tok: Tokenizer, sep: np.ndarray, dtype: np.dtype, workers: int,
+             tasks: Iterator[tuple[list[str], bytes, bytes]]
+             ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """The tasks' ids in order, encoded in-process (1 worker) or by a process pool with at
+    most 2 tasks per worker in flight (memory stays flat)."""
+    if workers == 1:
+        with _SerialTokenizers():
+            for task in tasks:
+                yield _encode_pieces(tok, sep, dtype, *task)
+        return
+    methods = multiprocessing.get_all_start_methods()
+    ctx = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+    with _SerialTokenizers():  # also silences tokenizers' warning about forking
+        pool = ctx.Pool(workers, _init_worker, (tok, sep, dtype))
+    try:
+        pending: deque[Any] = deque()
+        for task in tasks:
+            pending.append(pool.apply_async(_encode_task, (task,)))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+    finally:
+        pool.terminate()
+        pool.join()
+
+
+@dataclass
+class _Encoded:
+    shards: dict[str, list[dict[str, Any]]]
+    tokens: dict[str, int]
+    documents: dict[str, int]
+    max_id: int
+    separator: list[int]
+    route: str
+    workers: int
+
+
+def _encode(o: _Options, sources: Sequence[Source], val_source: Sequence[bool], scan: _Scan,
+            stage: Path) -> _Encoded:
+    """Pass 2: encode every kept document into the train/val shard writers, in order."""
+    tok = scan.tokenizer
+    assert tok is not None
+    dtype = dtype_for_vocab(tok.vocab_size)
+    sep = _separator_ids(o, tok, scan.documents - scan.duplicates)
+    route = _route(o, scan)
+    total = sum(s.size for s in sources)
+    workers = o.workers or (default_workers() if total >= PARALLEL_MIN_BYTES else 1)
+    if getattr(tok, "split_safe", True) is False:
+        log.warning("the tokenizer is not GPT-2 byte-level BPE; documents over %d characters "
+                    "are encoded in pieces cut at spaces and line breaks", PIECE_CHARS)
+    writers = [ShardWriter(stage, s, dtype, o.shard_tokens) for s in ("train", "val")]
+    docs, top = [0, 0], 0
+    bar = _Bar(total, f"encode {tok.kind}", o.progress)
+    try:
+        tasks = _task_stream(o, sources, val_source, scan, route, docs, bar)
+        results = _encoded(tok, sep, dtype, workers, tasks)
+        try:
+            for pair in results:
+                for writer, ids in zip(writers, pair, strict=True):
+                    if ids.size:
+                        writer.write(ids)
+                        top = max(top, int(ids.max()))
+        finally:
+            results.close()  # type: ignore[attr-defined]
+    finally:
+        bar.close()
+        entries = [w.close() for w in writers]
+    if route.mode == "tokens":
+        n = writers[0].tokens
+        entries[0] = move_tail(stage, entries[0], n - round(n * o.val_fraction), dtype,
+                               writers[1])
+        writers[0].tokens = n - writers[1].tokens
+        entries[1] = writers[1].close()
+    return _Encoded({"train": entries[0], "val": entries[1]},
+                    {"train": writers[0].tokens, "val": writers[1].tokens},
+                    {"train": docs[0], "val": docs[1]}, top, sep.tolist(), route.mode, workers)
+
+
+# --- prepare: checks between the phases, meta.json, and the whole ----------------------------
+
+
+def _after_scan(o: _Options, sources: Sequence[Source], scan: _Scan,
+                old_meta: dict[str, Any] | None) -> None:
+    """Refuse what pass 1 found wrong: nothing to read, bad records, another text."""
+    if sum(s.size for s in sources) == 0 or (
+            scan.bad.count == 0 and (scan.documents == 0 or scan.chars == 0)):
+        raise DataError(f"input is empty ({o.settings['source']}); pass a file with text in it")
+    if scan.bad.count:
+        counts = ", ".join(f"{n} {why}" for why, n in scan.bad.reasons.items())
+        if not o.skip_bad:
+            raise DataError(f"{scan.bad.count:,} record(s) have no usable text ({counts}); "
+                            f"the first: {scan.bad.first}; fix them, name the text field with "
+                            f"--text-field, or pass --skip-bad to leave them out")
+        log.warning("skipped %d record(s) without usable text (%s); the first: %s",
+                    scan.bad.count, counts, scan.bad.first)
+    if scan.documents - scan.duplicates == 0:
+        raise DataError(f"no documents with text in {o.settings['source']}; check "
+                        f"--text-field (now {o.text_field!r})")
+    if old_meta and not o.force and old_meta.get("sha256") != _combined(scan):
+        raise DataError(f"output folder {display_path(o.out)} already holds a dataset "
+                        f"prepared from different input text; choose another --out, or pass "
+                        f"--force to overwrite it")
+
+
+def _combined(scan: _Scan) -> str:
+    return hashlib.sha256("".join(scan.digests).encode()).hexdigest()
+
+
+def _check_lengths(o: _Options, enc: _Encoded) -> None:
+    n_train, n_val = enc.tokens["train"], enc.tokens["val"]
+    need = o.context_length + 1
+    if min(n_train, n_val) < need:
+        raise DataError(
+            f"input is too short: {n_train + n_val:,} tokens split into {n_train:,} train + "
+            f"{n_val:,} val, but each split needs at least context length + 1 = {need:,}; "
+            f"give more text, or lower --context-length (now {o.context_length}) or "
+            f"adjust --val-fraction (now {o.val_fraction})"
+            + (" or --val-files" if o.val_files else "")
+        )
+
+
+def _meta(o: _Options, sources: Sequence[Source], scan: _Scan, enc: _Encoded) -> dict[str, Any]:
+    from tinylm import __version__
+
+    tok = scan.tokenizer
+    assert tok is not None
+    return {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "tinylm_version": __version__,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "settings": o.settings,
+        "source": o.settings["source"],
+        "inputs": [{"name": s.name, "format": s.format, "bytes": s.size, "sha256": d}
+                   for s, d in zip(sources, scan.digests, strict=True)],
+        "sha256": _combined(scan),
+        "input_bytes": sum(s.size for s in sources),
+        "input_chars": scan.chars,
+        "tokenizer": {"kind": tok.kind, "vocab_size": tok.vocab_size,
+                      "special_tokens": list(tok.special_tokens), "eos_id": tok.eos_id,
+                      "trained_on_chars": scan.trained_on},
+        "vocab_size": tok.vocab_size,
+        "dtype": dtype_for_vocab(tok.vocab_size).name,
+        "train_tokens": enc.tokens["train"],
+        "val_tokens": enc.tokens["val"],
+        "max_token_id": enc.max_id,
+        "documents": {"read": scan.documents, "train": enc.documents["train"],
+                      "val": enc.documents["val"], "duplicates_removed": scan.duplicates,
+                      "skipped_records": scan.bad.count, "first_skipped": scan.bad.first},
+        "doc_separator": enc.separator,
+        "split": enc.route,
+        "val_fraction": o.val_fraction,
+        "shard_tokens": o.shard_tokens,
+        "shards": enc.shards,
+        "context_length": o.context_length,
+        "errors": o.errors,
+        "workers": enc.workers,
+    }
+
+
+def _phases(o: _Options, stage: Path, old_meta: dict[str, Any] | None) -> int:
+    """scan -> encode (+ split) -> commit, staged in ``stage``; returns the input bytes."""
+    sources, val_source = _sources(o, stage)  # what to read
+    scan = _scan(o, sources)  # pass 1: hash, count, build the tokenizer
+    _after_scan(o, sources, scan, old_meta)
+    enc = _encode(o, sources, val_source, scan, stage)  # pass 2: encode, split
+    if [s.stamp() for s in sources] != scan.stamps:
+        raise DataError("an input file changed while it was being prepared; "
+                        "run tinylm prepare again when it is not being written")
+    _check_lengths(o, enc)
+    meta = _meta(o, sources, scan, enc)
+    scan.tokenizer.save(stage / "tokenizer.json")  # type: ignore[union-attr]
+    (stage / "meta.json").write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n",
+                                     encoding="utf-8")
+    names = ["tokenizer.json", "meta.json",
+             *(e["file"] for split in enc.shards.values() for e in split)]
+    _commit(o.out, stage, names)  # move in, meta.json last
+    return meta["input_bytes"]
+
+
 def prepare(
     out_dir: str | Path,
     inputs: Sequence[str | Path] | None = None,
@@ -441,6 +1005,7 @@ def prepare(
     tokenizer: str | Path | Tokenizer = "char",
     vocab_size: int = 4096,
     val_fraction: float = 0.1,
+    val_files: Sequence[str | Path] = (),
     context_length: int = 256,
     unknown: str = "error",
     errors: str = "strict",
@@ -450,232 +1015,64 @@ def prepare(
     progress: bool | None = None,
     bpe_train_mb: float | None = 32.0,
     chunk_bytes: int = CHUNK_BYTES,
+    text_field: str = "text",
+    skip_bad: bool = False,
+    doc_separator: str | None = None,
+    dedup: bool = False,
+    shard_tokens: int = SHARD_TOKENS,
+    workers: int | None = None,
 ) -> PreparedData:
-    """Tokenize text into ``out_dir`` (tokenizer.json, train.bin, val.bin, meta.json).
+    """Tokenize documents into ``out_dir`` (tokenizer.json, shards, meta.json).
 
-    inputs          files, folders (every non-hidden file matching ``glob``, sorted) or
-                    "-" for standard input; with neither inputs nor ``corpus`` the
-                    built-in corpus python-docs is used
+    inputs          files (text, .jsonl[.gz|.zst], .parquet), folders (every non-hidden
+                    file matching ``glob``, sorted; a ``datasets`` save_to_disk folder),
+                    globs, or "-" for standard input; with neither inputs nor ``corpus``
+                    the built-in corpus python-docs is used
     tokenizer       "char" (alphabet from the input), "bpe" (trained, ``vocab_size``),
                     a path to an existing tokenizer (tokenizer.json, a folder, or
                     GPT-2's vocab.json + merges.txt), or a Tokenizer object
-    val_fraction    the last fraction of the token stream goes to val.bin
+    val_fraction    this fraction of the documents (every k-th) goes to val; with a
+                    single document, the last fraction of its tokens
+    val_files       inputs whose documents form val instead (val_fraction is unused)
     context_length  C the data is meant for: each split must hold at least C + 1 tokens
     unknown         char tokenizer policy for unseen characters later ("replace" adds <unk>)
     errors          "strict" stops at invalid UTF-8 or NUL bytes; "replace" substitutes U+FFFD
     force           overwrite a folder that holds a different dataset or other files
     bpe_train_mb    train BPE on at most this many MB, taken evenly along the input
-                    (None: all of it). Merges for a few thousand tokens settle after a
-                    few MB; the cap bounds training time and memory on huge corpora
+                    (None: all of it)
+    text_field      the records' text field; dotted for nested fields ("meta.text")
+    skip_bad        skip records whose text field is missing, null or not a string
+                    (counted in meta.json) instead of refusing the input
+    doc_separator   between documents: None = the tokenizer's end-of-text token (a line
+                    break if it has none), "" = nothing, a special token, or any text
+    dedup           drop exact duplicate documents (by hash; memory grows ~100 B per doc)
+    shard_tokens    at most this many tokens per shard file
+    workers         encoding processes (None: every core for inputs over 16 MB, else 1);
+                    the output is the same for any number
 
     Nothing in ``out_dir`` changes unless the whole run succeeds.
     """
     t0 = time.perf_counter()
-    tok_spec = "given" if isinstance(tokenizer, Tokenizer) else str(tokenizer)
-    special_tokens = list(dict.fromkeys(special_tokens))
-    _check_args(tok_spec, vocab_size, val_fraction, context_length, unknown, errors,
-                special_tokens)
-    if bpe_train_mb is not None and not (isinstance(bpe_train_mb, (int, float))
-                                         and bpe_train_mb > 0):
-        raise DataError(f"BPE training size must be a positive number of MB, got "
-                        f"{bpe_train_mb!r}")
-    if inputs and corpus:
-        raise DataError("pass either inputs or a corpus, not both")
-    if not inputs:
-        corpus = corpus or "python-docs"
-        if corpus not in corpus_names():
-            raise DataError(f"unknown corpus {corpus!r}; built-in corpora: "
-                            f"{', '.join(corpus_names())}")
-    out = Path(out_dir)
-
-    given: Tokenizer | None = None
-    tok_settings: dict[str, Any]
-    if tok_spec == "char":
-        tok_settings = {"kind": "char", "unknown": unknown, "special_tokens": special_tokens}
-    elif tok_spec == "bpe":
-        tok_settings = {"kind": "bpe", "vocab_size": vocab_size, "special_tokens": special_tokens,
-                        "train_mb": bpe_train_mb}
-    else:
-        given = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tok_spec)
-        where = "object" if tok_spec == "given" else str(Path(tok_spec).resolve())
-        tok_settings = {"kind": given.kind, "path": where,
-                        "sha256": hashlib.sha256(
-                            json.dumps(given.to_hf_json(), sort_keys=True).encode()).hexdigest()}
-
-    sources = _resolve_inputs(inputs, glob, out) if inputs else []
-    source_desc = (f"corpus:{corpus}" if corpus else
-                   ", ".join(str(Path(x).resolve()) if str(x) != "-" else "-" for x in inputs))
-    settings = {"source": source_desc, "tokenizer": tok_settings,
-                "val_fraction": val_fraction, "errors": errors}
-    old_meta = _check_out(out, settings, force)
-
-    created = not out.exists()
-    out.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temps(out)
-    temps = {name: _tmp_name(out, name) for name in (*OUTPUT_NAMES, "stdin")}
-    ok = False
+    kw = {k: v for k, v in locals().items() if k not in ("out_dir", "inputs", "tokenizer", "t0")}
+    o = _options(out_dir, inputs, tokenizer, kw)
+    old_meta = _check_out(o)
+    created = not o.out.exists()
+    o.out.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temps(o.out)
+    stage = _stage_name(o.out)
+    stage.mkdir()
     try:
-        if corpus:
-            sources = [Source(f"corpus {corpus}", data=load_corpus(corpus).encode("utf-8"))]
-        elif any(s.name == "<stdin>" for s in sources):
-            # Standard input can be read once; spool it so both passes can read it.
-            with open(temps["stdin"], "wb") as f:
-                shutil.copyfileobj(sys.stdin.buffer, f, 1 << 20)
-            sources = [Source("<stdin>", path=temps["stdin"]) if s.name == "<stdin>" else s
-                       for s in sources]
-        total_bytes = sum(s.size for s in sources)
-        if total_bytes == 0:
-            raise DataError(f"input is empty ({source_desc}); pass a file with text in it")
-
-        # Pass 1: hash the input and build the char alphabet or train the BPE.
-        hashes = [hashlib.sha256() for _ in sources]
-        bar = _Bar(total_bytes, "scan" if tok_spec != "bpe" else "train bpe", progress)
-        n_chars = 0
-        trained_on = None
-        try:
-            if tok_spec == "char":
-                seen = np.zeros(0x110000, dtype=bool)
-                for text in _iter_text(sources, errors, chunk_bytes, bar, hashes):
-                    n_chars += len(text)
-                    CharTokenizer.seen_code_points(text, seen)
-                tok: Tokenizer = CharTokenizer.from_code_points(seen, unknown, special_tokens)
-            elif tok_spec == "bpe":
-                # Train on at most bpe_train_mb, taken evenly along the input, so memory
-                # stays bounded on huge corpora; every byte is still hashed and encoded.
-                budget = total_bytes if bpe_train_mb is None else int(bpe_train_mb * 1e6)
-                share = min(1.0, max(budget, 1) / total_bytes)
-                counts = {"chars": 0, "read": 0, "fed": 0}
-
-                def on_bytes(n: int) -> None:
-                    bar(n)
-                    counts["read"] += n
-
-                def training_text() -> Iterator[str]:
-                    # Cut points do not matter here: they only split a few word counts.
-                    last = 0
-                    for text in _iter_text(sources, errors, chunk_bytes, on_bytes, hashes):
-                        counts["chars"] += len(text)
-                        new, last = counts["read"] - last, counts["read"]
-                        if counts["fed"] < counts["read"] * share:
-                            counts["fed"] += new
-                            yield text
-
-                tok = BPETokenizer.train(training_text(), vocab_size, special_tokens)
-                n_chars = counts["chars"]
-                trained_on = counts["fed"]
-                if tok.vocab_size < vocab_size:
-                    log.warning("BPE stopped at %d tokens (asked for %d): the training text "
-                                "has no more pairs to merge", tok.vocab_size, vocab_size)
-            else:
-                assert given is not None
-                tok = given
-                for text in _iter_text(sources, errors, chunk_bytes, bar, hashes):
-                    n_chars += len(text)
-        finally:
-            bar.close()
-        if n_chars == 0:
-            raise DataError(f"input is empty ({source_desc}); pass a file with text in it")
-        digests = [h.hexdigest() for h in hashes]
-        combined = hashlib.sha256("".join(digests).encode()).hexdigest()
-        if old_meta and not force and old_meta.get("sha256") != combined:
-            raise DataError(f"output folder {out} already holds a dataset prepared from "
-                            f"different input text; choose another --out, or pass --force "
-                            f"to overwrite it")
-
-        # Pass 2: encode into one token file, re-hashing to catch inputs that change.
-        dtype = dtype_for_vocab(tok.vocab_size)
-        hashes2 = [hashlib.sha256() for _ in sources]
-        bar = _Bar(total_bytes, f"encode {tok.kind}", progress)
-        n_tokens = 0
-        try:
-            with open(temps["train.bin"], "wb") as f:
-                chunks = _iter_text(sources, errors, chunk_bytes, bar, hashes2)
-                if isinstance(tok, CharTokenizer):
-                    batches: Iterator[Sequence[str]] = ([c] for c in chunks)
-                else:
-                    if not getattr(tok, "split_safe", False):
-                        log.warning("tokenizer %s is not GPT-2 byte-level BPE; the input is "
-                                    "encoded in pieces cut at spaces and line breaks",
-                                    tok_spec)
-                    batches = _batches(_bpe_pieces(chunks))
-                for batch in batches:
-                    ids = tok.encode_array(batch)
-                    f.write(ids.astype(dtype, copy=False).tobytes())
-                    n_tokens += ids.size
-        finally:
-            bar.close()
-        if [h.hexdigest() for h in hashes2] != digests:
-            raise DataError("an input file changed while it was being prepared; "
-                            "run tinylm prepare again when it is not being written")
-
-        n_val = int(round(n_tokens * val_fraction))
-        n_train = n_tokens - n_val
-        need = context_length + 1
-        if min(n_train, n_val) < need:
-            raise DataError(
-                f"input is too short: {n_tokens:,} tokens split into {n_train:,} train + "
-                f"{n_val:,} val, but each split needs at least context length + 1 = {need:,}; "
-                f"give more text, or lower --context-length (now {context_length}) or "
-                f"adjust --val-fraction (now {val_fraction})"
-            )
-        # The last n_val tokens become val.bin; train.bin is truncated in place.
-        with open(temps["train.bin"], "r+b") as src, open(temps["val.bin"], "wb") as dst:
-            src.seek(n_train * dtype.itemsize)
-            shutil.copyfileobj(src, dst, 16 << 20)
-            src.truncate(n_train * dtype.itemsize)
-        tok.save(temps["tokenizer.json"])
-
-        from tinylm import __version__
-
-        meta = {
-            "format": FORMAT,
-            "version": FORMAT_VERSION,
-            "tinylm_version": __version__,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "settings": settings,
-            "source": source_desc,
-            "inputs": [{"name": s.name, "bytes": s.size, "sha256": d}
-                       for s, d in zip(sources, digests, strict=True)],
-            "sha256": combined,
-            "input_bytes": total_bytes,
-            "input_chars": n_chars,
-            "tokenizer": {"kind": tok.kind, "vocab_size": tok.vocab_size,
-                          "special_tokens": list(tok.special_tokens), "eos_id": tok.eos_id,
-                          "trained_on_bytes": trained_on},
-            "vocab_size": tok.vocab_size,
-            "dtype": dtype.name,
-            "train_tokens": n_train,
-            "val_tokens": n_val,
-            "val_fraction": val_fraction,
-            "context_length": context_length,
-            "errors": errors,
-        }
-        temps["meta.json"].write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n",
-                                      encoding="utf-8")
-        for name in OUTPUT_NAMES:
-            _fsync(temps[name])
-        # Commit: drop the old completeness marker first, meta.json goes in last.
-        (out / "meta.json").unlink(missing_ok=True)
-        for name in OUTPUT_NAMES:
-            os.replace(temps[name], out / name)
-        try:
-            dir_fd = os.open(out, os.O_RDONLY)
-            os.fsync(dir_fd)
-            os.close(dir_fd)
-        except OSError:  # not every platform can fsync a directory
-            pass
-        ok = True
-    finally:
-        for p in temps.values():
-            p.unlink(missing_ok=True)
-        if not ok and created:
-            try:
-                out.rmdir()
-            except OSError:
-                pass
+        total = _phases(o, stage, old_meta)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        if created:
+            shutil.rmtree(o.out, ignore_errors=True)
+        raise
+    shutil.rmtree(stage, ignore_errors=True)
     seconds = time.perf_counter() - t0
-    log.debug("prepared %s in %.2f s (%.1f MB/s)", out, seconds, total_bytes / 1e6 / seconds)
-    return load_prepared(out)
+    log.debug("prepared %s in %.2f s (%.1f MB/s)", display_path(o.out), seconds,
+              total / 1e6 / max(seconds, 1e-9))
+    return load_prepared(o.out)
 
 
 # --- batches for training ------------------------------------------------------------------
@@ -761,10 +1158,12 @@ def iter_windows(tokens: np.ndarray, context_length: int, batch_size: int,
 
 __all__ = [
     "PreparedData",
+    "default_workers",
     "dtype_for_vocab",
     "get_batch",
     "iter_windows",
     "load_prepared",
     "prepare",
+    "read_meta",
     "safe_split",
 ]

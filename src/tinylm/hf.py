@@ -19,6 +19,9 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
+import re
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +29,7 @@ from typing import Any
 
 import torch
 
-from tinylm.config import ModelConfig
+from tinylm.config import ModelConfig, check_model_fits
 from tinylm.errors import CheckpointError, ConfigError
 from tinylm.model import GPT
 
@@ -260,6 +263,55 @@ def config_from_hf(hf_config: Any) -> ModelConfig:
     return family_of(d).read_config(d)
 
 
+#: The first torch whose weights_only unpickler has no published bypass (before 2.6) or
+#: memory-corruption issue (before 2.10).
+SAFE_PICKLE_TORCH = (2, 10)
+
+
+def _torch_version() -> tuple[int, int]:
+    parts = torch.__version__.split("+")[0].split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        return (0, 0)
+
+
+def _load_pickled_weights(path: Path) -> dict[str, torch.Tensor]:
+    """A ``pytorch_model.bin`` state dict read with ``weights_only=True`` (tensors only,
+    never code from the file); every refusal is one line and none suggests lifting the
+    protection."""
+    fix = ("tinylm reads only plain tensors from a pickle; save the weights as "
+           "model.safetensors (safetensors.torch.save_file) and convert that")
+    if _torch_version() < SAFE_PICKLE_TORCH:
+        raise CheckpointError(f"{path} is a pickle, and torch {torch.__version__} cannot read "
+                              f"pickles safely (needs >= {'.'.join(map(str, SAFE_PICKLE_TORCH))}"
+                              f"); upgrade torch, or {fix.split('; ', 1)[1]}")
+    try:
+        with warnings.catch_warnings():  # torch warns, in several lines, about protocols
+            warnings.simplefilter("ignore")
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        found = re.search(r"GLOBAL ([\w.]+)", str(exc))
+        what = f" (it refers to {found.group(1)})" if found else ""
+        raise CheckpointError(f"{path} holds pickled objects other than tensors{what}, "
+                              f"which were not loaded; {fix}") from None
+    except Exception as exc:  # a truncated zip, not a pickle at all, ...
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        if "weights_only" in first.lower() or "weights only" in first.lower():
+            first = type(exc).__name__
+        raise CheckpointError(f"{path} is not a readable PyTorch weights file ({first[:200]});"
+                              f" {fix}") from None
+    if not isinstance(state, dict) or not state:
+        raise CheckpointError(f"{path} holds a {type(state).__name__}, not a dict of weight "
+                              f"names to tensors; {fix}")
+    bad = next((k for k, v in state.items()
+                if not isinstance(k, str) or not isinstance(v, torch.Tensor)), None)
+    if bad is not None:
+        raise CheckpointError(f"{path} maps {bad!r} to a {type(state[bad]).__name__}, not a "
+                              f"tensor; a weights file holds only tensors; {fix}")
+    return state
+
+
 def _hf_state_to_tinylm(state: dict[str, torch.Tensor], family: Family, model: GPT
                         ) -> dict[str, torch.Tensor]:
     """tinylm's state dict from a family's tensors: every tensor the model needs, of the
@@ -323,12 +375,7 @@ def _load_weights(folder: Path) -> dict[str, torch.Tensor]:
                 raise CheckpointError(f"{f} is corrupt: {exc}") from exc
         return state
     if (folder / "pytorch_model.bin").is_file():
-        try:  # weights_only: tensors only, never code from a user's file
-            path = folder / "pytorch_model.bin"
-            return torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as exc:
-            raise CheckpointError(f"{folder}/pytorch_model.bin cannot be loaded safely: {exc}") \
-                from exc
+        return _load_pickled_weights(folder / "pytorch_model.bin")
     raise CheckpointError(f"{folder} has neither model.safetensors nor pytorch_model.bin")
 
 
@@ -360,6 +407,11 @@ def from_hf(model_or_folder: Any) -> GPT:
         family = family_of(d)
         config = family.read_config(d)
         state = model_or_folder.state_dict()
+    try:  # estimated before allocating, as for a tinylm config.json
+        check_model_fits(config, "cpu")
+    except ConfigError as exc:
+        raise CheckpointError(f"the {family.architecture} config.json describes a model too "
+                              f"large to load: {exc}") from None
     model = GPT(config)
     ours = _hf_state_to_tinylm(state, family, model)
     missing = sorted(set(model.state_dict()) - set(ours)

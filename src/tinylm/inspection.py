@@ -18,10 +18,11 @@ those maps are the weights the fast SDPA path uses. Renderers turn an
 
 from __future__ import annotations
 
-import html
-import json
+import dataclasses
 import logging
+import math
 import os
+import tempfile
 import unicodedata
 import warnings
 from collections.abc import Sequence
@@ -33,7 +34,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from tinylm.attention import (
+    MultiHeadAttention,
+    attention_weights,
+    causal_mask,
+    explicit_attention,
+)
+from tinylm.checkpoint import unwrap_model
 from tinylm.errors import ConfigError, DataError
+from tinylm.model import GPT, FeedForward
 
 log = logging.getLogger(__name__)
 
@@ -144,8 +153,6 @@ def explain(model: nn.Module, tokenizer: Any, prompt: str | Sequence[int], *,
     restored afterwards. ``device`` defaults to the model's (the model is moved if
     another is given).
     """
-    from tinylm.checkpoint import unwrap_model
-
     _check_top_k(top_k)
     base = unwrap_model(model)
     ids = encode_prompt(tokenizer, prompt, base.config.context_length)
@@ -167,6 +174,257 @@ def explain(model: nn.Module, tokenizer: Any, prompt: str | Sequence[int], *,
     attention = maps[:, 0].float().cpu()  # (L, 1, H, C, C) -> (L, H, C, C)
     rows = next_token_rows(probs, ids, tokenizer, top_k)
     return Explanation(tuple(ids), tuple(r.token for r in rows), rows, probs, attention)
+
+
+# --- the trace: every intermediate of one forward pass ----------------------------------
+
+# ModelConfig fields the trace knows. Fields of architecture variants (tinylm's arch
+# options) must hold GPT-2's value; any other field must be at its default, else the
+# trace refuses the model rather than compute numbers that are not the model's.
+_KNOWN_FIELDS = frozenset({"vocab_size", "context_length", "n_layer", "n_head", "n_embd",
+                           "head_dim", "dropout", "bias", "tie_embeddings", "layer_norm_eps",
+                           "norm_eps", "rope_theta", "ffn_hidden", "qkv_bias"})
+_GPT2_VALUES = {"norm": lambda c, v: v == "layernorm", "position": lambda c, v: v == "learned",
+                "mlp": lambda c, v: v == "gelu", "qk_norm": lambda c, v: not v,
+                "n_kv_head": lambda c, v: v is None or v == c.n_head}
+
+# The shape of each traced value in the note's letters, by the last part of its name.
+SHAPES = {
+    "tok": "(C, E)", "pos": "(C, E)", "embed": "(C, E)", "resid_pre": "(C, E)",
+    "ln1": "(C, E)", "q": "(C, D)", "k": "(C, D)", "v": "(C, D)", "scores": "(C, C)",
+    "scaled": "(C, C)", "masked": "(C, C)", "attn": "(C, C)", "out": "(C, D)",
+    "contrib": "(C, E)", "concat": "(C, H·D)", "attn_concat": "(C, E)", "attn_out": "(C, E)",
+    "resid_mid": "(C, E)", "ln2": "(C, E)", "ffn_pre": "(C, F)", "ffn_post": "(C, F)",
+    "ffn_out": "(C, E)", "resid_post": "(C, E)", "final_norm": "(C, E)", "logits": "(C, V)",
+}
+
+
+@dataclass(frozen=True)
+class Trace:
+    """Every intermediate of one forward pass over C tokens, fp32 CPU, by stable name.
+
+    ``embed.tok``, ``embed.pos``, ``embed`` (C, E); per layer l ``layer{l}.resid_pre``,
+    ``.ln1`` (the x of the note), per head i ``layer{l}.head{i}.q/.k/.v`` (C, D),
+    ``.scores`` = Q·Kᵀ, ``.scaled`` = Q·Kᵀ/√D, ``.masked`` (−inf above the diagonal),
+    ``.attn`` = softmax (C, C), ``.out`` = R^i = A·V (C, D), ``.contrib`` = R^i·W_o^i
+    (C, E); then ``layer{l}.concat`` [R^1 … R^H] (C, H·D), ``.attn_concat`` (the concat
+    form, [R^1 … R^H]·W_o + b_o), ``.attn_out`` (the sum form, Σ_i R^i·W_o^i + b_o, what
+    the residual gets), ``.resid_mid``, ``.ln2``, ``.ffn_pre`` / ``.ffn_post`` (C, F,
+    before / after GELU; F = 4E in GPT-2), ``.ffn_out``, ``.resid_post``; finally
+    ``final_norm`` (C, E) and ``logits`` (C, V). ``shape(name)`` gives the letters,
+    ``sizes`` their values.
+    """
+
+    ids: tuple[int, ...]
+    sizes: dict[str, int]
+    values: dict[str, Tensor]
+    ablated: tuple[str, ...] = ()
+
+    def __getitem__(self, name: str) -> Tensor:
+        return self.values[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.values
+
+    def names(self) -> list[str]:
+        return list(self.values)
+
+    @staticmethod
+    def shape(name: str) -> str:
+        """The shape of ``name`` in the note's letters, e.g. ``(C, D)``."""
+        return SHAPES[name.rsplit(".", 1)[-1]]
+
+
+def check_traceable(model: nn.Module) -> GPT:
+    """The plain GPT under ``model``, or a ConfigError when the trace does not know its
+    architecture (a variant would give numbers that are not the model's)."""
+    base = unwrap_model(model)
+    if not isinstance(base, GPT):
+        raise ConfigError(f"the explorer traces tinylm's GPT, not {type(base).__name__}; "
+                          f"load a tinylm checkpoint")
+    cfg = base.config
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if f.name in _GPT2_VALUES:
+            known = _GPT2_VALUES[f.name](cfg, value)
+        else:
+            known = f.name in _KNOWN_FIELDS or value == f.default
+        if not known:
+            raise ConfigError(f"the explorer does not know the architecture {f.name}="
+                              f"{getattr(cfg, f.name)!r} yet (it traces GPT-2's: LayerNorm, "
+                              f"learned positions, GELU, multi-head attention)")
+    parts = [("final norm", base.final_norm, nn.LayerNorm),
+             ("position embedding", getattr(base, "pos_emb", None), nn.Embedding)]
+    for l, b in enumerate(base.blocks):
+        parts += [(f"layer {l} ln1", b.ln1, nn.LayerNorm), (f"layer {l} ln2", b.ln2, nn.LayerNorm),
+                  (f"layer {l} attention", b.attn, MultiHeadAttention),
+                  (f"layer {l} FFN", b.ffn, FeedForward),
+                  (f"layer {l} FFN activation", getattr(b.ffn, "act", None), nn.GELU)]
+    for what, module, kind in parts:
+        if type(module) is not kind:
+            raise ConfigError(f"the explorer does not know this model's {what} "
+                              f"({type(module).__name__}, expected {kind.__name__}); it "
+                              f"traces GPT-2's architecture only")
+    return base
+
+
+def ablation_keys(n_layer: int, n_head: int) -> list[str]:
+    """Every single ablation :func:`trace` takes: ``layer{l}.head{i}``, ``layer{l}.attn``
+    (the whole attention of layer l) and ``layer{l}.ffn``."""
+    keys = []
+    for l in range(n_layer):
+        keys += [f"layer{l}.head{i}" for i in range(n_head)] + [f"layer{l}.attn",
+                                                                  f"layer{l}.ffn"]
+    return keys
+
+
+def _ablation_masks(keys: Sequence[str], n_layer: int, n_head: int
+                    ) -> tuple[Tensor, Tensor, Tensor]:
+    """Per layer, which batch row keeps which head (L, K, H), its attention (L, K) and
+    its FFN (L, K): 1 = on, 0 = switched off by that row's key."""
+    known = set(ablation_keys(n_layer, n_head))
+    unknown = [a for a in keys if a not in known]
+    if unknown:
+        raise ConfigError(f"unknown ablation {unknown[0]!r}; use layer<l>.head<i>, "
+                          f"layer<l>.attn or layer<l>.ffn with l < {n_layer}, i < {n_head}")
+    heads = torch.ones(n_layer, len(keys), n_head)
+    attn, ffn = torch.ones(n_layer, len(keys)), torch.ones(n_layer, len(keys))
+    for row, key in enumerate(keys):
+        layer, part = key.split(".")
+        l = int(layer[len("layer"):])
+        if part == "attn":
+            attn[l, row] = 0
+        elif part == "ffn":
+            ffn[l, row] = 0
+        else:
+            heads[l, row, int(part[len("head"):])] = 0
+    return heads, attn, ffn
+
+
+def ablated_logits(model: nn.Module, ids: Sequence[int], keys: Sequence[str]) -> Tensor:
+    """The logits with one part switched off per key, (K, C, V) fp32 CPU: row b is what
+    ``trace(model, ids, ablate=[keys[b]])["logits"]`` gives, all K in one batched pass
+    through the same modules (heads, attention and FFN masked by 0/1 factors)."""
+    base = check_traceable(model)
+    cfg = base.config
+    heads, attn_on, ffn_on = _ablation_masks(keys, cfg.n_layer, cfg.n_head)
+    dev = next(base.parameters()).device
+    K, C, H, D = len(keys), len(ids), cfg.n_head, cfg.head_dim
+    was_training = base.training
+    base.eval()
+    try:
+        with torch.no_grad():
+            x = torch.tensor(list(ids), dtype=torch.long, device=dev)
+            x = (base.tok_emb(x) + base.pos_emb(torch.arange(C, device=dev))).expand(K, C, -1)
+            mask = causal_mask(C, device=dev)
+            for l, block in enumerate(base.blocks):
+                qkv = block.attn.qkv(block.ln1(x)).view(K, C, 3, H, D).permute(2, 0, 3, 1, 4)
+                r, _ = explicit_attention(qkv[0], qkv[1], qkv[2], mask)  # (K, H, C, D)
+                r = r * heads[l].to(r)[:, :, None, None]
+                a = block.attn.out(r.transpose(1, 2).reshape(K, C, H * D))  # (K, C, E)
+                x = x + a * attn_on[l].to(a)[:, None, None]
+                f = block.ffn.down(block.ffn.act(block.ffn.up(block.ln2(x))))
+                x = x + f * ffn_on[l].to(f)[:, None, None]
+            logits = base.lm_head(base.final_norm(x))  # (K, C, V)
+    finally:
+        base.train(was_training)
+    return logits.float().cpu()
+
+
+def _trace_attention(attn: MultiHeadAttention, x: Tensor, p: str, v: dict[str, Tensor],
+                     ablate: frozenset[str]) -> Tensor:
+    """One layer's attention head by head, the note's steps; returns Σ_i R^i·W_o^i + b_o."""
+    C, H, D = x.shape[0], attn.n_head, attn.head_dim
+    qkv = attn.qkv(x).view(C, 3, H, D)  # (C, E) -> (C, 3·H·D): [q | k | v], H heads each
+    mask = causal_mask(C, device=x.device)  # (C, C), True on and below the diagonal
+    w_o = attn.out.weight  # (E, H·D): column block i is W_o^i transposed
+    heads, total = [], torch.zeros(C, w_o.shape[0], dtype=x.dtype, device=x.device)
+    for i in range(H):
+        h = f"{p}head{i}."
+        q, k, val = qkv[:, 0, i], qkv[:, 1, i], qkv[:, 2, i]  # (C, D) each
+        v[h + "q"], v[h + "k"], v[h + "v"] = q, k, val
+        v[h + "scores"] = q @ k.t()  # (C, D)·(D, C) -> (C, C)
+        v[h + "scaled"] = v[h + "scores"] / math.sqrt(D)
+        v[h + "masked"] = v[h + "scaled"].masked_fill(~mask, float("-inf"))
+        v[h + "attn"] = attention_weights(v[h + "scaled"], mask)  # softmax over keys
+        r = v[h + "attn"] @ val  # (C, C)·(C, D) -> (C, D)
+        if f"{p}head{i}" in ablate:
+            r = torch.zeros_like(r)
+        v[h + "out"] = r
+        v[h + "contrib"] = r @ w_o[:, i * D:(i + 1) * D].t()  # (C, D)·(D, E) -> (C, E)
+        heads.append(r)
+        total = total + v[h + "contrib"]
+    v[p + "concat"] = torch.cat(heads, dim=-1)  # (C, H·D)
+    v[p + "attn_concat"] = attn.out(v[p + "concat"])  # concat form: one product with W_o
+    if attn.out.bias is not None:
+        total = total + attn.out.bias
+    return torch.zeros_like(total) if p + "attn" in ablate else total
+
+
+def _trace_values(base: GPT, ids: Tensor, ablate: frozenset[str]) -> dict[str, Tensor]:
+    v: dict[str, Tensor] = {}
+    v["embed.tok"] = base.tok_emb(ids)  # (C,) -> (C, E): row ids[t] of the (V, E) table
+    v["embed.pos"] = base.pos_emb(torch.arange(ids.shape[0], device=ids.device))
+    x = v["embed"] = v["embed.tok"] + v["embed.pos"]
+    for l, block in enumerate(base.blocks):
+        p = f"layer{l}."
+        v[p + "resid_pre"] = x
+        v[p + "ln1"] = block.ln1(x)
+        v[p + "attn_out"] = _trace_attention(block.attn, v[p + "ln1"], p, v, ablate)
+        x = v[p + "resid_mid"] = x + v[p + "attn_out"]
+        v[p + "ln2"] = block.ln2(x)
+        v[p + "ffn_pre"] = block.ffn.up(v[p + "ln2"])  # (C, E) -> (C, 4E)
+        v[p + "ffn_post"] = block.ffn.act(v[p + "ffn_pre"])
+        v[p + "ffn_out"] = block.ffn.down(v[p + "ffn_post"])  # (C, 4E) -> (C, E)
+        if p + "ffn" in ablate:
+            v[p + "ffn_out"] = torch.zeros_like(v[p + "ffn_out"])
+        x = v[p + "resid_post"] = x + v[p + "ffn_out"]
+    v["final_norm"] = base.final_norm(x)
+    v["logits"] = base.lm_head(v["final_norm"])  # (C, E) -> (C, V)
+    return v
+
+
+def trace(model: nn.Module, ids: Sequence[int] | Tensor, *,
+          ablate: Sequence[str] = (), check: bool = True) -> Trace:
+    """Every intermediate of the forward pass over ``ids`` (C tokens), see :class:`Trace`.
+
+    Computed head by head through the model's own modules (LayerNorms, the QKV and
+    output projections, the FFN, the LM head) in eval mode without gradients; the
+    values are fp32 on the CPU. ``ablate`` switches parts off (keys from
+    :func:`ablation_keys`): a head's R^i becomes 0, a layer's attention or FFN adds 0
+    to the residual stream. Without ablation the traced logits are checked against
+    the model's own forward (``check``), so a model the trace misreads is refused
+    instead of explained wrongly.
+    """
+    base = check_traceable(model)
+    cfg = base.config
+    flat = ids.reshape(-1).tolist() if isinstance(ids, Tensor) else [int(i) for i in ids]
+    if not flat or len(flat) > cfg.context_length:
+        raise DataError(f"trace needs 1 to {cfg.context_length} tokens, got {len(flat)}")
+    if min(flat) < 0 or max(flat) >= cfg.vocab_size:
+        raise DataError(f"token ids must be in [0, {cfg.vocab_size}), got {min(flat)}.."
+                        f"{max(flat)}; the tokenizer does not belong to this model")
+    _ablation_masks(ablate, cfg.n_layer, cfg.n_head)  # checks the keys
+    dev = next(base.parameters()).device
+    was_training = base.training
+    base.eval()
+    try:
+        with torch.no_grad():  # not inference mode: the values stay usable with autograd
+            x = torch.tensor(flat, dtype=torch.long, device=dev)
+            values = _trace_values(base, x, frozenset(ablate))
+            reference = base(x[None])[0] if check and not ablate else None
+    finally:
+        base.train(was_training)
+    values = {k: t.float().cpu() for k, t in values.items()}
+    if reference is not None:
+        gap = float((values["logits"] - reference.float().cpu()).abs().max())
+        if not gap <= 1e-3 * max(1.0, float(reference.abs().max())):
+            raise ConfigError(f"the explorer's trace does not reproduce this model's logits "
+                              f"(max difference {gap:.3g}); its architecture is not one the "
+                              f"trace knows")
+    sizes = {"C": len(flat), "E": cfg.n_embd, "H": cfg.n_head, "D": cfg.head_dim,
+             "F": base.blocks[0].ffn.up.out_features, "V": cfg.vocab_size, "L": cfg.n_layer}
+    return Trace(tuple(flat), sizes, values, tuple(ablate))
 
 
 @dataclass(frozen=True)
@@ -199,8 +457,6 @@ def nearest_tokens(model: nn.Module, tokenizer: Any, token: str, count: int = 10
                    ) -> list[Neighbour]:
     """The ``count`` tokens whose embedding rows (tok_emb, (V, E)) have the highest
     cosine similarity with ``token``'s, most similar first; the token itself leads."""
-    from tinylm.checkpoint import unwrap_model
-
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
         raise ConfigError(f"count must be an integer >= 1, got {count!r}; use --count 10")
     base = unwrap_model(model)
@@ -280,14 +536,60 @@ def format_neighbours(token: str, neighbours: Sequence[Neighbour]) -> str:
 # --- rendering: PNG ---------------------------------------------------------------------
 
 
+def write_atomically(path: str | os.PathLike, write: Any) -> Path:
+    """Call ``write(tmp)`` on a temporary file beside ``path``, then rename it into place:
+    a failure leaves no half-written file and keeps what was there. The file gets the
+    usual permissions (0666 less the umask), not mkstemp's private 0600."""
+    out = Path(path)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+        os.close(fd)
+        try:
+            write(tmp)
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)
+            os.replace(tmp, out)
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"cannot write {out}: {exc.strerror}; choose a writable path") from exc
+    return out
+
+
+# Picture formats --attention writes, by file suffix (matplotlib's own writers).
+PICTURE_FORMATS = {".png": "png", ".jpg": "jpeg", ".jpeg": "jpeg", ".svg": "svg", ".pdf": "pdf"}
+
+
+def picture_format(path: str | os.PathLike) -> str:
+    """The format a picture's file name asks for (``maps.svg`` -> ``svg``), or a
+    ConfigError: a name whose suffix names no format we write is refused, never
+    filled with bytes of another format."""
+    out = Path(path)
+    fmt = PICTURE_FORMATS.get(out.suffix.lower())
+    if fmt is None:
+        what = f"'{out.suffix}' is not a picture format it writes" if out.suffix else \
+            "it has no suffix naming a format"
+        raise ConfigError(f"cannot draw the attention maps into {out}: {what}; end the name "
+                          f"with {', '.join(PICTURE_FORMATS)}")
+    if out.is_dir():
+        raise ConfigError(f"cannot draw the attention maps into {out}: it is a folder; pass "
+                          f"a file name such as {out / 'maps.png'}")
+    return fmt
+
+
 def plot_attention(explanation: Explanation, path: str | os.PathLike, *,
                    max_labels: int = 48) -> Path:
     """Draw every attention map as a grid (layers × heads) of heatmaps and save a PNG.
 
     Cell (l, h) shows layer l, head h: row i = query token i, column j = key token j,
     colour = weight; the masked upper triangle is left blank. Axes are labelled with the
-    tokens when there are at most ``max_labels`` of them.
+    tokens when there are at most ``max_labels`` of them. The format is the one the
+    suffix names (:data:`PICTURE_FORMATS`: PNG, JPEG, SVG, PDF); the file is written
+    under a temporary name and renamed into place.
     """
+    fmt = picture_format(path)
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -324,13 +626,9 @@ def plot_attention(explanation: Explanation, path: str | os.PathLike, *,
     fig.colorbar(image, ax=axes, shrink=0.6, label="attention weight")
     fig.suptitle("attention maps: row = query token, column = key token (causal)", fontsize=10)
     out = Path(path)
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            fig.savefig(out, format="png", dpi=110)
-    except OSError as exc:
-        raise ConfigError(f"cannot write {out}: {exc.strerror}; choose a writable path") from exc
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        write_atomically(out, lambda tmp: fig.savefig(tmp, format=fmt, dpi=110))
     missing = {str(w.message) for w in caught if "missing from font" in str(w.message)}
     if missing:
         log.info("%d character(s) in the token labels have no glyph in matplotlib's font and "
@@ -341,137 +639,17 @@ def plot_attention(explanation: Explanation, path: str | os.PathLike, *,
     return out
 
 
-# --- rendering: HTML --------------------------------------------------------------------
-
-_CSS = """
-body{font-family:system-ui,sans-serif;margin:1.5em;color:#222;background:#fafafa}
-h1{font-size:1.2em}.controls{margin:.8em 0}.controls label{margin-right:1em}
-#tokens{line-height:2.4em;margin:1em 0;font-family:monospace;font-size:1.05em}
-.tok{padding:.2em .35em;margin:0 .1em;border:1px solid #ccc;border-radius:4px;cursor:pointer;
-white-space:pre}.tok.sel{outline:2px solid #d33}
-.wrap{display:flex;gap:2em;flex-wrap:wrap;align-items:flex-start}
-canvas{border:1px solid #ccc;image-rendering:pixelated;background:#fff}
-table{border-collapse:collapse;font-family:monospace}td,th{padding:.15em .6em;text-align:left}
-th{border-bottom:1px solid #999}.bar{display:inline-block;height:.8em;background:#4a7}
-.note{color:#666;font-size:.9em}
-"""
-
-_JS = """
-(function(){
-var D=JSON.parse(document.getElementById('data').textContent);
-var L=D.layers,H=D.heads,C=D.tokens.length;
-var ls=document.getElementById('layer'),hs=document.getElementById('head');
-for(var l=0;l<L;l++){ls.add(new Option('layer '+l,l));}
-hs.add(new Option('mean of heads',-1));
-for(var h=0;h<H;h++){hs.add(new Option('head '+h,h));}
-hs.value=0;
-var cur=C-1,box=document.getElementById('tokens');
-function vis(t){return t.replace(/ /g,'\\u2423').replace(/\\n/g,'\\\\n').replace(/\\t/g,'\\\\t');}
-function row(l,h,i){
- if(h>=0){return D.attn[l][h][i];}
- var r=[];for(var j=0;j<=i;j++){var s=0;for(var k=0;k<H;k++){s+=D.attn[l][k][i][j];}r.push(s/H);}
- return r;}
-var spans=[];
-D.tokens.forEach(function(t,i){var s=document.createElement('span');s.className='tok';
- s.textContent=vis(t);s.title='position '+i+', id '+D.ids[i];
- s.onmouseenter=function(){cur=i;draw();};box.appendChild(s);spans.push(s);});
-function cell(w){var v=Math.round(255*(1-w));return 'rgb('+v+','+(v+Math.round(40*w))+',255)';}
-function draw(){
- var l=+ls.value,h=+hs.value,r=row(l,h,cur);
- spans.forEach(function(s,j){s.classList.toggle('sel',j===cur);
-  s.style.background=j<=cur?cell(r[j]):'#eee';});
- var rows='<tr><th>key token</th><th>weight</th><th></th></tr>';
- var order=r.map(function(w,j){return [w,j];}).sort(function(a,b){return b[0]-a[0];});
- order.slice(0,10).forEach(function(p){rows+='<tr><td>'+esc(vis(D.tokens[p[1]]))+
-  ' <span class=note>@'+p[1]+'</span></td><td>'+p[0].toFixed(3)+
-  '</td><td><span class=bar style="width:'+Math.round(120*p[0])+'px"></span></td></tr>';});
- document.getElementById('weights').innerHTML=rows;
- document.getElementById('wtitle').textContent='attention of '+vis(D.tokens[cur])+
-  ' (position '+cur+') in layer '+l+', '+(h<0?'mean of heads':'head '+h);
- var c=D.candidates[cur],crows='<tr><th>next token</th><th>prob</th><th></th></tr>';
- c.forEach(function(x){crows+='<tr><td>'+esc(vis(x.token))+'</td><td>'+x.prob.toFixed(3)+
-  '</td><td><span class=bar style="width:'+Math.round(120*x.prob)+'px"></span></td></tr>';});
- document.getElementById('cands').innerHTML=crows;
- document.getElementById('ctitle').textContent='after "'+
-  vis(D.tokens.slice(0,cur+1).join(''))+'"';
- heat(l,h);}
-function esc(s){return s.replace(/&/g,'&amp;').replace(/</g,'&lt;').replace(/>/g,'&gt;');}
-var cv=document.getElementById('map'),px=Math.max(4,Math.min(24,Math.floor(480/C)));
-cv.width=cv.height=px*C;
-function heat(l,h){var g=cv.getContext('2d');g.clearRect(0,0,cv.width,cv.height);
- for(var i=0;i<C;i++){var r=row(l,h,i);for(var j=0;j<=i;j++){g.fillStyle=cell(r[j]);
-  g.fillRect(j*px,i*px,px,px);}}
- g.strokeStyle='#d33';g.strokeRect(0,cur*px+.5,px*(cur+1),px-1);}
-cv.onmousemove=function(e){var b=cv.getBoundingClientRect();
- var i=Math.floor((e.clientY-b.top)/px);if(i>=0&&i<C&&i!==cur){cur=i;draw();}};
-ls.onchange=hs.onchange=draw;draw();})();
-"""
-
-
-def _html_data(explanation: Explanation, digits: int = 4) -> dict[str, Any]:
-    maps = explanation.attention  # (L, H, C, C)
-    L, H, C, _ = maps.shape
-    # Only the lower triangle is stored: row i holds the weights of keys 0..i.
-    attn = [[[[round(w, digits) for w in maps[layer, head, i, :i + 1].tolist()]
-              for i in range(C)] for head in range(H)] for layer in range(L)]
-    return {
-        "layers": L, "heads": H, "tokens": list(explanation.tokens),
-        "ids": list(explanation.ids), "attn": attn,
-        "candidates": [[{"token": c.token, "id": c.id, "prob": round(c.prob, digits)}
-                        for c in r.candidates] for r in explanation.rows],
-    }
-
-
-def render_html(explanation: Explanation, *, title: str = "tinylm explain") -> str:
-    """One self-contained offline page: pick a layer and head, hover a token (or a row of
-    the heatmap) to see its attention weights and the next-token candidates.
-
-    CSS, JavaScript and data are inline; the page references no URL of any kind.
-    """
-    L, H, C, _ = explanation.attention.shape
-    if L * H * C * (C + 1) // 2 > 5_000_000:
-        log.warning("the page holds %d attention weights (%d layers × %d heads × %d tokens); "
-                    "it may be slow to open; a shorter prompt keeps it small",
-                    L * H * C * (C + 1) // 2, L, H, C)
-    data = json.dumps(_html_data(explanation), ensure_ascii=False, separators=(",", ":"))
-    data = data.replace("</", "<\\/")  # a token "</script>" must not end the data block
-    prompt = html.escape("".join(explanation.tokens))
-    return (
-        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
-        f"<title>{html.escape(title)}</title><style>{_CSS}</style></head><body>\n"
-        f"<h1>{html.escape(title)}</h1><p class=note>prompt: <code>{prompt}</code> — "
-        "hover a token (or a row of the map) to see where it attends and which token "
-        "the model expects next.</p>\n"
-        "<div class=controls><label>layer <select id=layer></select></label>"
-        "<label>head <select id=head></select></label></div>\n"
-        "<div id=tokens></div>\n<div class=wrap><div><h3>attention map</h3>"
-        "<canvas id=map></canvas><p class=note>row = query token, column = key token; "
-        "darker = more weight</p></div>\n"
-        "<div><h3 id=wtitle></h3><table id=weights></table></div>\n"
-        "<div><h3>next-token candidates</h3><p class=note id=ctitle></p>"
-        "<table id=cands></table></div></div>\n"
-        f"<script type=\"application/json\" id=data>{data}</script>\n"
-        f"<script>{_JS}</script>\n</body></html>\n"
-    )
-
-
-def write_html(explanation: Explanation, path: str | os.PathLike, *,
-               title: str = "tinylm explain") -> Path:
-    """Write :func:`render_html`'s page to ``path``."""
-    out = Path(path)
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(render_html(explanation, title=title), encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"cannot write {out}: {exc.strerror}; choose a writable path") from exc
-    return out
-
-
 __all__ = [
     "Candidate",
     "Explanation",
     "Neighbour",
     "Row",
+    "PICTURE_FORMATS",
+    "SHAPES",
+    "Trace",
+    "ablated_logits",
+    "ablation_keys",
+    "check_traceable",
     "display_token",
     "encode_prompt",
     "explain",
@@ -479,9 +657,10 @@ __all__ = [
     "format_table",
     "nearest_tokens",
     "next_token_rows",
+    "picture_format",
     "plot_attention",
-    "render_html",
     "token_id_of",
     "token_text",
-    "write_html",
+    "trace",
+    "write_atomically",
 ]

@@ -163,7 +163,10 @@ class GPT(nn.Module):
 
     # -- forward -------------------------------------------------------------------------
 
-    def _embed(self, ids: Tensor, start: int) -> Tensor:
+    def _embed(self, ids: Tensor, start: int, pos: Tensor | None = None) -> Tensor:
+        """Token plus positional embeddings of ids (B, C) at positions [start, start + C),
+        or at ``pos`` — (C,), or (B, C) where rows have their own positions (a
+        :class:`~tinylm.attention.RaggedKVCache`)."""
         B, C = ids.shape
         if start + C > self.config.context_length:
             raise ConfigError(
@@ -172,13 +175,17 @@ class GPT(nn.Module):
             )
         x = self.tok_emb(ids)  # (B, C, E)
         if self.pos_emb is not None:  # learned positions; RoPE acts inside attention
-            x = x + self.pos_emb(torch.arange(start, start + C, device=ids.device))  # + (C, E)
+            if pos is None:
+                pos = torch.arange(start, start + C, device=ids.device)  # (C,)
+            x = x + self.pos_emb(pos)  # + (C, E) or (B, C, E)
         return _dropout(self.drop, x)
 
     def hidden_states(self, ids: Tensor, cache: KVCache | None = None) -> Tensor:
-        """ids (B, C) -> final-normed hidden states (B, C, E)."""
+        """ids (B, C) -> final-normed hidden states (B, C, E). With a cache, the tokens'
+        positions are the cache's next ones (``cache.positions``)."""
         start = cache.length if cache is not None else 0
-        x = self._embed(ids, start)
+        pos = cache.positions(ids.shape[1], ids.device) if cache is not None else None
+        x = self._embed(ids, start, pos)
         for i, block in enumerate(self.blocks):
             x = block(x, cache, i)
         if cache is not None:

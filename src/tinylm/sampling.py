@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from tinylm import acceleration
+from tinylm.config import available_memory, format_bytes
 from tinylm.decoding import Decoder
 from tinylm.errors import ConfigError, DataError
 from tinylm.model import GPT
@@ -44,6 +45,7 @@ __all__ = [
     "SamplingConfig",
     "TextStream",
     "apply_temperature",
+    "check_generation",
     "encode_prompt",
     "filter_logits",
     "generate",
@@ -100,6 +102,14 @@ def top_p_filter(logits: Tensor, p: float) -> Tensor:
     return logits.masked_fill(drop, float("-inf"))
 
 
+_F32_TINY = float(torch.finfo(torch.float32).tiny)  # smallest normal float32, ~1.18e-38
+_F32_MAX = float(torch.finfo(torch.float32).max)  # ~3.40e38
+_INT64_MAX = 2**63 - 1
+#: Host memory per generated token per sample: the int64 id buffer, the Python list of
+#: ids and the decoded text each sample's TextStream keeps (measured ~50 bytes).
+_BYTES_PER_TOKEN = 64
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
     """How the next token is chosen from the logits, validated on construction.
@@ -119,19 +129,70 @@ class SamplingConfig:
                 or t == float("inf"):
             raise ConfigError(f"temperature must be a number >= 0 (0 = greedy), got {t!r}; "
                               f"try --temperature 0.8")
+        if 0 < t < _F32_TINY or t > _F32_MAX:
+            raise ConfigError(f"temperature {t!r} is outside what float32 logits can be "
+                              f"divided by ({_F32_TINY:.3g} to {_F32_MAX:.3g}); use "
+                              f"--temperature 0 for greedy decoding, or e.g. 0.8")
         k = self.top_k
-        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
-            raise ConfigError(f"top_k must be an integer >= 1, got {k!r}; try --top-k 40, "
-                              f"or leave it out to keep every token")
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1
+                              or k > _INT64_MAX):
+            raise ConfigError(f"top_k must be an integer in [1, {_INT64_MAX}], got {k!r}; try "
+                              f"--top-k 40, or leave it out to keep every token")
         p = self.top_p
         if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float))
                               or not 0 < p <= 1):
             raise ConfigError(f"top_p must be a number in (0, 1], got {p!r}; try --top-p 0.9,"
                               f" or leave it out to keep every token")
+        if p is not None and p < _F32_TINY:
+            raise ConfigError(f"top_p {p!r} is below float32's smallest normal number "
+                              f"({_F32_TINY:.3g}), so probabilities cannot be compared with "
+                              f"it; use --temperature 0 (greedy) to keep only the top token")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n:,} {word}" + ("" if n == 1 else "s")
+
+
+def check_generation(max_new_tokens: Any, num_samples: Any = 1, seed: Any = None, *,
+                     prompt_tokens: int = 1, device: Any = "cpu",
+                     model_config: Any = None) -> None:
+    """ConfigError unless a request for ``num_samples`` x ``max_new_tokens`` tokens is
+    well-formed: positive integers, a seed within int64, and what it allocates fitting
+    in the memory available (the message gives the estimate): the ids and text of every
+    sample on the host and, given the ``model_config``, the KV cache (float32,
+    2·L·B·C·kv_dim) and the logits (B·V) on ``device``."""
+    for name, value, flag in (("max_new_tokens", max_new_tokens, "--max-new-tokens 200"),
+                              ("num_samples", num_samples, "--num-samples 4")):
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value \
+                <= _INT64_MAX:
+            raise ConfigError(f"{name} must be an integer in [1, {_INT64_MAX}], got "
+                              f"{value!r}; e.g. {flag}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
+                             or not 0 <= seed <= _INT64_MAX):
+        raise ConfigError(f"seed must be an integer in [0, {_INT64_MAX}] (int64), got "
+                          f"{seed!r}; e.g. --seed 1")
+    tokens = num_samples * (prompt_tokens + max_new_tokens)
+    cache = 0  # the KV cache and two rows of logits per sample
+    if model_config is not None:
+        c = model_config
+        kv = getattr(c, "kv_dim", c.n_head * c.head_dim)
+        cache = 4 * num_samples * (2 * c.n_layer * c.context_length * kv + 2 * c.vocab_size)
+    what = f"{_plural(num_samples, 'sample')} of {max_new_tokens:,} new tokens"
+    fix = ("ask for fewer --num-samples or --max-new-tokens (a sample also ends at the "
+           "end-of-text token or a --stop string)")
+    cpu = getattr(device, "type", str(device).split(":")[0]) == "cpu"
+    host = tokens * _BYTES_PER_TOKEN + (cache if cpu else 0)
+    on_device = 0 if cpu else 8 * tokens + cache  # the int64 id buffer lives there too
+    for need, where in ((host, "cpu"), (on_device, device)):
+        have = available_memory(where) if need else None
+        if tokens > _INT64_MAX or (have is not None and need > have):
+            room = "" if have is None else f" but only {format_bytes(have)} is available"
+            raise ConfigError(f"{what} need about {format_bytes(need)} of memory on {where} "
+                              f"for their ids, text and KV cache{room}; {fix}")
 
 
 def filter_logits(logits: Tensor, config: SamplingConfig) -> Tensor:
@@ -155,7 +216,10 @@ def next_token_probs(logits: Tensor, config: SamplingConfig) -> Tensor:
     """
     if config.greedy:
         return F.one_hot(logits.argmax(-1), logits.shape[-1]).to(torch.float32)
-    return F.softmax(filter_logits(logits.float(), config), dim=-1)
+    logits = logits.float()
+    if config.temperature < 1:  # shift first so that logits / t cannot overflow to inf
+        logits = logits - logits.amax(-1, keepdim=True)  # softmax is shift-invariant
+    return F.softmax(filter_logits(logits, config), dim=-1)
 
 
 def sample_next(logits: Tensor, config: SamplingConfig,

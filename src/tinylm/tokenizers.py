@@ -201,8 +201,8 @@ class CharTokenizer(Tokenizer):
                 more = f" and {bad.size - 10} more" if bad.size > 10 else ""
                 raise DataError(
                     f"text has {bad.size} character(s) this char tokenizer never saw: "
-                    f"{shown}{more}; prepare the data with text that contains them, or "
-                    f"use --unknown replace to map them to {UNK}"
+                    f"{shown}{more}; remove them from the text, or re-prepare the data "
+                    f"with 'tinylm prepare --unknown replace' to map them to {UNK}"
                 )
         return ids
 

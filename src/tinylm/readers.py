@@ -1,0 +1,470 @@
+"""Input formats for ``prepare``: files, folders and globs -> a stream of documents.
+
+Formats (by file name; compression by a trailing ``.gz`` / ``.zst``):
+
+    text      any other file: one document per file, read in chunks
+    jsonl     ``.jsonl`` / ``.ndjson`` (also ``.jsonl.gz``, ``.jsonl.zst``): one record a
+              line, the document is the record's text field
+    parquet   ``.parquet``: read one row group at a time, only the text column
+    arrow     a Hugging Face ``datasets`` folder written by ``save_to_disk`` (a
+              ``state.json`` listing Arrow stream files, or a ``dataset_dict.json`` of
+              such folders), read one record batch at a time
+
+:func:`iter_documents` yields ``(text, starts_document, source_index)``: a document
+may come in several chunks (a large text file), the first flagged. A record whose
+text field (``--text-field``, dotted for nested fields) is missing, null, not a
+string or not valid JSON is counted in a :class:`BadRecords` with the first file and
+line or row, and skipped. Nothing here touches the network.
+"""
+
+from __future__ import annotations
+
+import codecs
+import glob as globlib
+import io
+import json
+import os
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from tinylm.errors import DataError
+
+Progress = Callable[[int], None]
+_JSONL = (".jsonl", ".ndjson")
+_COMPRESSION = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
+_GLOB_CHARS = set("*?[")
+
+
+def display_path(path: str | Path) -> str:
+    """A path as printable text: bytes that are not UTF-8 shown as ``\\xNN``."""
+    return os.fsencode(str(path)).decode("utf-8", errors="backslashreplace")
+
+
+@dataclass(frozen=True)
+class Source:
+    """One input: a file on disk or in-memory bytes (a built-in corpus)."""
+
+    name: str
+    path: Path | None = None
+    data: bytes | None = None
+    format: str = "text"  # text | jsonl | parquet | arrow
+    compression: str | None = None
+
+    @property
+    def size(self) -> int:
+        return len(self.data) if self.data is not None else self.path.stat().st_size  # type: ignore[union-attr]
+
+    def stamp(self) -> tuple[int, int] | None:
+        """(size, mtime_ns) of a file, to notice an input that changes mid-run."""
+        if self.path is None:
+            return None
+        st = self.path.stat()
+        return st.st_size, st.st_mtime_ns
+
+    def open_raw(self) -> IO[bytes]:
+        return io.BytesIO(self.data) if self.data is not None else open(self.path, "rb")  # type: ignore[arg-type]
+
+
+def file_source(path: Path, fmt: str | None = None) -> Source:
+    """A Source for one file, its format and compression told by its name."""
+    suffixes = [s.lower() for s in path.suffixes]
+    compression = _COMPRESSION.get(suffixes[-1]) if suffixes else None
+    inner = suffixes[-2] if compression and len(suffixes) > 1 else (
+        suffixes[-1] if suffixes and not compression else "")
+    if fmt is None:
+        fmt = ("jsonl" if inner in _JSONL else "parquet" if inner == ".parquet"
+               else "arrow" if inner == ".arrow" else "text")
+    if fmt == "text" and inner == ".json":
+        raise DataError(f"{display_path(path)} is a .json file, which prepare does not read "
+                        f"as text (it would learn the braces); name it .jsonl if it holds one "
+                        f"record per line, or leave it out with --glob")
+    if fmt in ("parquet", "arrow") and compression:
+        raise DataError(f"{display_path(path)}: compressed {fmt} files are not supported; "
+                        f"Parquet compresses its own columns, so decompress it first")
+    return Source(display_path(path), path=path, format=fmt, compression=compression)
+
+
+# --- finding the inputs ----------------------------------------------------------------------
+
+
+def _dataset_sources(folder: Path) -> list[Source] | None:
+    """The Arrow files of a ``save_to_disk`` folder in order, or None if it is not one."""
+    if (folder / "dataset_dict.json").is_file():
+        try:
+            splits = json.loads((folder / "dataset_dict.json").read_text())["splits"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise DataError(f"{display_path(folder)}/dataset_dict.json is unreadable ({exc}); "
+                            f"save the dataset again with save_to_disk") from None
+        found: list[Source] = []
+        for split in splits:
+            found.extend(_dataset_sources(folder / str(split)) or [])
+        return found
+    if not ((folder / "state.json").is_file() and (folder / "dataset_info.json").is_file()):
+        return None
+    try:
+        files = [f["filename"] for f in json.loads((folder / "state.json").read_text())
+                 ["_data_files"]]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise DataError(f"{display_path(folder)}/state.json is unreadable ({exc}); save the "
+                        f"dataset again with save_to_disk") from None
+    sources = []
+    for name in files:
+        path = folder / str(name)
+        if Path(str(name)).name != str(name) or not path.is_file():
+            raise DataError(f"datasets folder {display_path(folder)} lists {name!r}, which is "
+                            f"missing; save the dataset again with save_to_disk")
+        sources.append(file_source(path, "arrow"))
+    return sources
+
+
+def _walk(folder: Path, pattern: str, out: Path) -> Iterator[Source]:
+    """Files under ``folder`` matching ``pattern``, sorted; hidden entries and ``out``
+    skipped, a ``datasets`` folder inside taken as one dataset."""
+    dataset = _dataset_sources(folder)
+    if dataset is not None:
+        yield from dataset
+        return
+    for entry in sorted(os.scandir(folder), key=lambda e: os.fsencode(e.name)):
+        path = Path(entry.path)
+        if entry.name.startswith(".") or path.resolve() == out:
+            continue
+        if entry.is_dir():
+            yield from _walk(path, pattern, out)
+        elif entry.is_file() and path.match(pattern):
+            yield file_source(path)
+
+
+def resolve_inputs(inputs: Sequence[str | Path], pattern: str, out: Path) -> list[Source]:
+    """Files to read, in order: files, folders (sorted), globs; ``-`` is standard input."""
+    sources: list[Source] = []
+    out = out.resolve()
+    for raw in inputs:
+        if str(raw) == "-":
+            if sys.stdin is None or sys.stdin.isatty():
+                raise DataError("--input - reads standard input, but nothing is piped in; "
+                                "use e.g. cat file.txt | tinylm prepare --input - --out DIR")
+            sources.append(Source("<stdin>"))
+            continue
+        path = Path(raw)
+        shown = display_path(path)
+        if path.is_file():
+            sources.append(file_source(path))
+        elif path.is_dir():
+            found = list(_walk(path, pattern.removeprefix("**/"), out))
+            if not found:
+                raise DataError(f"input folder {shown} has no files matching {pattern!r}; "
+                                f"put text, JSONL or Parquet files in it or pass --glob")
+            sources.extend(found)
+        elif path.exists():
+            raise DataError(f"input {shown} is neither a file nor a folder; pass a file, a "
+                            f"folder, a glob, or - for standard input")
+        elif _GLOB_CHARS & set(str(raw)):
+            matches = sorted(globlib.glob(str(raw), recursive=True), key=os.fsencode)
+            if not matches:
+                raise DataError(f"input pattern {shown} matches no files; check the pattern "
+                                f"(quote it so the shell does not expand it)")
+            sources.extend(resolve_inputs(matches, pattern, out))
+        else:
+            raise DataError(f"input {shown} does not exist; pass a text/JSONL/Parquet file, a "
+                            f"folder, a glob, - for standard input, or --corpus python-docs")
+    return sources
+
+
+# --- bad records -------------------------------------------------------------------------------
+
+
+@dataclass
+class BadRecords:
+    """Records without usable text: how many, and where the first one is."""
+
+    count: int = 0
+    first: str | None = None
+    reasons: dict[str, int] = field(default_factory=dict)
+
+    def add(self, where: str, reason: str, n: int = 1) -> None:
+        if self.first is None:
+            self.first = f"{where}: {reason}"
+        self.count += n
+        self.reasons[reason.split(" (")[0]] = self.reasons.get(reason.split(" (")[0], 0) + n
+
+
+# --- text ----------------------------------------------------------------------------------------
+
+
+def _utf8_error(src: Source, offset: int, data: bytes, start: int) -> DataError:
+    byte = data[start] if start < len(data) else None
+    what = f"byte 0x{byte:02x}" if byte is not None else "a truncated character"
+    return DataError(
+        f"{src.name} is not UTF-8 text: {what} at byte offset {offset} cannot be decoded; "
+        f"convert it to UTF-8, leave it out, or pass --errors replace to substitute U+FFFD"
+    )
+
+
+def _binary_error(src: Source, offset: int) -> DataError:
+    return DataError(f"{src.name} looks binary: NUL byte at byte offset {offset}; pass text "
+                     f"files only (see --glob), or --errors replace to keep going")
+
+
+def _open(src: Source, on_bytes: Progress | None) -> IO[bytes]:
+    """The file's bytes, decompressed; ``on_bytes`` counts the bytes read from disk."""
+    raw = src.open_raw()
+    if on_bytes is not None:
+        raw = io.BufferedReader(_Counting(raw, on_bytes), 1 << 20)  # type: ignore[assignment]
+    if src.compression == "gzip":
+        import gzip
+
+        return gzip.GzipFile(fileobj=raw, mode="rb")  # type: ignore[return-value]
+    if src.compression == "zstd":
+        zstandard = _require("zstandard", "zstd-compressed JSONL")
+        reader = zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True,
+                                                            closefd=True)
+        return io.BufferedReader(reader, 1 << 20)  # type: ignore[arg-type]
+    return raw
+
+
+class _Counting(io.RawIOBase):
+    def __init__(self, raw: IO[bytes], on_bytes: Progress) -> None:
+        self.raw, self.on_bytes = raw, on_bytes
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        n = self.raw.readinto(b)  # type: ignore[attr-defined]
+        if n:
+            self.on_bytes(n)
+        return n
+
+    def close(self) -> None:
+        self.raw.close()
+        super().close()
+
+
+def _text(src: Source, errors: str, chunk_bytes: int, on_bytes: Progress | None
+          ) -> Iterator[str]:
+    """Decoded text of one file in chunks; strict mode refuses bad UTF-8 and NUL bytes."""
+    strict = errors == "strict"
+    decoder = codecs.getincrementaldecoder("utf-8")("strict" if strict else "replace")
+    pos = 0
+    with _open(src, on_bytes) as f:
+        while True:
+            raw = f.read(chunk_bytes)
+            pending = decoder.getstate()[0]
+            base = pos - len(pending)
+            try:
+                text = decoder.decode(raw, final=not raw)
+            except UnicodeDecodeError as exc:
+                nul = (pending + raw).find(b"\x00", 0, exc.start)
+                if nul >= 0:
+                    raise _binary_error(src, base + nul) from None
+                raise _utf8_error(src, base + exc.start, pending + raw, exc.start) from None
+            pos += len(raw)
+            if strict and "\x00" in text:
+                raise _binary_error(src, base + len(text[: text.index("\x00")].encode()))
+            if text:
+                yield text
+            if not raw:
+                break
+
+
+# --- records ---------------------------------------------------------------------------------
+
+
+def _field(record: Any, path: Sequence[str]) -> tuple[str | None, str]:
+    value = record
+    for i, key in enumerate(path):
+        if not isinstance(value, dict):
+            where = ".".join(path[:i]) or "the record"
+            return None, f"{where} is not an object"
+        if key not in value:
+            return None, f"field {'.'.join(path[:i + 1])!r} is missing"
+        value = value[key]
+    if value is None:
+        return None, f"field {'.'.join(path)!r} is null"
+    if not isinstance(value, str):
+        return None, f"field {'.'.join(path)!r} is not a string ({type(value).__name__})"
+    return value, ""
+
+
+def _clean(text: str, where: str, errors: str) -> str:
+    """Refuse (or replace) lone surrogates, which JSON allows and UTF-8 does not."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        if errors == "strict":
+            raise DataError(f"{where}: the text holds a lone surrogate (\\ud800-\\udfff), "
+                            f"which is not Unicode text; fix the record or pass --errors "
+                            f"replace") from None
+        text = text.encode("utf-8", "replace").decode("utf-8")
+    return text
+
+
+def _jsonl(src: Source, path: Sequence[str], errors: str, bad: BadRecords,
+           on_bytes: Progress | None) -> Iterator[str]:
+    with _open(src, on_bytes) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{src.name} line {lineno}"
+            try:
+                record = json.loads(line)
+            except UnicodeDecodeError:
+                if errors == "strict":
+                    raise DataError(f"{where} is not UTF-8; convert the file or pass "
+                                    f"--errors replace") from None
+                record = _loads(line.decode("utf-8", "replace"), where, bad)
+            except (ValueError, RecursionError):
+                bad.add(where, "not valid JSON")
+                continue
+            text, reason = _field(record, path)
+            if text is None:
+                bad.add(where, reason)
+                continue
+            if b"\\ud" in line or b"\\uD" in line:
+                text = _clean(text, where, errors)
+            yield text
+
+
+def _loads(line: str, where: str, bad: BadRecords) -> Any:
+    try:
+        return json.loads(line)
+    except (ValueError, RecursionError):
+        bad.add(where, "not valid JSON")
+        return None
+
+
+def _require(module: str, what: str) -> Any:
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise DataError(f"reading {what} needs the {module.split('.')[0]} package; install "
+                        f"it with pip install 'tinylm[data]'") from None
+
+
+def _arrow_texts(column: Any, path: Sequence[str], where: Callable[[int], str],
+                 bad: BadRecords, errors: str) -> list[str]:
+    """The strings of the Arrow column ``path[0]`` (nested fields by the rest of the
+    path); values that are not strings are counted as bad records."""
+    pa = _require("pyarrow", "Parquet and datasets files")
+    pc = _require("pyarrow.compute", "Parquet and datasets files")
+    for i, key in enumerate(path[1:], 1):
+        if not pa.types.is_struct(column.type) or column.type.get_field_index(key) < 0:
+            bad.add(where(0), f"field {'.'.join(path[:i + 1])!r} is missing", len(column))
+            return []
+        column = pc.struct_field(column, key)
+    name = ".".join(path)
+    values = column.to_pylist()
+    if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)
+            or str(column.type) == "string_view"):
+        for j, v in enumerate(values):
+            if v is not None:
+                bad.add(where(j), f"field {name!r} is not a string ({column.type})",
+                        len(values) - j)
+                return []
+        bad.add(where(0), f"field {name!r} is null", len(values))
+        return []
+    out = []
+    for j, v in enumerate(values):
+        if v is None:
+            bad.add(where(j), f"field {name!r} is null")
+        else:
+            out.append(v)
+    return out
+
+
+def _parquet(src: Source, path: Sequence[str], errors: str, bad: BadRecords,
+             on_bytes: Progress | None) -> Iterator[str]:
+    pq = _require("pyarrow.parquet", "Parquet files")
+    try:
+        pf = pq.ParquetFile(src.path)
+    except Exception as exc:  # pyarrow raises its own error types
+        raise DataError(f"{src.name} is not a readable Parquet file ({_first_line(exc)}); "
+                        f"check the file or leave it out") from None
+    names = pf.schema_arrow.names
+    total, done, row = max(src.size, 1), 0, 0
+    n_rows = max(pf.metadata.num_rows, 1)
+    for g in range(pf.num_row_groups):
+        size = pf.metadata.row_group(g).num_rows
+        if on_bytes is not None:  # counted as the group is read, before its records
+            step = total * (row + size) // n_rows - done
+            done += step
+            on_bytes(step)
+        if path[0] not in names:
+            bad.add(f"{src.name} row {row}", f"field {path[0]!r} is missing (columns: "
+                    f"{', '.join(names[:8])})", size)
+        else:
+            column = pf.read_row_group(g, columns=[path[0]]).column(0).combine_chunks()
+            yield from _arrow_texts(column, path, lambda j, r=row: f"{src.name} row {r + j}",
+                                    bad, errors)
+        row += size
+
+
+def _arrow(src: Source, path: Sequence[str], errors: str, bad: BadRecords,
+           on_bytes: Progress | None) -> Iterator[str]:
+    pa = _require("pyarrow", "datasets folders")
+    row, done = 0, 0
+    with pa.memory_map(str(src.path)) as mm:
+        try:
+            reader = pa.ipc.open_stream(mm)
+        except Exception:
+            try:
+                reader = pa.ipc.open_file(mm)
+            except Exception as exc:
+                raise DataError(f"{src.name} is not a readable Arrow file "
+                                f"({_first_line(exc)}); save the dataset again") from None
+        batches = (reader.get_batch(i) for i in range(reader.num_record_batches)) \
+            if hasattr(reader, "num_record_batches") else reader
+        for batch in batches:
+            if on_bytes is not None:  # counted as the batch is read, before its records
+                pos = min(mm.tell(), src.size)
+                on_bytes(pos - done)
+                done = pos
+            if path[0] not in batch.schema.names:
+                bad.add(f"{src.name} row {row}", f"field {path[0]!r} is missing (columns: "
+                        f"{', '.join(batch.schema.names[:8])})", batch.num_rows)
+            else:
+                yield from _arrow_texts(batch.column(path[0]), path,
+                                        lambda j, r=row: f"{src.name} row {r + j}", bad, errors)
+            row += batch.num_rows
+        if on_bytes is not None and src.size > done:
+            on_bytes(src.size - done)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def iter_documents(sources: Sequence[Source], *, text_field: str = "text",
+                   errors: str = "strict", chunk_bytes: int = 1 << 20,
+                   bad: BadRecords | None = None, on_bytes: Progress | None = None
+                   ) -> Iterator[tuple[str, bool, int]]:
+    """``(text, starts_document, source_index)`` for every document of every source.
+
+    A text file is one document, yielded in chunks of about ``chunk_bytes`` (the first
+    flagged); every good record of a JSONL/Parquet/Arrow file is one document.
+    """
+    path = text_field.split(".")
+    if not text_field or not all(path):
+        raise DataError(f"--text-field must be a field name or a dotted path such as "
+                        f"meta.text, got {text_field!r}")
+    bad = bad if bad is not None else BadRecords()
+    readers = {"jsonl": _jsonl, "parquet": _parquet, "arrow": _arrow}
+    for k, src in enumerate(sources):
+        if src.format == "text":
+            first = True
+            for chunk in _text(src, errors, chunk_bytes, on_bytes):
+                yield chunk, first, k
+                first = False
+        else:
+            for text in readers[src.format](src, path, errors, bad, on_bytes):
+                yield text, True, k
+
+
+__all__ = ["BadRecords", "Source", "display_path", "file_source", "iter_documents",
+           "resolve_inputs"]

@@ -1,0 +1,71 @@
+"""``tinylm serve``: an OpenAI-compatible HTTP server with continuous batching.
+
+- :mod:`tinylm.serve.engine`     the batching loop (one batched decoding step for all)
+- :mod:`tinylm.serve.schemas`    request bodies, validated; OpenAI's error fields
+- :mod:`tinylm.serve.responses`  engine events -> OpenAI response bodies and chunks
+- :mod:`tinylm.serve.app`        the Starlette routes; ``page.html`` is the web page
+- :mod:`tinylm.serve.metrics`    Prometheus counters
+
+Starlette and uvicorn come with the ``[serve]`` extra (``pip install 'tinylm[serve]'``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from tinylm.checkpoint import (
+    TOKENIZER_FILE,
+    load_checkpoint,
+    read_config,
+    resolve_checkpoint_dir,
+)
+from tinylm.errors import CheckpointError, ConfigError
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+API_KEY_ENV = "TINYLM_API_KEY"
+
+__all__ = ["API_KEY_ENV", "LOOPBACK", "make_server", "serve"]
+
+
+def _require_serve_extra():
+    try:
+        import starlette  # noqa: F401
+        import uvicorn
+    except ImportError as exc:
+        raise ConfigError(f"tinylm serve needs Starlette and uvicorn ({exc.name} is missing); "
+                          f"install them with: pip install 'tinylm[serve]'") from exc
+    return uvicorn
+
+
+def make_server(model_dir: str | os.PathLike, *, host: str = "127.0.0.1",
+                api_key: str | None = None, **settings):
+    """A not-yet-loaded :class:`~tinylm.serve.app.Server` for a checkpoint folder, after
+    the checks that can fail fast: the folder and its tokenizer exist, and a host other
+    than loopback has an API key (``api_key`` or ``$TINYLM_API_KEY``)."""
+    _require_serve_extra()
+    from tinylm.serve.app import Server, Settings
+
+    api_key = api_key or os.environ.get(API_KEY_ENV) or None
+    if host not in LOOPBACK and not api_key:
+        raise ConfigError(f"serving on {host} (not 127.0.0.1) needs an API key: pass "
+                          f"--api-key KEY or set {API_KEY_ENV}")
+    folder = resolve_checkpoint_dir(model_dir)
+    read_config(folder)
+    if not (folder / TOKENIZER_FILE).is_file():
+        raise CheckpointError(f"{folder} has no {TOKENIZER_FILE}; the server needs the "
+                              f"model's tokenizer to turn text into tokens")
+    settings.setdefault("model_name", Path(folder).resolve().name)
+    return Server(Settings(api_key=api_key, **settings), lambda: load_checkpoint(folder))
+
+
+def serve(model_dir: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 8000,
+          api_key: str | None = None, **settings) -> None:
+    """Run the server until interrupted (the model loads in the background; ``/health``
+    answers 503 until it is ready). ``settings`` are :class:`~tinylm.serve.app.Settings`
+    fields (max_batch, max_queue, max_tokens, timeout, ...)."""
+    uvicorn = _require_serve_extra()
+    from tinylm.serve.app import create_app  # Starlette: the optional [serve] extra
+
+    server = make_server(model_dir, host=host, api_key=api_key, **settings)
+    uvicorn.run(create_app(server), host=host, port=port, log_level="info")

@@ -1,0 +1,432 @@
+"""The HTTP app: OpenAI-style routes on Starlette, served by uvicorn.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/explain``,
+``POST /v1/explore`` (the explorer's data, :func:`tinylm.explorer.explorer_data`), the
+explorer page in live mode at ``/explorer``,
+``GET /v1/models``, ``GET /health`` (503 while the model loads), ``GET /metrics``
+(Prometheus text) and the web page at ``/``. With an API key every ``/v1`` route and
+``/metrics`` need ``Authorization: Bearer KEY`` (compared in constant time). Every
+client error is a 4xx in OpenAI's shape ``{"error": {message, type, param, code}}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import (
+    HTMLResponse,
+    JSONResponse,
+    PlainTextResponse,
+    Response,
+    StreamingResponse,
+)
+from starlette.routing import Route
+
+from tinylm.errors import TinyLMError
+from tinylm.explorer import explorer_data, render_explorer
+from tinylm.inspection import explain
+from tinylm.serve.engine import Engine, QueueFull
+from tinylm.serve.metrics import Metrics
+from tinylm.serve.responses import (
+    Run,
+    chat_logprobs,
+    check_prompt,
+    collect,
+    completion_logprobs,
+)
+from tinylm.serve.schemas import (
+    ChatRequest,
+    CompletionRequest,
+    Limits,
+    RequestError,
+    parse_chat,
+    parse_completion,
+    parse_explain,
+    parse_json,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How the server runs (the ``tinylm serve`` flags)."""
+
+    model_name: str = "tinylm"
+    api_key: str | None = None
+    max_batch: int = 16
+    max_queue: int = 64
+    max_tokens: int = 256
+    max_body_bytes: int = 1 << 20
+    timeout: float = 60.0  # seconds per request
+    threads: int | None = None  # torch threads of the decoding loop (None: torch's default)
+
+
+class Server:
+    """The model, its tokenizer and engine, once loaded; ``ready`` until then False."""
+
+    def __init__(self, settings: Settings,
+                 loader: Callable[[], tuple[Any, Any]] | None = None) -> None:
+        self.settings = settings
+        self.loader = loader
+        self.metrics = Metrics()
+        self.model = self.tokenizer = self.engine = self.limits = None
+        self.load_error: str | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self.engine is not None
+
+    def load(self, model: Any, tokenizer: Any) -> None:
+        s = self.settings
+        self.limits = Limits(model.config.context_length, s.max_tokens,
+                             max_body_bytes=s.max_body_bytes)
+        self.model, self.tokenizer = model, tokenizer
+        self.engine = Engine(model, max_batch=s.max_batch, max_queue=s.max_queue,
+                             threads=s.threads, metrics=self.metrics).start()
+
+    def load_in_background(self) -> None:
+        def run() -> None:
+            try:
+                self.load(*self.loader())
+            except TinyLMError as exc:
+                self.load_error = str(exc)
+                log.error("could not load the model: %s", exc)
+        threading.Thread(target=run, name="tinylm-load", daemon=True).start()
+
+    def stop(self) -> None:
+        if self.engine is not None:
+            self.engine.stop()
+
+
+# --- plumbing: errors, auth, body -----------------------------------------------------------
+
+
+def error_response(exc: RequestError, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+
+def _authorize(server: Server, request: Request) -> None:
+    key = server.settings.api_key
+    if key is None:
+        return
+    given = request.headers.get("authorization", "")
+    token = given[7:] if given[:7].lower() == "bearer " else ""
+    if not hmac.compare_digest(token.encode("utf-8", "replace"), key.encode("utf-8")):
+        raise RequestError("invalid or missing API key; send 'Authorization: Bearer KEY'",
+                           status=401, code="invalid_api_key")
+
+
+def _require_ready(server: Server) -> None:
+    if not server.ready:
+        why = f" ({server.load_error})" if server.load_error else "; retry in a few seconds"
+        raise RequestError(f"the model is not loaded{why}", status=503, type="server_error",
+                           code="model_not_ready")
+
+
+async def _body(server: Server, request: Request) -> dict[str, Any]:
+    limit = server.settings.max_body_bytes
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise RequestError(f"the request body is {declared} bytes, more than the limit of "
+                           f"{limit}; send a shorter prompt", status=413)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise RequestError(f"the request body is more than the limit of {limit} bytes; "
+                               f"send a shorter prompt", status=413)
+        chunks.append(chunk)
+    return parse_json(b"".join(chunks))
+
+
+def _check_model(server: Server, name: str | None) -> None:
+    if name is not None and name != server.settings.model_name:
+        raise RequestError(f"the model '{name}' does not exist; this server has "
+                           f"'{server.settings.model_name}' (GET /v1/models)", param="model",
+                           status=404, code="model_not_found")
+
+
+def _endpoint(name: str, handler: Callable) -> Callable:
+    """Wrap a handler: auth, readiness, RequestError -> its 4xx, 429 on a full queue,
+    and the request counted in the metrics."""
+    async def wrapped(request: Request) -> Response:
+        server: Server = request.app.state.server
+        try:
+            _authorize(server, request)
+            _require_ready(server)
+            response = await handler(server, request)
+        except RequestError as exc:
+            response = error_response(exc)
+        except QueueFull as exc:
+            response = error_response(
+                RequestError(str(exc), status=429, type="rate_limit_error",
+                             code="queue_full"), {"Retry-After": str(exc.retry_after)})
+        except TinyLMError as exc:  # e.g. a prompt the tokenizer cannot encode
+            response = error_response(RequestError(str(exc)))
+        server.metrics.request(name, response.status_code)
+        return response
+    return wrapped
+
+
+# --- generation routes ----------------------------------------------------------------------
+
+
+def _encode(server: Server, prompt: str | tuple[int, ...]) -> list[int]:
+    tok = server.tokenizer
+    ids = list(prompt) if isinstance(prompt, tuple) else tok.encode(prompt)
+    if not ids and tok.eos_id is not None:
+        ids = [tok.eos_id]  # an empty prompt starts from end-of-text, as tinylm sample
+    check_prompt(ids, server.limits.context_length, server.model.config.vocab_size)
+    return ids
+
+
+def _eos(server: Server) -> list[int]:
+    eos = server.tokenizer.eos_id
+    return [] if eos is None else [eos]
+
+
+async def completions(server: Server, request: Request) -> Response:
+    req = parse_completion(await _body(server, request), server.limits)
+    _check_model(server, req.model)
+    prompts = [_encode(server, p) for p in req.prompts]
+    run = Run(server.engine, server.tokenizer, prompts, req.gen, _eos(server),
+              server.settings.timeout)
+    echoes = [server.tokenizer.decode(p) if req.echo else "" for p in prompts]
+    if req.gen.stream:
+        return _sse(_completion_chunks(server, run, req, echoes), run)
+    await _until_done(run, request)
+    choices = []
+    for c in run.choices:
+        lp = None
+        if req.gen.logprobs is not None:
+            lp = completion_logprobs(server.tokenizer, c.tokens, 0)
+        choices.append({"index": c.index, "text": echoes[c.index // req.gen.n] + c.stream.text,
+                        "logprobs": lp, "finish_reason": c.finish_reason})
+    return JSONResponse({"id": f"cmpl-{run.id}", "object": "text_completion",
+                         "created": run.created, "model": server.settings.model_name,
+                         "choices": choices, "usage": run.usage()})
+
+
+async def _completion_chunks(server: Server, run: Run, req: CompletionRequest,
+                             echoes: list[str]) -> AsyncIterator[dict]:
+    head = {"id": f"cmpl-{run.id}", "object": "text_completion", "created": run.created,
+            "model": server.settings.model_name}
+    if req.echo:
+        for c in run.choices:
+            yield dict(head, choices=[{"index": c.index, "text": echoes[c.index // req.gen.n],
+                                       "logprobs": None, "finish_reason": None}])
+    async for u in run.updates():
+        if not u.text and not u.finish_reason and req.gen.logprobs is None:
+            continue
+        lp = None
+        if req.gen.logprobs is not None:
+            lp = completion_logprobs(server.tokenizer, u.tokens, u.choice.offset)
+        u.choice.offset += sum(len(t) for t in lp["tokens"]) if lp else 0
+        yield dict(head, choices=[{"index": u.choice.index, "text": u.text, "logprobs": lp,
+                                   "finish_reason": u.finish_reason}])
+    if req.gen.include_usage:
+        yield dict(head, choices=[], usage=run.usage())
+
+
+def _chat_ids(server: Server, req: ChatRequest) -> tuple[list[int], list[int]]:
+    """The rendered conversation and the ids that end a reply, or a 400 when the
+    model's tokenizer has no chat template."""
+    tok = server.tokenizer
+    try:
+        from tinylm import chat
+    except ImportError:
+        chat = None
+    if chat is None or getattr(tok, "chat_template", None) is None:
+        raise RequestError("this model has no chat template, so /v1/chat/completions cannot "
+                           "render messages; use /v1/completions with a plain prompt instead "
+                           "(it works with every model)", param="messages",
+                           code="no_chat_template")
+    ids = list(chat.render_chat(tok, list(req.messages), add_generation_prompt=True))
+    check_prompt(ids, server.limits.context_length, server.model.config.vocab_size)
+    ends = getattr(chat, "stop_ids", None)  # the end-of-turn token(s) of the chat format
+    return ids, sorted(set(ends(tok) if ends else ()) | set(_eos(server)))
+
+
+async def chat_completions(server: Server, request: Request) -> Response:
+    req = parse_chat(await _body(server, request), server.limits)
+    _check_model(server, req.model)
+    ids, stop_ids = _chat_ids(server, req)
+    run = Run(server.engine, server.tokenizer, [ids], req.gen, stop_ids,
+              server.settings.timeout)
+    if req.gen.stream:
+        return _sse(_chat_chunks(server, run, req), run)
+    await _until_done(run, request)
+    choices = [{"index": c.index, "message": {"role": "assistant", "content": c.stream.text},
+                "logprobs": chat_logprobs(server.tokenizer, c.tokens)
+                if req.gen.logprobs is not None else None,
+                "finish_reason": c.finish_reason} for c in run.choices]
+    return JSONResponse({"id": f"chatcmpl-{run.id}", "object": "chat.completion",
+                         "created": run.created, "model": server.settings.model_name,
+                         "choices": choices, "usage": run.usage()})
+
+
+async def _chat_chunks(server: Server, run: Run, req: ChatRequest) -> AsyncIterator[dict]:
+    head = {"id": f"chatcmpl-{run.id}", "object": "chat.completion.chunk",
+            "created": run.created, "model": server.settings.model_name}
+    for c in run.choices:  # the role first
+        yield dict(head, choices=[{"index": c.index, "delta": {"role": "assistant",
+                                   "content": ""}, "logprobs": None, "finish_reason": None}])
+    async for u in run.updates():
+        lp = chat_logprobs(server.tokenizer, u.tokens) if req.gen.logprobs is not None \
+            else None
+        if u.text or (lp and u.tokens):
+            yield dict(head, choices=[{"index": u.choice.index, "delta": {"content": u.text},
+                                       "logprobs": lp, "finish_reason": None}])
+        if u.finish_reason:
+            yield dict(head, choices=[{"index": u.choice.index, "delta": {},
+                                       "logprobs": None, "finish_reason": u.finish_reason}])
+    if req.gen.include_usage:
+        yield dict(head, choices=[], usage=run.usage())
+
+
+async def _until_done(run: Run, request: Request) -> None:
+    """Collect the run; a client that disconnects meanwhile cancels it."""
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        run.cancel()
+    watcher = asyncio.create_task(watch())
+    try:
+        await collect(run)
+    except RuntimeError as exc:  # the engine failed this request (a bug, logged there)
+        raise RequestError(str(exc), status=500, type="server_error") from exc
+    finally:
+        watcher.cancel()
+
+
+def _sse(chunks: AsyncIterator[dict], run: Run) -> StreamingResponse:
+    """Server-sent events: ``data: {json}`` per chunk, then ``data: [DONE]``. When the
+    client goes away Starlette stops the generator, whose cleanup cancels the run."""
+    async def events() -> AsyncIterator[str]:
+        try:
+            async for chunk in chunks:
+                yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+        except RuntimeError as exc:
+            err = RequestError(str(exc), status=500, type="server_error")
+            yield f"data: {json.dumps(err.body())}\n\n"
+        finally:
+            run.cancel()
+        yield "data: [DONE]\n\n"
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+# --- the other routes -----------------------------------------------------------------------
+
+
+async def explain_route(server: Server, request: Request) -> Response:
+    req = parse_explain(await _body(server, request))
+    _check_model(server, req.model)
+    ids = server.tokenizer.encode(req.prompt)
+    check_prompt(ids, server.limits.context_length, server.model.config.vocab_size)
+    ex = await asyncio.to_thread(explain, server.model, server.tokenizer, ids, top_k=req.top_k)
+    attention = [[[[round(p, 4) for p in row] for row in head] for head in layer]
+                 for layer in ex.attention.tolist()]  # (L, H, C, C)
+    return JSONResponse({"object": "explanation", "model": server.settings.model_name,
+                         "tokens": list(ex.tokens), "ids": list(ex.ids), "rows": ex.to_json(),
+                         "attention": attention})
+
+
+async def explore_route(server: Server, request: Request) -> Response:
+    """The explorer's data for a prompt: exactly what explorer_data returns (the page at
+    /explorer posts {"prompt", "top_k"} here and draws the answer)."""
+    req = parse_explain(await _body(server, request))
+    _check_model(server, req.model)
+    ids = server.tokenizer.encode(req.prompt)
+    check_prompt(ids, server.limits.context_length, server.model.config.vocab_size)
+    data = await asyncio.to_thread(explorer_data, server.model, server.tokenizer, req.prompt,
+                                   top_k=req.top_k)
+    return JSONResponse(data)
+
+
+async def explorer_page(request: Request) -> Response:
+    """The explorer page in live mode: a prompt box that POSTs to /v1/explore."""
+    return HTMLResponse(render_explorer(None, endpoint="/v1/explore"))
+
+
+async def models(server: Server, request: Request) -> Response:
+    return JSONResponse({"object": "list", "data": [
+        {"id": server.settings.model_name, "object": "model", "created": 0,
+         "owned_by": "tinylm", "context_length": server.limits.context_length}]})
+
+
+async def health(request: Request) -> Response:
+    server: Server = request.app.state.server
+    if server.ready:
+        return JSONResponse({"status": "ok"})
+    return JSONResponse({"status": "error" if server.load_error else "loading",
+                         "message": server.load_error}, status_code=503)
+
+
+async def metrics(request: Request) -> Response:
+    server: Server = request.app.state.server
+    try:
+        _authorize(server, request)
+    except RequestError as exc:
+        return error_response(exc)
+    return PlainTextResponse(server.metrics.render(),
+                             media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+async def page(request: Request) -> Response:
+    html = resources.files("tinylm.serve").joinpath("page.html").read_text(encoding="utf-8")
+    return HTMLResponse(html)
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    code = "not_found" if exc.status_code == 404 else None
+    return error_response(RequestError(f"{request.method} {request.url.path}: {exc.detail}",
+                                       status=exc.status_code, code=code))
+
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    log.exception("unhandled error on %s", request.url.path)
+    return error_response(RequestError("internal server error (logged on the server)",
+                                       status=500, type="server_error"))
+
+
+def create_app(server: Server) -> Starlette:
+    """The ASGI app for ``server``; a server with a loader loads in the background at
+    startup (``/health`` answers 503 until it is ready) and every app stops its engine
+    at shutdown."""
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        if server.loader is not None and not server.ready:
+            server.load_in_background()
+        yield
+        server.stop()
+
+    routes = [
+        Route("/", page),
+        Route("/explorer", explorer_page),
+        Route("/health", health),
+        Route("/metrics", metrics),
+        Route("/v1/models", _endpoint("models", models)),
+        Route("/v1/completions", _endpoint("completions", completions), methods=["POST"]),
+        Route("/v1/chat/completions", _endpoint("chat", chat_completions), methods=["POST"]),
+        Route("/v1/explain", _endpoint("explain", explain_route), methods=["POST"]),
+        Route("/v1/explore", _endpoint("explore", explore_route), methods=["POST"]),
+    ]
+    app = Starlette(routes=routes, lifespan=asynccontextmanager(lifespan),
+                    exception_handlers={HTTPException: _http_error, Exception: _server_error})
+    app.state.server = server
+    app.state.started = time.time()
+    return app

@@ -1,0 +1,300 @@
+"""Continuous batching: every active request decodes in one batched step.
+
+A request's prompt is prefilled alone in a one-row :class:`~tinylm.attention.KVCache`
+(the same forward :func:`tinylm.generate` runs), its first token sampled, and its keys
+and values copied into a row of one :class:`~tinylm.attention.RaggedKVCache`. From
+the next step on it decodes together with every other active request: one forward of
+ids (rows, 1) in which each row has its own position and sees only its own keys, so
+its answer is the one it would get alone. A request leaves the batch when it ends
+(end-of-text, ``max_tokens``, its deadline, or a cancel — a client that went away or a
+stop string), and its row is freed at that step. Sampling parameters and seeds are
+per request. Requests beyond ``max_batch`` wait in a queue of at most ``max_queue``;
+beyond that :meth:`Engine.submit` raises :class:`QueueFull`.
+
+The loop runs in one background thread. Results go back through each request's
+``emit`` callback, called from that thread with :class:`Token` and :class:`End` events.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from tinylm.attention import KVCache, RaggedKVCache
+from tinylm.model import GPT
+from tinylm.sampling import SamplingConfig, sample_next
+from tinylm.serve.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+
+class QueueFull(Exception):
+    """The engine's queue is full; ``retry_after`` is a hint in seconds."""
+
+    def __init__(self, retry_after: int) -> None:
+        super().__init__(f"the server is at capacity; retry after {retry_after} s")
+        self.retry_after = retry_after
+
+
+@dataclass(frozen=True)
+class Token:
+    """One generated token: its id, log-probability, and the top alternatives
+    (id, log-probability) when the request asked for them."""
+
+    id: int
+    logprob: float | None = None
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class End:
+    """The request is over: reason is "stop" (end-of-text), "length" (max_tokens or
+    the deadline), "cancelled" or "error" (with a message)."""
+
+    reason: str
+    message: str = ""
+
+
+@dataclass
+class Request:
+    """One sequence to generate. ``logprobs`` None computes none; k >= 0 computes the
+    chosen token's and the k most likely ones'. ``vocab_size`` restricts sampling to
+    the tokenizer's ids. ``deadline`` is a ``time.monotonic()`` value."""
+
+    prompt: Sequence[int]
+    max_tokens: int
+    emit: Callable[[Token | End], None]
+    sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(0.0))
+    seed: int | None = None
+    stop_ids: tuple[int, ...] = ()
+    logprobs: int | None = None
+    vocab_size: int | None = None
+    deadline: float = float("inf")
+    cancelled: bool = False
+    submitted: float = field(default_factory=time.monotonic)
+
+    def cancel(self) -> None:
+        """Ask the engine to drop this request at its next step (thread-safe)."""
+        self.cancelled = True
+
+
+class _Row:
+    """An active request's state: its tokens so far and its random generator."""
+
+    def __init__(self, req: Request) -> None:
+        self.req = req
+        self.seq = list(req.prompt)
+        self.generated = 0
+        self.generator = None
+        if req.seed is not None and not req.sampling.greedy:
+            self.generator = torch.Generator().manual_seed(int(req.seed))
+
+
+class Engine:
+    """The batching loop over ``model`` (a GPT in eval mode; moved to no device).
+
+    ``max_batch`` rows decode together; ``max_queue`` more may wait for a row;
+    ``threads`` sets torch's intra-op threads of the loop's thread. Start with
+    :meth:`start` (or use as a context manager); :meth:`stop` ends the thread and
+    every request still in it.
+    """
+
+    def __init__(self, model: GPT, *, max_batch: int = 16, max_queue: int = 64,
+                 threads: int | None = None, metrics: Metrics | None = None) -> None:
+        self.model = model.eval()
+        self.threads = threads
+        self.max_batch, self.max_queue = max_batch, max_queue
+        self.context = model.config.context_length
+        self.metrics = metrics or Metrics()
+        self.cache = RaggedKVCache.for_model(model, max_batch)
+        self.rows: list[_Row] = []  # row i of the cache is rows[i]
+        self.pending: deque[Request] = deque()
+        self._cv = threading.Condition()
+        self._running = False
+        self._thread: threading.Thread | None = None
+
+    # -- control -----------------------------------------------------------------------
+
+    def start(self) -> Engine:
+        self._running = True
+        self._thread = threading.Thread(target=self._loop, name="tinylm-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        with self._cv:
+            self._running = False
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        for req in [r.req for r in self.rows] + list(self.pending):
+            req.emit(End("cancelled", "the server is shutting down"))
+        self.rows.clear()
+        self.pending.clear()
+        self.cache.reset()
+
+    def __enter__(self) -> Engine:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def submit(self, requests: Sequence[Request]) -> None:
+        """Queue requests (all or none); QueueFull when they do not fit."""
+        with self._cv:
+            free_rows = self.max_batch - len(self.rows)
+            if len(self.pending) + len(requests) > self.max_queue + free_rows:
+                self.metrics.rejected += len(requests)
+                raise QueueFull(self._retry_after())
+            self.pending.extend(requests)
+            self.metrics.queue_depth = len(self.pending)
+            self._cv.notify()
+
+    def _retry_after(self) -> int:
+        """Seconds until a queue slot likely frees: the queue's turns at the batch."""
+        turns = len(self.pending) / max(self.max_batch, 1)
+        return max(1, round(turns * self.metrics.mean_request_seconds()))
+
+    # -- the loop ----------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        if self.threads is not None:
+            torch.set_num_threads(self.threads)
+        with torch.inference_mode():
+            while True:
+                with self._cv:
+                    while self._running and not self.pending and not self.rows:
+                        self._cv.wait()
+                    if not self._running:
+                        return
+                    admit = []
+                    while self.pending and len(self.rows) + len(admit) < self.max_batch:
+                        admit.append(self.pending.popleft())
+                    self.metrics.queue_depth = len(self.pending)
+                try:
+                    for req in admit:
+                        self._join(req)
+                    self._drop_finished()
+                    if self.rows:
+                        self._step()
+                except Exception as exc:  # a bug: fail the requests in flight, keep serving
+                    log.exception("engine step failed")
+                    self._fail_all(admit, f"internal error in the decoding step: {exc}")
+
+    def _fail_all(self, admitted: list[Request], message: str) -> None:
+        reqs = {id(r.req): r.req for r in self.rows}
+        reqs.update((id(r), r) for r in admitted)
+        for req in reqs.values():
+            req.emit(End("error", message))
+        self.rows.clear()
+        self.cache.reset()
+
+    def _prefill(self, tokens: Sequence[int]) -> tuple[Tensor, KVCache]:
+        """tokens (T,) alone through the model: (logits of the last position (V,),
+        the filled one-row cache). The same forward as tinylm.generate's prefill."""
+        cache = KVCache.for_model(self.model, 1, self.context)
+        ids = torch.tensor([list(tokens)], dtype=torch.long)  # (1, T)
+        h = self.model.hidden_states(ids, cache)  # (1, T, E)
+        return self.model.lm_head(h[:, -1])[0], cache  # (V,)
+
+    def _join(self, req: Request) -> None:
+        """Prefill ``req``, emit its first token and give it a row unless it ended."""
+        if req.cancelled:
+            req.emit(End("cancelled"))
+            return
+        if time.monotonic() > req.deadline:  # it waited in the queue for all its time
+            req.emit(End("length", "the request's time limit was reached in the queue"))
+            return
+        row = _Row(req)
+        logits, cache = self._prefill(row.seq[-self.context:])
+        self.metrics.prompt_tokens += len(row.seq)
+        end = self._take(row, logits[None], first=True)
+        if end is not None:
+            self.metrics.finished(time.monotonic() - req.submitted)
+            req.emit(end)
+            return
+        self.cache.put(len(self.rows), cache)
+        self.rows.append(row)
+        self.cache.rows = len(self.rows)
+
+    def _drop_finished(self) -> None:
+        """Free the rows of cancelled or timed-out requests (before the step)."""
+        now = time.monotonic()
+        for i in reversed(range(len(self.rows))):
+            req = self.rows[i].req
+            if req.cancelled:
+                self._free(i, End("cancelled"))
+            elif now > req.deadline:
+                self._free(i, End("length", "the request's time limit was reached"))
+
+    def _free(self, i: int, end: End) -> None:
+        row = self.rows[i]
+        self.cache.remove(i)
+        self.rows[i] = self.rows[-1]
+        self.rows.pop()
+        self.metrics.finished(time.monotonic() - row.req.submitted)
+        row.req.emit(end)
+
+    def _step(self) -> None:
+        """One batched forward of every row's last token, then each row's next token."""
+        for i, row in enumerate(self.rows):
+            if int(self.cache.lengths[i]) >= self.context:  # full: slide the window
+                self._slide(i, row)
+        ids = torch.tensor([[r.seq[-1]] for r in self.rows], dtype=torch.long)  # (rows, 1)
+        self.metrics.batch_size = len(self.rows)
+        logits = self.model(ids, self.cache)[:, -1]  # (rows, V)
+        greedy = logits.argmax(-1).tolist() if any(r.req.sampling.greedy for r in self.rows) \
+            else None
+        for i in reversed(range(len(self.rows))):
+            row = self.rows[i]
+            end = self._take(row, logits[i:i + 1], greedy_id=greedy[i] if greedy else None)
+            if end is not None:
+                self._free(i, end)
+
+    def _slide(self, i: int, row: _Row) -> None:
+        """Restart row i on its last context - 2 tokens before its last one, as
+        tinylm.generate restarts its cache on the last context - 1 (which then
+        include the token this step feeds)."""
+        _, cache = self._prefill(row.seq[-(self.context - 1):-1])
+        self.cache.put(i, cache)
+
+    def _take(self, row: _Row, logits: Tensor, first: bool = False,
+              greedy_id: int | None = None) -> End | None:
+        """Choose row's next token from logits (1, V) and emit it; its End if it ended."""
+        req = row.req
+        if req.vocab_size is not None:
+            logits = logits[:, :req.vocab_size]
+        if req.sampling.greedy:
+            token = greedy_id if greedy_id is not None and greedy_id < logits.shape[-1] \
+                else int(logits.argmax(-1))
+        else:
+            token = int(sample_next(logits.float(), req.sampling, row.generator))
+        row.seq.append(token)
+        row.generated += 1
+        self.metrics.generated(1, time.monotonic() - req.submitted if first else None)
+        req.emit(self._token(token, logits[0], req.logprobs))
+        if token in req.stop_ids:
+            return End("stop")
+        if row.generated >= req.max_tokens:
+            return End("length")
+        return None
+
+    @staticmethod
+    def _token(token: int, logits: Tensor, k: int | None) -> Token:
+        if k is None:
+            return Token(token)
+        logp = F.log_softmax(logits.float(), dim=-1)  # (V,)
+        top = ()
+        if k > 0:
+            values, ids = torch.topk(logp, min(k, logp.shape[-1]))
+            top = tuple(zip(ids.tolist(), values.tolist(), strict=True))
+        return Token(token, float(logp[token]), top)

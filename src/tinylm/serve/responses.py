@@ -1,0 +1,177 @@
+"""From engine events to OpenAI response bodies, for one HTTP request.
+
+A :class:`Run` submits a request's choices (prompts × n) to the engine and turns the
+token events each choice receives into text with :class:`tinylm.sampling.TextStream`
+(whole characters only, cut before a stop string; a stop string or a client that went
+away cancels the engine's row). :meth:`Run.updates` yields what changed, which the app
+renders as one JSON body or as server-sent-event chunks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from tinylm.sampling import TextStream
+from tinylm.serve.engine import End, Engine, Request, Token
+from tinylm.serve.schemas import Generation, RequestError
+
+
+@dataclass
+class Choice:
+    """One generated sequence of a response: its text so far and how it ended."""
+
+    index: int
+    prompt_tokens: int
+    stream: TextStream
+    request: Request | None = None
+    tokens: list[Token] = field(default_factory=list)
+    finish_reason: str | None = None
+    offset: int = 0  # characters of text already reported (for text_offset)
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class Update:
+    """New text and tokens of one choice; ``finish_reason`` set on its last update."""
+
+    choice: Choice
+    text: str
+    tokens: list[Token]
+    finish_reason: str | None = None
+
+
+class Run:
+    """The choices of one API request in flight on ``engine``."""
+
+    def __init__(self, engine: Engine, tokenizer: Any, prompts: Sequence[Sequence[int]],
+                 gen: Generation, stop_ids: Sequence[int], timeout: float) -> None:
+        self.id = uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+        self.tokenizer, self.gen = tokenizer, gen
+        self.stop_ids = tuple(stop_ids)
+        self.loop = asyncio.get_running_loop()
+        self.events: asyncio.Queue[tuple[int, Token | End]] = asyncio.Queue()
+        deadline = time.monotonic() + timeout
+        self.choices: list[Choice] = []
+        requests = []
+        for p, ids in enumerate(prompts):
+            for j in range(gen.n):
+                i = p * gen.n + j
+                seed = None if gen.seed is None else gen.seed + j
+                req = Request(list(ids), gen.max_tokens, self._emitter(i), gen.sampling, seed,
+                              self.stop_ids, gen.logprobs, tokenizer.vocab_size, deadline)
+                self.choices.append(Choice(i, len(ids), TextStream(tokenizer, gen.stop), req))
+                requests.append(req)
+        engine.submit(requests)  # QueueFull propagates: nothing was queued
+
+    def _emitter(self, i: int):
+        def emit(event: Token | End) -> None:  # called from the engine thread
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (i, event))
+        return emit
+
+    def cancel(self) -> None:
+        """Free every row still generating (the client went away or we are done)."""
+        for c in self.choices:
+            if c.request is not None:
+                c.request.cancel()
+
+    async def updates(self) -> AsyncIterator[Update]:
+        """What each event changes, until every choice has finished."""
+        try:
+            while not all(c.done for c in self.choices):
+                i, event = await self.events.get()
+                update = self._apply(self.choices[i], event)
+                if update is not None:
+                    yield update
+        finally:
+            self.cancel()
+
+    def _apply(self, c: Choice, event: Token | End) -> Update | None:
+        if c.done:
+            return None
+        if isinstance(event, End):
+            if event.reason == "error":
+                raise RuntimeError(event.message)
+            c.finish_reason = "stop" if event.reason == "stop" else "length"
+            c.request = None
+            return Update(c, c.stream.finish(), [], c.finish_reason)
+        c.tokens.append(event)
+        if event.id in self.stop_ids:
+            c.finish_reason = "stop"
+            c.request = None
+            return Update(c, c.stream.finish(), [event], "stop")
+        piece = c.stream.push(event.id)
+        if c.stream.stopped:  # a stop string: the text is cut before it
+            c.finish_reason = "stop"
+            c.request.cancel()
+            c.request = None
+            return Update(c, piece + c.stream.finish(), [event], "stop")
+        return Update(c, piece, [event])
+
+    def usage(self) -> dict[str, int]:
+        prompt = sum(c.prompt_tokens for c in self.choices[::self.gen.n])
+        completion = sum(len(c.tokens) for c in self.choices)
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion}
+
+
+async def collect(run: Run) -> None:
+    """Run to the end (non-streamed responses)."""
+    async for _ in run.updates():
+        pass
+
+
+# --- logprobs in OpenAI's two shapes --------------------------------------------------------
+
+
+def _text(tokenizer: Any, i: int) -> str:
+    return tokenizer.decode([i]) if i < tokenizer.vocab_size else ""
+
+
+def completion_logprobs(tokenizer: Any, tokens: Sequence[Token], offset: int) -> dict:
+    """Completions' logprobs object; ``offset`` is the text offset of the first token."""
+    texts = [_text(tokenizer, t.id) for t in tokens]
+    offsets = []
+    for s in texts:
+        offsets.append(offset)
+        offset += len(s)
+    tops = []
+    for t in tokens:  # tokens with the same text share a key: the likelier one's value
+        top: dict[str, float] = {}
+        for i, lp in t.top:
+            top.setdefault(_text(tokenizer, i), lp)
+        tops.append(top)
+    return {"tokens": texts, "token_logprobs": [t.logprob for t in tokens],
+            "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_logprobs(tokenizer: Any, tokens: Sequence[Token]) -> dict:
+    """Chat's logprobs object: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+    def entry(i: int, lp: float) -> dict:
+        s = _text(tokenizer, i)
+        return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+    return {"content": [dict(entry(t.id, t.logprob),
+                             top_logprobs=[entry(i, lp) for i, lp in t.top]) for t in tokens]}
+
+
+def check_prompt(ids: Sequence[int], context_length: int, vocab_size: int) -> None:
+    """A prompt that fits the context and the vocabulary, or a RequestError."""
+    if not ids:
+        raise RequestError("the prompt is empty (0 tokens) and the tokenizer has no "
+                           "end-of-text token to start from; send some text", param="prompt")
+    if len(ids) > context_length:
+        raise RequestError(f"the prompt is {len(ids)} tokens but the model's context length is "
+                           f"{context_length}; shorten it to at most {context_length} tokens",
+                           param="prompt", code="context_length_exceeded")
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise RequestError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})",
+                           param="prompt")

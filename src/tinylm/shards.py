@@ -1,0 +1,173 @@
+"""Token shards: fixed-size files of raw little-endian ids, written and read back.
+
+A prepared split is a list of shard files ``{split}-00000.bin``, ``{split}-00001.bin``,
+... of at most ``shard_tokens`` ids each (uint16 or uint32), listed in meta.json's
+``"shards"`` index with their token counts. :class:`ShardWriter` fills them in order;
+:class:`TokenShards` reads any number of them memory-mapped as one 1-D sequence:
+``len``, integer, slice and integer-array indexing, the same values as the
+concatenation, so the batch sampler and evaluation see one stream whatever the
+sharding (a window may run across a shard boundary, exactly as in one file).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+#: What prepare writes; a meta.json naming any other dtype is refused.
+DTYPES = ("uint16", "uint32")
+SHARD_RE = re.compile(r"^(train|val)-\d{5}\.bin$")
+
+
+def shard_name(split: str, index: int) -> str:
+    return f"{split}-{index:05d}.bin"
+
+
+class ShardWriter:
+    """Appends id arrays to ``folder/{split}-NNNNN.bin``, a new file every ``shard_tokens``."""
+
+    def __init__(self, folder: Path, split: str, dtype: np.dtype, shard_tokens: int) -> None:
+        self.folder, self.split, self.dtype = folder, split, np.dtype(dtype)
+        self.shard_tokens = shard_tokens
+        self.counts: list[int] = []
+        self._file: Any = None
+        self.tokens = 0
+
+    def _roll(self) -> None:
+        if self._file is not None:
+            self._file.close()
+        self._file = open(self.folder / shard_name(self.split, len(self.counts)), "wb")
+        self.counts.append(0)
+
+    def write(self, ids: np.ndarray) -> None:
+        ids = ids.astype(self.dtype, copy=False)
+        start = 0
+        while start < ids.size:
+            if self._file is None or self.counts[-1] >= self.shard_tokens:
+                self._roll()
+            take = min(ids.size - start, self.shard_tokens - self.counts[-1])
+            self._file.write(ids[start:start + take].tobytes())
+            self.counts[-1] += take
+            start += take
+        self.tokens += ids.size
+
+    def close(self) -> list[dict[str, Any]]:
+        """The index entries ``[{"file": name, "tokens": n}, ...]`` of the shards written."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        return [{"file": shard_name(self.split, i), "tokens": n}
+                for i, n in enumerate(self.counts)]
+
+
+def move_tail(folder: Path, entries: list[dict[str, Any]], keep: int, dtype: np.dtype,
+              dest: ShardWriter) -> list[dict[str, Any]]:
+    """Move the ids after the first ``keep`` of a written split into ``dest``; returns
+    the split's shortened index (shards past the cut are deleted, the cut one truncated)."""
+    itemsize = np.dtype(dtype).itemsize
+    kept: list[dict[str, Any]] = []
+    seen = 0
+    for entry in entries:
+        path, n = folder / entry["file"], entry["tokens"]
+        cut = max(0, min(n, keep - seen))
+        if cut < n:
+            tail = np.fromfile(path, dtype=dtype, offset=cut * itemsize)
+            dest.write(tail)
+            del tail
+        if cut == n:
+            kept.append(entry)
+        elif cut > 0:
+            with open(path, "r+b") as f:
+                f.truncate(cut * itemsize)
+            kept.append({"file": entry["file"], "tokens": cut})
+        else:
+            path.unlink()
+        seen += n
+    return kept
+
+
+class TokenShards:
+    """Memory-mapped shards read as one 1-D array of token ids (read-only)."""
+
+    ndim = 1
+
+    def __init__(self, arrays: Sequence[np.ndarray]) -> None:
+        self.arrays = [a for a in arrays if len(a)]
+        self.dtype = np.dtype(arrays[0].dtype) if arrays else np.dtype(np.uint16)
+        self.offsets = np.cumsum([0] + [len(a) for a in self.arrays]).astype(np.int64)
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    @property
+    def size(self) -> int:
+        return len(self)
+
+    @property
+    def shape(self) -> tuple[int]:
+        return (len(self),)
+
+    def __repr__(self) -> str:
+        return f"TokenShards({len(self.arrays)} shards, {len(self):,} {self.dtype.name} tokens)"
+
+    def _range(self, start: int, stop: int) -> np.ndarray:
+        parts = []
+        for k, a in enumerate(self.arrays):
+            lo, hi = int(self.offsets[k]), int(self.offsets[k + 1])
+            if hi > start and lo < stop:
+                parts.append(np.asarray(a[max(start, lo) - lo:min(stop, hi) - lo]))
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=self.dtype)
+
+    def __getitem__(self, key: Any) -> Any:
+        n = len(self)
+        if isinstance(key, (int, np.integer)):
+            i = int(key) + (n if key < 0 else 0)
+            if not 0 <= i < n:
+                raise IndexError(f"index {int(key)} is out of bounds for {n} tokens")
+            k = int(np.searchsorted(self.offsets, i, side="right")) - 1
+            return self.arrays[k][i - self.offsets[k]]
+        if isinstance(key, slice):
+            start, stop, step = key.indices(n)
+            if step == 1:
+                return self._range(start, max(start, stop))
+            return self[np.arange(start, stop, step)]
+        idx = np.asarray(key)
+        if idx.dtype == bool or not np.issubdtype(idx.dtype, np.integer):
+            raise IndexError("TokenShards takes integer, slice or integer-array indices")
+        flat = idx.astype(np.int64).ravel()
+        flat = np.where(flat < 0, flat + n, flat)
+        if flat.size and (flat.min() < 0 or flat.max() >= n):
+            raise IndexError(f"index out of bounds for {n} tokens")
+        which = np.searchsorted(self.offsets, flat, side="right") - 1
+        out = np.empty(flat.shape, dtype=self.dtype)
+        for k in np.unique(which):
+            sel = which == k
+            out[sel] = self.arrays[k][flat[sel] - self.offsets[k]]
+        return out.reshape(idx.shape)
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        out = self._range(0, len(self))
+        return out if dtype is None else out.astype(dtype)
+
+    def max(self) -> int:
+        return max(int(a.max()) for a in self.arrays) if self.arrays else 0
+
+
+def open_split(folder: Path, entries: Sequence[dict[str, Any]], dtype: np.dtype
+               ) -> np.ndarray | TokenShards:
+    """The split as one array: the memmap itself for one shard, else :class:`TokenShards`."""
+    arrays = [np.memmap(folder / e["file"], dtype=dtype, mode="r", shape=(e["tokens"],))
+              if e["tokens"] else np.zeros(0, dtype=dtype) for e in entries]
+    if len(arrays) == 1:
+        return arrays[0]
+    if not arrays:
+        return np.zeros(0, dtype=dtype)
+    return TokenShards(arrays)
+
+
+__all__ = ["DTYPES", "SHARD_RE", "ShardWriter", "TokenShards", "move_tail", "open_split",
+           "shard_name"]

@@ -1,0 +1,83 @@
+"""Helpers for the serve tests: a tiny model with a byte-level BPE tokenizer, and a
+live uvicorn server on 127.0.0.1 in a background thread."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+from tinylm.config import ModelConfig
+from tinylm.model import GPT
+from tinylm.serve.app import Server, Settings, create_app
+from tinylm.tokenizers import BPETokenizer
+
+TEXT = ("The cat sat on the mat. A dog ran in the park. Café au lait, naïve façade, "
+        "日本語のテキスト. Numbers 0123456789 and more words: attention is all you need. ")
+
+
+def tiny_model_and_tokenizer(context_length: int = 64, eos: bool = True):
+    """A random model whose logits are far apart (weights scaled up), so greedy choices
+    are not near-ties that float rounding could flip. Without ``eos`` the tokenizer has
+    no end-of-text token, so a generation runs until max_tokens (a row held on purpose)."""
+    tok = BPETokenizer.train([TEXT * 4], vocab_size=300,
+                             special_tokens=["<|endoftext|>"] if eos else [])
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=tok.vocab_size, n_layer=2, n_head=2, n_embd=32,
+                      context_length=context_length, tie_embeddings=False)
+    model = GPT(cfg).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30.0)
+    return model, tok
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """Tiny models run fastest on one thread, and a busy machine makes more threads
+    spin; the tests' own reference generations use one too."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@contextmanager
+def live_server(model=None, tokenizer=None, **settings):
+    """(base URL, Server) of a running server; stopped on exit."""
+    if model is None:
+        model, tokenizer = tiny_model_and_tokenizer()
+    settings.setdefault("threads", 1)  # tiny matrices: one thread beats two (and a busy box)
+    server = Server(Settings(**settings))
+    server.load(model, tokenizer)
+    with serve_app(server) as url:
+        yield url, server
+
+
+@contextmanager
+def serve_app(server: Server):
+    """The base URL of uvicorn serving ``server``'s app in a thread; stopped on exit."""
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(create_app(server), log_level="warning", lifespan="on")
+    uv = uvicorn.Server(config)
+    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not uv.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        uv.should_exit = True
+        thread.join(10)
+        sock.close()
+        server.stop()

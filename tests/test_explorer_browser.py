@@ -1,0 +1,300 @@
+"""The explorer page in a real browser: Debian's headless Chromium driven by Playwright.
+
+The page is loaded with every request routed to a recorder that aborts it, on a model of
+make-demo's shape (configs/demo.toml, random weights) and a 32-token prompt. Set
+TINYLM_EXPLORER_MODEL=runs/demo (a trained checkpoint) and TINYLM_EXPLORER_SHOTS=docs to
+take the screenshots of docs/explain.md from a real model with the same tests.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from tinylm.checkpoint import load_checkpoint
+from tinylm.config import ModelConfig, read_toml
+from tinylm.explorer import explorer_data, render_explorer
+from tinylm.inspection import trace
+from tinylm.model import GPT
+from tinylm.tokenizers import CharTokenizer
+
+CHROMIUM = "/usr/bin/chromium"
+ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+        "--disable-component-update", "--disable-sync", "--no-first-run"]
+PROMPT = os.environ.get("TINYLM_EXPLORER_PROMPT", "the list is sorted in place, and")
+VIEWS = ["steps", "heads", "maps", "lens", "ablation", "lowrank", "next"]
+
+
+@pytest.fixture(scope="module")
+def subject() -> tuple[GPT, object]:
+    path = os.environ.get("TINYLM_EXPLORER_MODEL")
+    if path:
+        return load_checkpoint(path)
+    cfg = read_toml(Path(__file__).parents[1] / "configs" / "demo.toml")[0]
+    torch.manual_seed(7)
+    model = GPT(ModelConfig(vocab_size=1024, **cfg))
+    with torch.no_grad():  # weights well above the init so the maps are not uniform
+        for p in model.parameters():
+            p.mul_(4.0 if p.dim() > 1 else 1.0)
+    return model.eval(), CharTokenizer("abcdefghijklmnopqrstuvwxyz ,.")
+
+
+@pytest.fixture(scope="module")
+def data(subject) -> dict:
+    model, tok = subject
+    return explorer_data(model, tok, PROMPT, layer=1, head=0)
+
+
+@pytest.fixture(scope="module")
+def traced(subject, data) -> dict:
+    return trace(subject[0], data["ids"]).values
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not Path(CHROMIUM).exists():
+        pytest.fail(f"{CHROMIUM} is missing; run `make browser` (apt-get install chromium)")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        yield b
+        b.close()
+
+
+@pytest.fixture(scope="module")
+def page(browser, data):
+    """The static page, loaded with every request recorded and refused."""
+    context = browser.new_context(viewport={"width": 1280, "height": 860})
+    requests, errors = [], []
+    context.route("**/*", lambda route: (requests.append(route.request.url), route.abort()))
+    pg = context.new_page()
+    pg.on("pageerror", lambda e: errors.append(str(e)))
+    pg.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    pg.set_content(render_explorer(data), wait_until="load")
+    pg.requests, pg.errors = requests, errors
+    yield pg
+    context.close()
+
+
+def _view(page, name: str) -> None:
+    page.click(f"#views button[data-view={name}]")
+    assert page.locator(f"#view-{name}").is_visible()
+
+
+def _hover_cell(page, name: str, i: int, j: int) -> tuple[float, float]:
+    """Hover cell (i, j) of the heatmap of ``name``; the readout's exact value and the
+    value its text shows."""
+    canvas = page.locator(f'canvas[data-name="{name}"]').first
+    px = float(canvas.get_attribute("data-px"))
+    canvas.hover(position={"x": j * px + px / 2, "y": i * px + px / 2})
+    readout = page.locator("#readout")
+    assert readout.get_attribute("data-name") == name
+    assert (readout.get_attribute("data-i"), readout.get_attribute("data-j")) == (str(i), str(j))
+    shown = re.search(r"\] = (\S+)", readout.text_content()).group(1)
+    shown = shown.replace("\u2212", "-").replace("\u221e", "inf")
+    return float(readout.get_attribute("data-value").replace("Infinity", "inf")), float(shown)
+
+
+def test_loads_offline_and_every_view_renders(page, data) -> None:
+    for name in VIEWS:
+        _view(page, name)
+    assert page.requests == [] and page.errors == []
+    C = len(data["ids"])
+    assert page.locator("#tokens .tok").count() == C
+    assert C == 32 or os.environ.get("TINYLM_EXPLORER_MODEL")
+    assert page.locator("#summary").text_content().startswith(f"C = {C} tokens, 4 layers, H = 4")
+
+
+def test_a_cell_in_the_dom_is_the_librarys_tensor(page, traced, data) -> None:
+    _view(page, "steps")
+    page.select_option("#layer", "2")
+    page.select_option("#head", "3")
+    C, D = len(data["ids"]), data["sizes"]["D"]
+    for step, name, cells in [
+        ("qkv", "layer2.head3.q", [(0, 0), (5, 7), (C - 1, D - 1)]),
+        ("qkv", "layer2.head3.v", [(17, 3)]),
+        ("scores", "layer2.head3.scores", [(20, 4), (C - 1, C - 1)]),
+        ("scaled", "layer2.head3.scaled", [(9, 2)]),
+        ("softmax", "layer2.head3.attn", [(12, 3), (C - 1, 0)]),
+        ("wo", "layer2.head3.contrib", [(C - 2, 100)]),
+        ("x", "layer2.ln1", [(3, 127)]),
+    ]:
+        page.click(f"#steps button[data-step={step}]")
+        for i, j in cells:
+            exact, shown = _hover_cell(page, name, i, j)
+            expected = float(traced[name][i, j])
+            assert abs(exact - expected) <= 1e-5, (name, i, j)
+            assert abs(shown - expected) <= 1e-5, (name, i, j)
+    page.click("#steps button[data-step=masked]")
+    exact, _ = _hover_cell(page, "layer2.head3.masked", 4, 9)
+    assert exact == float("-inf")
+    assert page.requests == []
+
+
+def test_switching_layer_head_and_step_updates_the_view(page, traced, data) -> None:
+    _view(page, "steps")
+    page.select_option("#layer", "0")
+    page.select_option("#head", "1")
+    page.click("#steps button[data-step=scaled]")
+    names = page.locator("#step-maps canvas").evaluate_all("cs => cs.map(c => c.dataset.name)")
+    assert names == ["layer0.head1.scaled"]
+    assert "layer 0, head 1" in page.locator("#step-title").text_content()
+    note = page.locator("#step-note")
+    raw = traced["layer0.head1.scores"].double()
+    assert float(note.get_attribute("data-var-raw")) == pytest.approx(
+        float(raw.var(unbiased=False)), rel=1e-5)
+    assert float(note.get_attribute("data-var-scaled")) * data["sizes"]["D"] == pytest.approx(
+        float(note.get_attribute("data-var-raw")), rel=1e-9)  # the note's ÷√D claim
+    page.select_option("#head", "2")
+    page.click("#steps button[data-step=qkv]")
+    names = page.locator("#step-maps canvas").evaluate_all("cs => cs.map(c => c.dataset.name)")
+    assert names == ["layer0.head2.q", "layer0.head2.k", "layer0.head2.v"]
+    page.click("#steps button[data-step=softmax]")
+    assert "max |" in note.text_content() and "sum" in note.text_content()
+
+    _view(page, "heads")
+    page.select_option("#layer", "3")
+    diff = float(page.locator("#heads-diff").get_attribute("data-maxdiff"))
+    expected = float((traced["layer3.attn_out"] - traced["layer3.attn_concat"]).abs().max())
+    assert diff == pytest.approx(expected, abs=1e-7) and diff < 1e-4
+    assert page.locator("#heads-each canvas").count() == 2 * 4
+
+    _view(page, "maps")
+    assert page.locator("#maps-grid canvas").count() == 16
+    canvas = page.locator('#maps-grid canvas[data-name="layer1.head2.attn"]')
+    px = float(canvas.get_attribute("data-px"))
+    canvas.click(position={"x": 1, "y": 6 * px + px / 2})  # the row of query 6
+    assert page.locator("#maps-row-title").text_content().startswith("row of query 6 ")
+    cells = page.locator("#maps-row tr td:nth-child(3)").all_text_contents()
+    assert [float(c) for c in cells] == pytest.approx(
+        traced["layer1.head2.attn"][6, :7].tolist(), abs=1e-4)
+    page.check("input[name=mapmode][value=avg]")
+    assert page.locator("#maps-grid canvas").count() == 4
+    page.check("input[name=mapmode][value=log]")
+    assert page.locator("#maps-grid canvas").count() == 16
+    page.check("input[name=mapmode][value=raw]")
+    assert page.requests == [] and page.errors == []
+
+
+def _table(page, box: str) -> list[list[tuple[int, float]]]:
+    rows = page.locator(f"{box} tr").evaluate_all(
+        "rs => rs.slice(1).map(r => Array.from(r.querySelectorAll('td[data-id]'))"
+        ".map(td => [+td.dataset.id, +td.dataset.prob]))")
+    return [[(int(i), p) for i, p in row] for row in rows]
+
+
+def test_ablation_switches_to_the_precomputed_table(page, data) -> None:
+    _view(page, "ablation")
+    base = _table(page, "#ablation-table")
+    assert base == [[(c[0], c[1]) for c in row] for row in data["next"]]
+    changed = [a for a in data["ablations"] if a["top"] != data["next"]]
+    assert changed, "no ablation changes any table"
+    for a in [changed[0], changed[-1]]:
+        page.select_option("#ablate", a["key"])
+        shown = _table(page, "#ablation-table")
+        assert shown == [[(c[0], c[1]) for c in row] for row in a["top"]]
+        assert shown != base
+        moved = [t for t, row in enumerate(a["top"]) if row[0][0] != data["next"][t][0][0]]
+        marked = page.locator("#ablation-table tr").evaluate_all(
+            "rs => rs.slice(1).map((r, t) => r.className === 'changed' ? t : -1)"
+            ".filter(t => t >= 0)")
+        assert marked == moved
+    page.select_option("#ablate", "")
+    assert _table(page, "#ablation-table") == base
+
+
+def test_low_rank_lens_and_next_views(page, data) -> None:
+    _view(page, "lowrank")
+    page.select_option("#layer", "1")
+    page.select_option("#head", "3")
+    lr = data["lowrank"]["layer1.head3"]
+    assert page.locator("#lowrank-bars div").count() == len(lr["singular"]) == 32
+    for r in (0, 5, 32):
+        page.locator("#rank").fill(str(r))
+        out = page.locator("#lowrank-error")
+        assert float(out.get_attribute("data-weight-error")) == lr["weight_error"][r]
+        assert float(out.get_attribute("data-output-error")) == lr["output_error"][r]
+        assert page.locator("#lowrank-bars div.drop").count() == 32 - r
+    _view(page, "lens")
+    assert page.locator("#lens-table tr").count() == 1 + len(data["ids"])
+    last = page.locator("#lens-table tr td:last-child").evaluate_all(
+        "ts => ts.map(t => +t.dataset.id)")
+    assert last == [row[0][0] for row in data["next"]]  # after the last layer: the output
+    _view(page, "next")
+    assert _table(page, "#next-table") == [[(c[0], c[1]) for c in row] for row in data["next"]]
+    widths = page.locator("#next-table tr:nth-child(2) .bar").evaluate_all(
+        "bs => bs.map(b => parseFloat(b.style.width))")
+    assert widths == sorted(widths, reverse=True) and widths[0] > 0
+
+
+def test_screenshots_are_not_blank(page, tmp_path: Path) -> None:
+    from PIL import Image
+
+    shots = Path(os.environ.get("TINYLM_EXPLORER_SHOTS") or tmp_path)
+    page.select_option("#layer", "1")
+    page.select_option("#head", "0")
+    plan = [("steps", "softmax"), ("steps", "qkv"), ("heads", None), ("maps", None),
+            ("lens", None), ("ablation", None), ("lowrank", None), ("next", None)]
+    for view, step in plan:
+        _view(page, view)
+        if step:
+            page.click(f"#steps button[data-step={step}]")
+            name = "layer1.head0.attn" if step == "softmax" else "layer1.head0.q"
+            _hover_cell(page, name, 9, 8)  # the readout shows one exact value
+        if view == "ablation":
+            page.select_option("#ablate", "layer1.attn")
+        name = f"explorer-{view}{'-' + step if step else ''}.png"
+        png = page.screenshot(path=str(shots / name))
+        image = Image.open(io.BytesIO(png)).convert("RGB")
+        colours = image.getcolors(maxcolors=1 << 20)
+        assert colours is not None and len(colours) > 20, name
+        background = max(colours)[0]
+        assert background < 0.95 * image.width * image.height, name  # not one flat colour
+    assert page.requests == [] and page.errors == []
+
+
+def test_live_mode_posts_the_prompt_and_renders_the_answer(browser) -> None:
+    """One page, two modes: with an endpoint the page asks for a prompt and shows what
+    the endpoint answers (here Playwright plays the server, returning explorer_data)."""
+    tok = CharTokenizer("abcdefghijklmnopqrstuvwxyz ")
+    model = GPT(ModelConfig(vocab_size=tok.vocab_size, context_length=32, n_layer=2, n_head=2,
+                            n_embd=16)).eval()
+    context = browser.new_context()
+    posted = []
+
+    def explore(route):
+        body = json.loads(route.request.post_data)
+        posted.append(body)
+        if not body["prompt"]:
+            route.fulfill(status=422, content_type="application/json",
+                          body=json.dumps({"error": {"message": "the prompt is empty"}}))
+            return
+        answer = explorer_data(model, tok, body["prompt"], top_k=body["top_k"])
+        route.fulfill(status=200, content_type="application/json", body=json.dumps(answer))
+
+    page_html = render_explorer(None, endpoint="/v1/explore")
+    context.route("**/*", lambda route: route.abort())  # anything else (a favicon): refused
+    context.route("**/v1/explore", explore)
+    context.route("**/explorer", lambda r: r.fulfill(content_type="text/html", body=page_html))
+    pg = context.new_page()
+    pg.goto("http://tinylm.test/explorer")
+    assert pg.locator("#live").is_visible() and pg.locator("#tokens .tok").count() == 0
+    pg.fill("#prompt-input", "")
+    pg.click("#run")
+    pg.wait_for_function("document.getElementById('live-status').textContent.includes('empty')")
+    pg.fill("#prompt-input", "a list is sorted")
+    pg.fill("#topk-input", "3")
+    pg.click("#run")
+    count = len(tok.encode("a list is sorted"))
+    pg.wait_for_function(f"document.querySelectorAll('#tokens .tok').length === {count}")
+    assert posted[-1] == {"prompt": "a list is sorted", "top_k": 3}
+    _view(pg, "next")
+    assert len(_table(pg, "#next-table")[0]) == 3
+    context.close()

@@ -1,0 +1,216 @@
+"""Sharded prepared data: TokenShards reads like the concatenation, tiny --shard-tokens gives
+the same tokens and batches as one shard, 1 and 3 workers write identical files, training
+resumes exactly across shard boundaries, old single-file folders load, and a bad meta.json
+or an id past the vocabulary is a one-line DataError."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import tinylm.data as data_mod
+from tinylm.cli import main
+from tinylm.config import ModelConfig, TrainConfig
+from tinylm.corpora import load_corpus
+from tinylm.data import get_batch, iter_windows, load_prepared, prepare
+from tinylm.errors import DataError
+from tinylm.evaluation import evaluate
+from tinylm.model import GPT
+from tinylm.shards import TokenShards
+from tinylm.training import train
+
+EOT = "<|endoftext|>"
+
+
+def _docs(n: int = 60) -> list[str]:
+    text = load_corpus("python-docs")[:120_000]
+    size = len(text) // n
+    return [text[i * size:(i + 1) * size] + ("日本語\n" if i % 7 == 0 else "") for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def jsonl(tmp_path_factory):
+    path = tmp_path_factory.mktemp("in") / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in _docs()), encoding="utf-8")
+    return path
+
+
+def _files(folder) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.suffix == ".bin"}
+
+
+def test_token_shards_index_like_the_concatenation() -> None:
+    rng = np.random.default_rng(0)
+    parts = [rng.integers(0, 500, n).astype(np.uint16) for n in (7, 1, 30, 0, 12)]
+    whole = np.concatenate(parts)
+    ts = TokenShards(parts)
+    assert len(ts) == whole.size == ts.shape[0] and ts.dtype == np.uint16
+    assert np.array_equal(np.asarray(ts), whole) and ts.max() == whole.max()
+    for i in [0, 6, 7, 8, 37, 49, -1, -50]:
+        assert ts[i] == whole[i]
+    for s in [slice(0, 50), slice(5, 9), slice(6, 39), slice(40, 10), slice(3, 45, 4),
+              slice(-9, None)]:
+        assert np.array_equal(ts[s], whole[s]), s
+    idx = rng.integers(0, whole.size, (4, 9))
+    assert np.array_equal(ts[idx], whole[idx])
+    with pytest.raises(IndexError):
+        ts[50]
+    with pytest.raises(IndexError):
+        ts[np.array([0, 50])]
+
+
+def test_tiny_shards_same_tokens_batches_and_windows_as_one(jsonl, tmp_path) -> None:
+    one = prepare(tmp_path / "one", [jsonl], special_tokens=[EOT], context_length=16,
+                  progress=False)
+    many = prepare(tmp_path / "many", [jsonl], special_tokens=[EOT], context_length=16,
+                   shard_tokens=997, progress=False)
+    assert isinstance(one.train, np.memmap) and isinstance(many.train, TokenShards)
+    n_shards = len(many.meta["shards"]["train"])
+    assert n_shards == -(-len(one.train) // 997) > 50
+    assert all(e["tokens"] <= 997 for e in many.meta["shards"]["train"])
+    for split in ("train", "val"):
+        assert np.array_equal(np.asarray(getattr(one, split)), np.asarray(getattr(many, split)))
+    g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    for _ in range(20):  # windows run across shard boundaries like through one file
+        x1, y1 = get_batch(one.train, 8, 64, g1)
+        x2, y2 = get_batch(many.train, 8, 64, g2)
+        assert torch.equal(x1, x2) and torch.equal(y1, y2)
+    for a, b in zip(iter_windows(one.val, 50, 4), iter_windows(many.val, 50, 4), strict=True):
+        assert all(torch.equal(u, v) for u, v in zip(a, b, strict=True))
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(vocab_size=one.vocab_size, n_layer=1, n_head=2, n_embd=16,
+                            context_length=32))
+    assert evaluate(model, many.val).loss == evaluate(model, one.val).loss  # eval reads shards
+
+
+@pytest.mark.parametrize("tokenizer", ["char", "bpe"])
+def test_one_and_three_workers_write_identical_files(jsonl, tmp_path, monkeypatch,
+                                                     tokenizer) -> None:
+    monkeypatch.setattr(data_mod, "TASK_CHARS", 7_000)  # many tasks in flight
+    monkeypatch.setattr(data_mod, "PIECE_CHARS", 900)  # long documents cut in pieces
+    kw = dict(tokenizer=tokenizer, vocab_size=400, special_tokens=[EOT], context_length=16,
+              shard_tokens=5_000, progress=False)
+    d1 = prepare(tmp_path / "w1", [jsonl], workers=1, **kw)
+    d3 = prepare(tmp_path / "w3", [jsonl], workers=3, **kw)
+    assert d1.meta["workers"] == 1 and d3.meta["workers"] == 3
+    assert _files(tmp_path / "w1") == _files(tmp_path / "w3")
+    assert len(_files(tmp_path / "w1")) > 4
+    # ... and both equal encoding each document on its own, joined by the separator.
+    eot = d1.tokenizer.token_to_id(EOT)
+    train = np.asarray(d1.train).tolist()
+    docs = [d1.tokenizer.encode(t) for t in _docs()]
+    val_docs = d1.meta["documents"]["val"]
+    assert val_docs == 6 and d1.meta["documents"]["train"] == 54
+    joined = [[*ids, eot] for ids in docs]
+    assert sum(len(j) for j in joined) - 2 == len(train) + len(d1.val)
+    assert train[-1] != eot and train.count(eot) == 53
+
+
+def test_training_resumes_exactly_across_shard_boundaries(tmp_path) -> None:
+    text = tmp_path / "t.txt"
+    text.write_text(load_corpus("python-docs")[:20_000], encoding="utf-8")
+    one = tmp_path / "one"
+    many = tmp_path / "many"
+    prepare(one, [text], context_length=16, progress=False)
+    prepare(many, [text], context_length=16, shard_tokens=211, progress=False)
+    assert len(load_prepared(many).meta["shards"]["train"]) > 80
+    model = ModelConfig(n_layer=1, n_head=2, n_embd=16, context_length=16, dropout=0.0)
+    cfg = TrainConfig(batch_size=4, lr=3e-3, warmup_steps=1, max_steps=6, eval_every=3,
+                      eval_windows=2, save_every=3, log_every=1, seed=5, device="cpu")
+    train(model, cfg, one, tmp_path / "ref", progress=False)
+
+    def stop(step: int) -> None:
+        if step == 4:  # the checkpoint at 3 is kept
+            raise RuntimeError("stop")
+
+    with pytest.raises(RuntimeError):
+        train(model, cfg, many, tmp_path / "run", progress=False, on_step=stop)
+    train(model, cfg, many, tmp_path / "run", resume=True, progress=False)
+    ref = load_file(str(tmp_path / "ref" / "latest" / "model.safetensors"))
+    got = load_file(str(tmp_path / "run" / "latest" / "model.safetensors"))
+    assert ref.keys() == got.keys()
+    for name in ref:
+        assert torch.equal(ref[name], got[name]), name
+
+
+def _legacy(folder) -> None:
+    """Rewrite a prepared folder in format 1: one train.bin and val.bin, no index."""
+    meta = json.loads((folder / "meta.json").read_text())
+    for split in ("train", "val"):
+        blobs = [(folder / e["file"]).read_bytes() for e in meta["shards"][split]]
+        for e in meta["shards"][split]:
+            (folder / e["file"]).unlink()
+        (folder / f"{split}.bin").write_bytes(b"".join(blobs))
+    for key in ("shards", "max_token_id", "documents", "shard_tokens"):
+        del meta[key]
+    meta["version"] = 1
+    (folder / "meta.json").write_text(json.dumps(meta))
+
+
+def test_old_single_file_folders_still_load(jsonl, tmp_path) -> None:
+    d = prepare(tmp_path / "d", [jsonl], special_tokens=[EOT], shard_tokens=3000,
+                context_length=16, progress=False)
+    train, val = np.asarray(d.train), np.asarray(d.val)
+    _legacy(tmp_path / "d")
+    old = load_prepared(tmp_path / "d")
+    assert isinstance(old.train, np.memmap)
+    assert np.array_equal(old.train, train) and np.array_equal(old.val, val)
+    # Re-preparing into it (same settings) replaces the old files with shards.
+    again = prepare(tmp_path / "d", [jsonl], special_tokens=[EOT], shard_tokens=3000,
+                    context_length=16, progress=False, force=True)
+    assert not (tmp_path / "d" / "train.bin").exists()
+    assert np.array_equal(np.asarray(again.train), train)
+
+
+def _meta_edit(folder, change) -> None:
+    meta = json.loads((folder / "meta.json").read_text())
+    change(meta)
+    (folder / "meta.json").write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize("case", ["deep", "not_object", "uint8", "int16", "bad_shard",
+                                  "traversal", "sum", "max_id", "legacy_max_id", "huge"])
+def test_bad_meta_or_ids_is_a_one_line_error(case, tmp_path, capsys) -> None:
+    out = tmp_path / "d"
+    prepare(out, context_length=16, progress=False)
+    meta_path = out / "meta.json"
+    expect = {
+        "deep": "nested too deeply", "not_object": "not a tinylm prepared-data meta.json",
+        "uint8": "dtype 'uint8'", "int16": "dtype 'int16'", "bad_shard": "not a count",
+        "traversal": "bad train shard", "sum": "do not add up", "max_id": "token ids up to",
+        "legacy_max_id": "token ids up to 9999", "huge": "over 16 MB",
+    }[case]
+    if case == "deep":
+        meta_path.write_text("[" * 100_000 + "]" * 100_000)
+    elif case == "not_object":
+        meta_path.write_text("[1, 2]")
+    elif case in ("uint8", "int16"):
+        _meta_edit(out, lambda m: m.update(dtype=case))
+    elif case == "bad_shard":
+        _meta_edit(out, lambda m: m["shards"]["train"][0].update(tokens="many"))
+    elif case == "traversal":
+        _meta_edit(out, lambda m: m["shards"]["train"][0].update(file="../../etc/passwd"))
+    elif case == "sum":
+        _meta_edit(out, lambda m: m.update(train_tokens=m["train_tokens"] + 1))
+    elif case == "max_id":
+        _meta_edit(out, lambda m: m.update(max_token_id=m["vocab_size"]))
+    elif case == "legacy_max_id":
+        _legacy(out)
+        blob = bytearray((out / "train.bin").read_bytes())
+        blob[10:12] = np.array([9999], dtype=np.uint16).tobytes()
+        (out / "train.bin").write_bytes(bytes(blob))
+    elif case == "huge":
+        meta_path.write_text(json.dumps({"pad": "x" * (17 << 20)}))
+    with pytest.raises(DataError, match=expect):
+        load_prepared(out)
+    # The CLI says it in one line, exit 2 (eval reads the same loader).
+    capsys.readouterr()
+    assert main(["train", "--data", str(out), "--out", str(tmp_path / "run"),
+                 "--max-steps", "1", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and expect.split("'")[0] in err, err
+    assert not (tmp_path / "run").exists()
