@@ -15,6 +15,7 @@ from tinylm.checkpoint import (
     save_checkpoint,
     strip_wrapper_prefixes,
 )
+from tinylm.files import DiskFullError
 
 
 def small() -> GPT:
@@ -93,8 +94,27 @@ def test_failed_save_keeps_previous_checkpoint(tmp_path) -> None:
         def save(self, path):
             raise OSError(28, "No space left on device")
 
-    with pytest.raises(CheckpointError, match="previous checkpoint"):
+    with pytest.raises(DiskFullError, match="disk full while writing .*ck/tokenizer.json"):
         save_checkpoint(tmp_path / "ck", small(), tokenizer=Broken())
     ids = torch.randint(0, 33, (1, 16))
     assert torch.equal(load_model(tmp_path / "ck")(ids), model(ids))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])
+def test_checkpoint_files_follow_the_umask(tmp_path, umask) -> None:
+    import os
+    import stat
+
+    old = os.umask(umask)
+    try:
+        save_checkpoint(tmp_path / "ck", small(), train_tensors={"t": torch.zeros(2)},
+                        train_meta={"step": 1})
+    finally:
+        os.umask(old)
+    folder = tmp_path / "ck"
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o777 & ~umask
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in folder.iterdir()}
+    assert set(modes) == {"config.json", "model.safetensors", "train_state.safetensors",
+                          "train_state.json"}
+    assert set(modes.values()) == {0o666 & ~umask}, modes

@@ -88,3 +88,45 @@ def test_missing_model_is_a_one_line_error(tmp_path, capsys) -> None:
                  "--rank", "4"])
     err = capsys.readouterr().err
     assert code == 2 and "does not exist" in err and err.count("\n") == 1
+
+
+def test_out_never_deletes_a_users_files(setup, tmp_path, capsys) -> None:
+    """A run folder, a folder with other files, or a file as --out is refused, even with
+    --force; --force replaces an existing checkpoint (and only checkpoint files)."""
+    run = tmp_path / "run"
+    (run / "latest").mkdir(parents=True)
+    for name in ("metrics.jsonl", "run.toml", "loss.png"):
+        (run / name).write_text("x")
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "notes.txt").write_text("mine")
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    base = ["compress", "--model", str(setup / "model"), "--rank", "4"]
+    for out, words in ((run, "training run folder"), (notes, "notes.txt"), (afile, "is a file")):
+        before = sorted(p.name for p in out.iterdir()) if out.is_dir() else None
+        for extra in ([], ["--force"]):
+            assert main([*base, "--out", str(out), *extra]) == 2
+            err = capsys.readouterr().err
+            assert words in err and err.count("\n") == 1, err
+        if before is not None:
+            assert sorted(p.name for p in out.iterdir()) == before
+    assert afile.read_text() == "mine"
+    out = tmp_path / "ck"
+    assert main([*base, "--out", str(out)]) == 0
+    assert main([*base, "--out", str(out)]) == 2 and "--force" in capsys.readouterr().err
+    assert main([*base, "--out", str(out), "--force"]) == 0
+    assert f"wrote {out}" in capsys.readouterr().out
+
+
+def test_sweep_plot_reports_the_file_written_and_refuses_other_formats(setup, tmp_path,
+                                                                      capsys) -> None:
+    base = ["compress", "--model", str(setup / "model"), "--sweep", "--fractions", "0.8",
+            "--data", str(setup / "data"), "--eval-windows", "2"]
+    assert main([*base, "--plot", str(tmp_path / "runs")]) == 0
+    assert f"plot: {tmp_path / 'runs.png'}" in capsys.readouterr().out
+    assert (tmp_path / "runs.png").read_bytes()[:4] == b"\x89PNG"
+    assert main([*base, "--plot", str(tmp_path / "x.svg")]) == 0
+    assert b"<svg" in (tmp_path / "x.svg").read_bytes()[:500]
+    assert main([*base, "--plot", str(tmp_path / "x.jpg")]) == 2
+    assert ".jpg" in capsys.readouterr().err and not (tmp_path / "x.jpg").exists()

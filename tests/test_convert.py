@@ -132,3 +132,50 @@ def test_bad_inputs(hf_dir: Path, tmp_path: Path, capsys) -> None:
         assert len(err) == 1 and err[0].startswith("tinylm convert: error:"), (args, err)
     assert not (tmp_path / "x").exists()
     assert (occupied / "keep.txt").read_text() == "mine"
+
+
+def test_from_hf_out_never_deletes_a_users_files(hf_dir: Path, tmp_path: Path, capsys) -> None:
+    """--out that is a file, a folder with other files, a run folder or the HF folder
+    itself is refused; an existing checkpoint is replaced only with --force."""
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "notes.txt").write_text("mine")
+    run = tmp_path / "run"
+    (run / "latest").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("{}\n")
+    afile = tmp_path / "afile.txt"
+    afile.write_text("mine")
+    for out, words in ((notes, "notes.txt"), (run, "training run folder"), (afile, "is a file"),
+                       (hf_dir, "not a tinylm checkpoint")):
+        before = sorted(p.name for p in out.iterdir()) if out.is_dir() else afile.read_text()
+        for extra in ([], ["--force"]):
+            assert main(["convert", "--from-hf", str(hf_dir), "--out", str(out), *extra]) == 2
+            err = capsys.readouterr().err
+            assert words in err and err.count("\n") == 1, err
+        after = sorted(p.name for p in out.iterdir()) if out.is_dir() else afile.read_text()
+        assert after == before
+    ours = tmp_path / "ours"
+    assert main(["convert", "--from-hf", str(hf_dir), "--out", str(ours)]) == 0
+    assert main(["convert", "--from-hf", str(hf_dir), "--out", str(ours)]) == 2
+    assert "--force" in capsys.readouterr().err
+    assert main(["convert", "--from-hf", str(hf_dir), "--out", str(ours), "--force"]) == 0
+    load_checkpoint(ours)
+
+
+def test_pickle_with_code_is_refused_in_one_line(hf_dir: Path, tmp_path: Path, capsys) -> None:
+    import os
+    import pickle
+
+    class Planted:
+        def __reduce__(self):
+            return (os.system, ("touch " + str(tmp_path / "pwned"),))
+
+    legacy = tmp_path / "legacy"
+    shutil.copytree(hf_dir, legacy)
+    (legacy / "model.safetensors").unlink()
+    (legacy / "pytorch_model.bin").write_bytes(pickle.dumps({"w": Planted()}))
+    assert main(["convert", "--from-hf", str(legacy), "--out", str(tmp_path / "t")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "holds more than tensors" in err
+    assert "weights_only=False" not in err and "weights_only" not in err
+    assert not (tmp_path / "pwned").exists() and not (tmp_path / "t").exists()

@@ -156,23 +156,33 @@ def test_run_folder_metrics_and_checkpoints(reference_run, data_dir) -> None:
         assert math.isfinite(r["train_loss"]) and r["grad_norm"] > 0 and r["tokens_per_s"] > 0
     assert train_records[0]["lr"] == pytest.approx(1e-3)  # warm-up step 1 of 3
     assert train_records[0]["train_loss"] > train_records[-1]["train_loss"]
-    val_steps = [r["step"] for r in records if "val_loss" in r]
-    assert val_steps == [8, 16, 24]  # periodic, then the final whole-split evaluation
+    # Periodic estimates (a fixed random sample of windows) and the exact final value are
+    # different measurements, kept under different keys.
+    est_steps = [r["step"] for r in records if "val_loss_estimate" in r]
+    assert est_steps == [8, 16, 24]  # periodic ones, then the final model's estimate
+    assert [r["step"] for r in records if "val_loss" in r] == [24]
     assert records[-1]["final"] is True
     assert records[-1]["val_ppl"] == pytest.approx(math.exp(records[-1]["val_loss"]))
     # The final val loss is the exact mean over the whole validation split.
     from tinylm.data import load_prepared
-    from tinylm.evaluation import evaluate
+    from tinylm.evaluation import estimate_loss, evaluate, sample_windows
 
     model, tok = load_checkpoint(reference_run)  # a run folder resolves to latest/
     assert tok is not None and tok.vocab_size == model.config.vocab_size
-    exact = evaluate(model, load_prepared(data_dir).val).loss
+    val = load_prepared(data_dir).val
+    exact = evaluate(model, val).loss
     assert records[-1]["val_loss"] == pytest.approx(exact, rel=1e-6)
+    # best/ is chosen like for like: the lowest estimate on the same sample.
     _tensors, meta = load_train_state(reference_run / "latest")
-    assert meta["step"] == 24 and meta["best_val_loss"] == pytest.approx(
-        min(r["val_loss"] for r in records if "val_loss" in r))
+    estimates = [r["val_loss_estimate"] for r in records if "val_loss_estimate" in r]
+    assert meta["step"] == 24 and meta["best_val_loss"] == pytest.approx(min(estimates))
     best = read_config(reference_run / "best")
-    assert best["best"]["val_loss"] == pytest.approx(meta["best_val_loss"])
+    assert best["best"]["val_loss_estimate"] == pytest.approx(meta["best_val_loss"])
+    starts = sample_windows(len(val), 32, TRAIN["eval_windows"], TRAIN["seed"])
+    assert len(starts) == 4 and starts[-1] > 4 * 32  # spread over the split, not its head
+    best_model, _ = load_checkpoint(reference_run / "best")
+    again = estimate_loss(best_model, val, starts, context_length=32)
+    assert again.loss == pytest.approx(best["best"]["val_loss_estimate"], rel=1e-5)
     assert read_config(reference_run)["train"]["lr"] == TRAIN["lr"]
     model_kw, train_kw = read_toml(reference_run / "run.toml")  # effective config, reusable
     assert model_kw["n_embd"] == 32 and train_kw["max_steps"] == 24
@@ -246,6 +256,10 @@ def test_ddp_two_ranks_equal_one_process_and_resume(data_dir, tmp_path) -> None:
         torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-5)
     steps = [r["step"] for r in read_metrics(ddp) if "train_loss" in r]
     assert steps == [2, 4, 6]
+    # The logged loss is the mean over ranks (rank 0's own half would differ).
+    one = [r["train_loss"] for r in read_metrics(single) if "train_loss" in r]
+    two = [r["train_loss"] for r in read_metrics(ddp) if "train_loss" in r]
+    assert two == pytest.approx(one, rel=1e-5)
 
 
 # --- faults --------------------------------------------------------------------------------
@@ -276,9 +290,36 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(data_dir, tmp_path
     finally:
         training.build_optimizer = original
     assert "step 10" in str(info.value) and "--lr" in str(info.value)
+    assert "--resume" in str(info.value) and "--grad-clip" not in str(info.value)  # clip is on
     assert load_train_state(out / "latest")[1]["step"] == 10
     for t in _weights(out).values():
         assert torch.isfinite(t).all()
+
+
+def test_non_finite_loss_before_any_checkpoint_does_not_suggest_resume(data_dir,
+                                                                        tmp_path) -> None:
+    import tinylm.training as training
+
+    holder: dict = {}
+    original = training.build_optimizer
+
+    def capture(model, config, device):
+        holder["model"] = model
+        return original(model, config, device)
+
+    def poison(step: int) -> None:
+        if step == 1:
+            with torch.no_grad():
+                holder["model"].final_norm.weight.fill_(float("nan"))
+
+    training.build_optimizer = capture
+    try:
+        with pytest.raises(NonFiniteLossError, match="no checkpoint had been written") as info:
+            train(ModelConfig(**TINY), TrainConfig(**dict(SHORT, grad_clip=0.0)), data_dir,
+                  tmp_path / "run", progress=False, on_step=poison)
+    finally:
+        training.build_optimizer = original
+    assert "--resume" not in str(info.value) and "--grad-clip" in str(info.value)
 
 
 def test_sigint_saves_a_checkpoint_and_exits_cleanly(data_dir, tmp_path) -> None:
@@ -298,6 +339,7 @@ def test_sigint_saves_a_checkpoint_and_exits_cleanly(data_dir, tmp_path) -> None
     stdout, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 130, stderr
     assert "Traceback" not in stderr and "--resume" in stderr
+    assert stderr.count("interrupted") == 1, stderr  # said once
     step = load_train_state(out / "latest")[1]["step"]
     assert 1 <= step < 100000
     assert max(r["step"] for r in read_metrics(out)) == step
@@ -390,3 +432,414 @@ def test_plot_command_writes_png(reference_run, tmp_path, capsys) -> None:
 def test_bad_data_errors(tmp_path) -> None:
     with pytest.raises(DataError):
         _run(tmp_path / "missing", tmp_path / "run")
+
+
+# --- the save protocol, recovery and the run folder ------------------------------------------
+
+SHORT = dict(TRAIN, max_steps=6, save_every=2, eval_every=100, grad_accum=1, log_every=1)
+TINY = dict(MODEL, n_layer=1)
+
+
+def _weights_equal(a: Path, b: Path) -> None:
+    wa, wb = _weights(a), _weights(b)
+    assert wa.keys() == wb.keys()
+    for name in wa:
+        assert torch.equal(wa[name], wb[name]), name
+
+
+def test_kill_at_every_point_of_the_save_protocol_resumes_bitwise(data_dir, tmp_path,
+                                                                 monkeypatch) -> None:
+    """SIGKILL before each file operation of the last save of latest/ (step 4, replacing
+    the checkpoint of step 2): resume continues from the newest complete checkpoint (step
+    2, or the finished step 4) and ends bitwise equal to an uninterrupted run."""
+    import tinylm.checkpoint as ck
+    import tinylm.training as training
+
+    monkeypatch.setattr(training, "_redraw", lambda run: None)  # the plot is not the point
+    cfg = TrainConfig(**dict(SHORT, max_steps=4))
+
+    def run(out: Path, **kw):
+        return train(ModelConfig(**TINY), cfg, data_dir, out, progress=False, **kw)
+
+    saves: list[list[str]] = []
+
+    def record(label: str) -> None:
+        if label.startswith("mkdir tmp"):
+            saves.append([label])
+        else:
+            saves[-1].append(label)
+
+    ref = tmp_path / "ref"
+    ck._before_file_op = record
+    try:
+        run(ref)
+    finally:
+        ck._before_file_op = None
+    assert [s[0] for s in saves] == ["mkdir tmp for latest", "mkdir tmp for best",
+                                     "mkdir tmp for latest"]
+    points = saves[2]
+    assert points[1:] == ["write model.safetensors", "write tokenizer.json",
+                          "write train_state.safetensors", "write train_state.json",
+                          "write config.json", "fsync tmp", "rename dest to old",
+                          "rename tmp to dest", "fsync parent", "remove old"]
+    for k in range(len(points)):
+        out = tmp_path / f"kill-{k}"
+        pid = os.fork()
+        if pid == 0:  # the child trains and dies before operation k of that save
+            try:
+                count = {"latest": 0, "ops": 0}
+
+                def die(label: str, count=count, k=k) -> None:
+                    count["latest"] += label == "mkdir tmp for latest"
+                    if count["latest"] == 2:
+                        if count["ops"] == k:
+                            os.kill(os.getpid(), signal.SIGKILL)
+                        count["ops"] += 1
+
+                ck._before_file_op = die
+                run(out)
+            finally:
+                os._exit(3)
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, (k, status)
+        result = run(out, resume=True)
+        complete = k > points.index("write config.json")  # the new checkpoint was whole
+        assert result.resumed_from == (4 if complete else 2), (k, points[k])
+        assert result.stop_reason == ("finished" if complete else "max_steps")
+        assert result.steps == 4
+        _weights_equal(ref, out)
+        assert _loss_log(out) == _loss_log(ref), k
+        assert not [p.name for p in out.iterdir() if ".tmp-" in p.name or ".old-" in p.name]
+
+
+def test_an_interrupted_save_is_recovered_on_load(data_dir, tmp_path, caplog) -> None:
+    """latest/ gone with complete copies beside it: the newest wins, said in one line, on any
+    load (here load_checkpoint) — and without them, best/ is pointed to."""
+    out = tmp_path / "run"
+    train(ModelConfig(**TINY), TrainConfig(**dict(SHORT, max_steps=2, eval_every=2)), data_dir,
+          out, progress=False)
+    latest = out / "latest"
+    os.rename(latest, out / ".latest.old-999999999")  # a dead writer's previous copy
+    import shutil
+
+    shutil.copytree(out / ".latest.old-999999999", out / ".latest.tmp-999999998-x")
+    os.remove(out / ".latest.tmp-999999998-x" / "config.json")  # incomplete: never used
+    (out / ".metrics.jsonl.tmp-abc").write_text("torn")  # a killed atomic write's temporary
+    model, _ = load_checkpoint(out)
+    assert latest.is_dir() and sorted(p.name for p in out.iterdir() if p.name.startswith(
+        ".latest")) == []
+    assert "recovered" in caplog.text and ".latest.old-999999999" in caplog.text
+    shutil.rmtree(latest)
+    with pytest.raises(CheckpointError, match="best/ beside it"):
+        load_checkpoint(out)
+    with pytest.raises(CheckpointError, match="would overwrite best/"):  # and tidies up
+        train(ModelConfig(**TINY), TrainConfig(**dict(SHORT, max_steps=2)), data_dir, out,
+              progress=False)
+    assert not (out / ".metrics.jsonl.tmp-abc").exists()
+    afile = tmp_path / "afile.txt"
+    afile.write_text("x")
+    with pytest.raises(CheckpointError, match="afile.txt is a file, not a checkpoint folder"):
+        load_checkpoint(afile)
+
+
+def test_run_folder_lock_refuses_a_live_writer_and_ignores_a_dead_one(data_dir,
+                                                                      tmp_path) -> None:
+    from tinylm.files import FolderBusyError
+
+    out = tmp_path / "run"
+    out.mkdir()
+    script = ("import fcntl, os, sys, time\n"
+              "f = open(os.path.join(sys.argv[1], '.lock'), 'w')\n"
+              "fcntl.flock(f, fcntl.LOCK_EX)\n"
+              "f.write(str(os.getpid())); f.flush(); print('locked', flush=True)\n"
+              "time.sleep(120)\n")
+    holder = subprocess.Popen([sys.executable, "-c", script, str(out)], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(FolderBusyError, match=f"in use by pid {holder.pid}"):
+            train(ModelConfig(**TINY), TrainConfig(**dict(SHORT, max_steps=2)), data_dir, out,
+                  progress=False)
+        assert sorted(p.name for p in out.iterdir()) == [".lock"]  # nothing written
+    finally:
+        holder.kill()
+        holder.wait()
+    # The holder died: its .lock file remains, but the OS lock went with it.
+    result = train(ModelConfig(**TINY), TrainConfig(**dict(SHORT, max_steps=2)), data_dir, out,
+                   progress=False)
+    assert result.steps == 2
+
+
+def test_resume_decisions(data_dir, tmp_path, caplog, capsys) -> None:
+    """--resume with nothing says what it looked for; --resume auto starts; a real resume
+    says where it starts; a finished run changes nothing."""
+    import logging
+
+    caplog.set_level(logging.INFO)
+    cfg = TrainConfig(**dict(SHORT, max_steps=2))
+    out = tmp_path / "typo"
+    with pytest.raises(CheckpointError, match=r"no checkpoint in .*looked for .*latest"):
+        train(ModelConfig(**TINY), cfg, data_dir, out, resume=True, progress=False)
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    with pytest.raises(CheckpointError, match="metrics.jsonl of a run stopped before"):
+        train(ModelConfig(**TINY), cfg, data_dir, out, resume=True, progress=False)
+    assert train(ModelConfig(**TINY), cfg, data_dir, out, resume="auto",
+                 progress=False).resumed_from is None
+    more = TrainConfig(**dict(SHORT, max_steps=3))
+    result = train(ModelConfig(**TINY), more, data_dir, out, resume="auto", progress=False)
+    assert result.resumed_from == 2 and "resuming from step 2" in caplog.text
+    files = {p.name: p.read_bytes() for p in out.rglob("*") if p.is_file() and p.name != ".lock"}
+    again = train(ModelConfig(**TINY), more, data_dir, out, resume=True, progress=False)
+    assert again.stop_reason == "finished" and again.steps == 3
+    assert {p.name: p.read_bytes() for p in out.rglob("*")
+            if p.is_file() and p.name != ".lock"} == files  # nothing changed
+    assert main(["train", "--data", str(data_dir), "--out", str(out), "--resume",
+                 "--max-steps", "3"]) == 0
+    assert "already finished at step 3; nothing changed" in capsys.readouterr().out
+
+
+def test_resume_mode_follows_torchrun_restarts(monkeypatch) -> None:
+    from tinylm.training import resume_mode
+
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    assert resume_mode(None) is False
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    assert resume_mode(None) is False
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    assert resume_mode(None) == "auto" and resume_mode(True) is True
+    with pytest.raises(ConfigError):
+        resume_mode("yes")
+
+
+def test_resume_refuses_data_with_another_tokenizer(reference_run, data_dir, tmp_path) -> None:
+    """Same size, different ids: refused by content hash, and the message says what differs."""
+    import shutil
+
+    from tinylm.corpora import load_corpus
+    from tinylm.data import prepare
+
+    text = load_corpus("python-docs")[:40_000]
+    present = sorted(set(text))
+    absent = next(c for c in "~^`|" if c not in present)
+    swapped = tmp_path / "swapped.txt"
+    swapped.write_text(text.replace(present[-1], absent), encoding="utf-8")
+    other = prepare(tmp_path / "other", [swapped], tokenizer="char", context_length=32,
+                    progress=False)
+    assert other.vocab_size == len(present)
+    out = tmp_path / "run"
+    shutil.copytree(reference_run, out)
+    with pytest.raises(DataError, match=r"token ids map to different strings, e\.g\. id"):
+        train(ModelConfig(**MODEL), TrainConfig(**dict(TRAIN, max_steps=30)), tmp_path / "other",
+              out, resume=True, progress=False)
+    model, tok = load_checkpoint(reference_run)  # fine-tuning checks the same way
+    with pytest.raises(DataError, match="different strings"):
+        train(model.config, TrainConfig(**dict(TRAIN, max_steps=2)), tmp_path / "other",
+              tmp_path / "ft", model=model, model_tokenizer=tok, progress=False)
+    assert not (tmp_path / "ft").exists()
+
+
+def test_token_ids_outside_the_vocabulary_are_refused(data_dir, tmp_path) -> None:
+    import shutil
+
+    import numpy as np
+
+    from tinylm.data import load_prepared
+
+    bad = tmp_path / "bad"
+    shutil.copytree(data_dir, bad)
+    data = load_prepared(bad)
+    shard = sorted(bad.glob("train*.bin"))[0]  # train.bin, or the first train-NNNNN.bin
+    ids = np.memmap(shard, dtype=data.dtype, mode="r+")
+    ids[100] = data.vocab_size + 5
+    ids.flush()
+    del ids
+    with pytest.raises(DataError, match=f"token id {data.vocab_size + 5}, outside the vocab"):
+        train(ModelConfig(**TINY), TrainConfig(**dict(SHORT, max_steps=2)), bad,
+              tmp_path / "run", progress=False)
+    assert not (tmp_path / "run" / "latest").exists()
+
+
+def test_disk_full_is_one_line_with_the_path(data_dir, tmp_path, monkeypatch, capsys) -> None:
+    import errno
+
+    import tinylm.checkpoint as ck
+    from tinylm.files import DiskFullError
+    from tinylm.training import _MetricsLog
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(_MetricsLog, "_append", full)
+    with pytest.raises(DiskFullError, match=r"disk full while writing .*metrics\.jsonl"):
+        train(ModelConfig(**TINY), TrainConfig(**dict(SHORT, max_steps=2)), data_dir,
+              tmp_path / "a", progress=False)
+    monkeypatch.undo()
+
+    def safetensors_full(*args, **kwargs):  # what safetensors raises: not an OSError
+        raise RuntimeError("Error while serializing: IoError(Os { code: 28, kind: "
+                           "StorageFull, message: \"No space left on device\" }) (os error 28)")
+
+    monkeypatch.setattr(ck, "save_file", safetensors_full)
+    code = main(["train", "--data", str(data_dir), "--out", str(tmp_path / "b"), "--max-steps",
+                 "2", "--save-every", "1", "--n-layer", "1", "--n-embd", "32", "--n-head", "2",
+                 "--context-length", "32", "--device", "cpu", "--no-progress"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err[-1].startswith("tinylm train: error: disk full while writing")
+    assert "latest/model.safetensors" in err[-1]
+    assert not [p for p in (tmp_path / "b").iterdir() if ".tmp-" in p.name]
+
+
+# --- the library entry for fine-tuning: loss masks and frozen parameters ----------------------
+
+
+class _Masked:
+    """Prepared data plus loss masks (the TrainData protocol)."""
+
+    def __init__(self, data, train_mask, val_mask=None) -> None:
+        self.tokenizer, self.train, self.val, self.dir = data.tokenizer, data.train, data.val, \
+            data.dir
+        self.train_mask, self.val_mask = train_mask, val_mask
+
+
+def test_loss_mask_and_frozen_parameters(data_dir, tmp_path) -> None:
+    import numpy as np
+
+    from tinylm.data import load_prepared
+    from tinylm.distributed import DistContext
+    from tinylm.training import _draw_batch
+
+    data = load_prepared(data_dir)
+    cfg = TrainConfig(**dict(SHORT, max_steps=3, save_every=100))
+    # A mask of ones trains exactly like no mask (same batches, same mean).
+    plain = train(ModelConfig(**TINY), cfg, data_dir, tmp_path / "plain", progress=False)
+    ones = _Masked(data, np.ones(len(data.train), np.uint8), np.ones(len(data.val), np.uint8))
+    train(ModelConfig(**TINY), cfg, ones, tmp_path / "ones", progress=False)
+    _weights_equal(plain.out_dir, tmp_path / "ones")
+    # Masked targets become the ignore index exactly where the mask is 0.
+    mask = (np.arange(len(data.train)) % 3 != 0).astype(np.uint8)
+    g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    x, y = _draw_batch(data.train, mask, 4, 32, g1, DistContext(), torch.device("cpu"))
+    starts = torch.randint(len(data.train) - 32, (4,), generator=g2).numpy()
+    pos = starts[:, None] + 1 + np.arange(32)
+    assert torch.equal(y == -100, torch.from_numpy(mask[pos] == 0))
+    assert torch.equal(y[y != -100], torch.from_numpy(data.train[pos].astype(np.int64))[y != -100])
+    # An all-masked batch is an error, not a NaN.
+    zeros = _Masked(data, np.zeros(len(data.train), np.uint8))
+    with pytest.raises(DataError, match="no target with loss mask 1"):
+        train(ModelConfig(**TINY), cfg, zeros, tmp_path / "zeros", progress=False)
+    # Only parameters with requires_grad=True change.
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(**{**TINY, "vocab_size": data.vocab_size}))
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters()
+              if not n.startswith("blocks.0.ffn")}
+    for n, p in model.named_parameters():
+        p.requires_grad_(n not in frozen)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    train(model.config, cfg, data_dir, tmp_path / "frozen", model=model, progress=False)
+    for n, p in model.named_parameters():
+        if n in frozen:
+            assert torch.equal(p, frozen[n]), n
+        else:
+            assert not torch.equal(p, before[n]), n
+
+
+# --- hints, the CLI's rough edges -------------------------------------------------------------
+
+
+def test_cli_hints_and_switches(reference_run, data_dir, tmp_path, capsys, caplog) -> None:
+    code, err = _cli(capsys, "train", "--data", str(reference_run), "--out", str(tmp_path / "x"))
+    assert code == 2 and "is a training run or checkpoint folder, not prepared data" in err
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    code, err = _cli(capsys, "train", "--data", str(data_dir), "--out", str(afile))
+    assert code == 2 and "is a file, not a folder" in err and afile.read_text() == "mine"
+    # --time-budget 0 switches off a config file's budget; a too-long warm-up is said.
+    toml = tmp_path / "run.toml"
+    toml.write_text("time_budget = 1000.0\nmax_steps = 2\n")
+    out = tmp_path / "run"
+    code = main(["train", "--data", str(data_dir), "--out", str(out), "--config", str(toml),
+                 "--time-budget", "0", "--n-layer", "1", "--n-embd", "32", "--n-head", "2",
+                 "--context-length", "32", "--device", "cpu", "--no-progress",
+                 "--threads", "1"])
+    printed = capsys.readouterr().out
+    assert code == 0
+    assert "time_budget" not in (out / "run.toml").read_text()
+    assert read_config(out)["train"]["threads"] == 1
+    assert "warm-up (warmup_steps 100) is as long as the run (max_steps 2)" in caplog.text
+    assert f"loss curve: {out / 'loss.png'}" in printed
+    for line in printed.splitlines():  # every printed path exists
+        for word in line.split():
+            if word.startswith(str(tmp_path)):
+                assert Path(word.rstrip(")")).exists(), line
+
+
+def test_no_loss_curve_is_printed_without_matplotlib(data_dir, tmp_path, capsys,
+                                                     monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    monkeypatch.setitem(sys.modules, "matplotlib.backends.backend_agg", None)
+    code = main(["train", "--data", str(data_dir), "--out", str(tmp_path / "run"),
+                 "--max-steps", "2", "--eval-every", "1", "--n-layer", "1", "--n-embd", "32",
+                 "--n-head", "2", "--context-length", "32", "--device", "cpu",
+                 "--no-progress"])
+    captured = capsys.readouterr()
+    assert code == 0 and "loss curve" not in captured.out
+    assert not (tmp_path / "run" / "loss.png").exists()
+    assert captured.err.count("loss.png not drawn") <= 1
+
+
+def test_plot_formats_and_a_folder_as_out(reference_run, tmp_path, capsys) -> None:
+    svg = tmp_path / "cmp.svg"
+    assert main(["plot", str(reference_run), "--out", str(svg), "--log-scale"]) == 0
+    assert b"<svg" in svg.read_bytes()[:500]
+    code, err = _cli(capsys, "plot", str(reference_run), "--out", str(tmp_path / "x.jpg"))
+    assert code == 2 and ".jpg" in err and not (tmp_path / "x.jpg").exists()
+    folder = tmp_path / "figs"
+    folder.mkdir()
+    code, err = _cli(capsys, "plot", str(reference_run), "--out", str(folder))
+    assert code == 2 and "is a folder" in err and err.count("\n") == 1
+    assert list(folder.iterdir()) == [] and not [p for p in tmp_path.iterdir()
+                                                 if ".tmp-" in p.name]
+
+
+def test_throughput_collapse_is_said_once(caplog) -> None:
+    from types import SimpleNamespace
+
+    from tinylm.training import _Progress, _watch_throughput
+
+    run = SimpleNamespace(intervals=0, peak_tok_s=0.0, slow_warned=False,
+                          bar=_Progress(True, False))
+    for tok_s in (900.0, 1000.0, 1000.0, 1100.0, 200.0, 100.0, 50.0):
+        _watch_throughput(run, tok_s)
+    assert caplog.text.count("throughput fell to") == 1
+    assert "200 tokens/s from 1,100" in caplog.text and "--threads" in caplog.text
+
+
+def test_no_function_over_80_lines_in_the_training_modules() -> None:
+    import ast
+
+    import tinylm
+
+    root = Path(tinylm.__file__).parent
+    long = []
+    for name in ("training", "checkpoint", "distributed", "evaluation", "lowrank",
+                 "compression", "files", "plotting"):
+        tree = ast.parse((root / f"{name}.py").read_text(encoding="utf-8"))
+        long += [f"{name}.{n.name} ({n.end_lineno - n.lineno + 1})" for n in ast.walk(tree)
+                 if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+                 and n.end_lineno - n.lineno + 1 > 80]
+    assert not long, long
+
+
+def test_a_zero_column_terminal_gets_log_lines_not_a_bar(monkeypatch) -> None:
+    import os as _os
+    import shutil
+
+    from tinylm.training import _Progress
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    monkeypatch.setattr(shutil, "get_terminal_size", lambda fallback=None: _os.terminal_size(
+        (0, 0)))
+    assert _Progress(True, None).use_bar is False
+    monkeypatch.setattr(shutil, "get_terminal_size", lambda fallback=None: _os.terminal_size(
+        (120, 40)))
+    assert _Progress(True, None).use_bar is True

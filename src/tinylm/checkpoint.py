@@ -8,28 +8,36 @@ Layout of a checkpoint folder::
     train_state.safetensors  optional: optimizer moments, RNG states (tensors)
     train_state.json         optional: step, data position, best loss ... (JSON)
 
-Writes go to a temporary sibling folder that is fsynced and then renamed into place;
-an existing checkpoint at the destination is kept until the new one is complete, so a
-run killed mid-save never leaves a folder that looks complete but is not.
+Writes follow the save protocol below: a temporary sibling folder, config.json last,
+renamed into place; a kill at any point leaves a complete checkpoint that the next load
+recovers (docs/train.md, "The save protocol").
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from tinylm.config import ModelConfig, check_model_fits
 from tinylm.errors import CheckpointError, ConfigError, TinyLMError
+from tinylm.files import fsync_dir, is_locked, umask_mode, write_error
 from tinylm.jsonio import read_json
+from tinylm.lowrank import apply_structure, structure_of
 from tinylm.model import GPT
+
+log = logging.getLogger(__name__)
 
 FORMAT = "tinylm"
 VERSION = 1
@@ -38,8 +46,6 @@ WEIGHTS_FILE = "model.safetensors"
 TOKENIZER_FILE = "tokenizer.json"
 STATE_TENSORS_FILE = "train_state.safetensors"
 STATE_JSON_FILE = "train_state.json"
-
-log = logging.getLogger(__name__)
 
 # Prefixes that wrappers add to parameter names: torch.compile and DDP/FSDP.
 _WRAPPER_PREFIXES = ("_orig_mod.", "module.")
@@ -79,23 +85,34 @@ def model_state(model: nn.Module) -> dict[str, Tensor]:
     return {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
 
 
-# --- writing ------------------------------------------------------------------------------
+# --- writing: the save protocol -----------------------------------------------------------
+#
+# save_checkpoint(DEST) performs, in this order (each step is a point where a kill may land):
+#
+#   1. mkdir  PARENT/.DEST.tmp-PID-XXXX                     (a private temporary folder)
+#   2. write  model.safetensors, tokenizer.json, train_state.safetensors,
+#             train_state.json, each fsynced, then config.json LAST (fsynced)
+#   3. fsync the temporary folder
+#   4. rename DEST -> PARENT/.DEST.old-PID                  (only when DEST exists)
+#   5. rename .DEST.tmp-PID-XXXX -> DEST, fsync PARENT
+#   6. remove .DEST.old-PID
+#
+# A folder whose config.json parses is complete (config.json is written last), so at every
+# instant at least one complete checkpoint exists: DEST, or .DEST.old-PID and/or a complete
+# .DEST.tmp-*. :func:`recover_checkpoint` (run on every load and on --resume) puts the
+# newest complete one back at DEST and removes the leftovers of dead writers.
+
+#: Called with a label before each file operation of a save (tests inject kills here).
+_before_file_op: Callable[[str], None] | None = None
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+def _op(label: str) -> None:
+    if _before_file_op is not None:
+        _before_file_op(label)
 
 
 def _write_json(path: Path, data: Any) -> None:
+    _op(f"write {path.name}")
     with open(path, "w", encoding="utf-8") as f:
         json.dump(data, f, indent=2, sort_keys=True)
         f.write("\n")
@@ -104,11 +121,26 @@ def _write_json(path: Path, data: Any) -> None:
 
 
 def _write_tensors(path: Path, tensors: dict[str, Tensor]) -> None:
-    from safetensors.torch import save_file
-
-    save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, str(path))
+    _op(f"write {path.name}")
+    try:
+        save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()},
+                  str(path))
+    except Exception as exc:  # safetensors raises its own error type for I/O failures
+        if isinstance(exc, OSError):
+            raise
+        text = str(exc)
+        code = errno.ENOSPC if "os error 28" in text or "No space" in text else errno.EIO
+        raise OSError(code, text) from exc
     with open(path, "rb") as f:
         os.fsync(f.fileno())
+
+
+def _match_umask(folder: Path) -> None:
+    """Files 0666 and the folder 0777 minus the user's umask, like any file they create
+    (mkdtemp makes 0700 folders; the weights would otherwise differ from the JSON)."""
+    for child in folder.iterdir():
+        os.chmod(child, umask_mode(0o666))
+    os.chmod(folder, umask_mode(0o777))
 
 
 def save_checkpoint(
@@ -123,71 +155,244 @@ def save_checkpoint(
     """Write ``model`` (and optionally its tokenizer and training state) to ``path``.
 
     ``extra_config`` entries are merged into config.json (e.g. "train" or "lowrank");
-    ``train_tensors``/``train_meta`` become train_state.safetensors/.json. Atomic: the
-    folder appears complete or not at all, and a previous checkpoint at ``path`` is
-    replaced only once the new one is fully on disk.
+    ``train_tensors``/``train_meta`` become train_state.safetensors/.json. Follows the
+    save protocol above: a complete checkpoint is reachable at every instant, and a
+    previous checkpoint at ``path`` is replaced only once the new one is on disk. A full
+    disk is a :class:`~tinylm.files.DiskFullError` naming the file.
     """
     dest = Path(path)
     parent = dest.parent
+    base = unwrap_model(model)
+    config = {"format": FORMAT, "version": VERSION, "model": base.config.to_dict()}
+    config.update(extra_config or {})
+    if structure_of(base):
+        config["lowrank"] = structure_of(base)
+    current = parent
     try:
         parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=parent))
+        _op(f"mkdir tmp for {dest.name}")
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-{os.getpid()}-", dir=parent))
     except OSError as exc:
-        raise CheckpointError(f"cannot write a checkpoint in {parent}: {exc.strerror}; "
-                              f"choose a writable --out folder") from exc
+        raise write_error(parent, exc) from exc
     try:
-        base = unwrap_model(model)
-        config = {"format": FORMAT, "version": VERSION, "model": base.config.to_dict()}
-        config.update(extra_config or {})
-        from tinylm.lowrank import structure_of  # factorised layers (tinylm compress)
-
-        if structure_of(base):
-            config["lowrank"] = structure_of(base)
-        _write_tensors(tmp / WEIGHTS_FILE, model_state(base))
-        _write_json(tmp / CONFIG_FILE, config)
+        current = tmp / WEIGHTS_FILE
+        _write_tensors(current, model_state(base))
         if tokenizer is not None:
-            tokenizer.save(tmp / TOKENIZER_FILE)
+            current = tmp / TOKENIZER_FILE
+            _op(f"write {TOKENIZER_FILE}")
+            tokenizer.save(current)
         if train_tensors is not None:
-            _write_tensors(tmp / STATE_TENSORS_FILE, train_tensors)
+            current = tmp / STATE_TENSORS_FILE
+            _write_tensors(current, train_tensors)
         if train_meta is not None:
-            _write_json(tmp / STATE_JSON_FILE, train_meta)
-        _fsync_dir(tmp)
-        old = None
-        if dest.exists():
-            old = parent / f".{dest.name}.old-{os.getpid()}"
-            if old.exists():
-                shutil.rmtree(old)
-            os.replace(dest, old)
-        os.replace(tmp, dest)
-        _fsync_dir(parent)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+            current = tmp / STATE_JSON_FILE
+            _write_json(current, train_meta)
+        current = tmp / CONFIG_FILE
+        _write_json(current, config)  # last: its presence marks the folder complete
+        _match_umask(tmp)
+        _op("fsync tmp")
+        fsync_dir(tmp)
+        current = dest
+        _swap_in(tmp, dest)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"could not write checkpoint {dest}: {exc}; the previous "
-                              f"checkpoint (if any) is untouched; free disk space or choose "
-                              f"another --out") from exc
+        shown = dest / current.name if current.parent == tmp else current
+        raise write_error(shown, exc) from exc
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return dest
 
 
-# --- reading ------------------------------------------------------------------------------
+def _swap_in(tmp: Path, dest: Path) -> None:
+    """Steps 4-6 of the protocol: dest -> .old, tmp -> dest, drop .old."""
+    parent = dest.parent
+    old = None
+    if dest.exists():
+        old = parent / f".{dest.name}.old-{os.getpid()}"
+        if old.exists():
+            shutil.rmtree(old)
+        _op("rename dest to old")
+        os.replace(dest, old)
+    try:
+        _op("rename tmp to dest")
+        os.replace(tmp, dest)
+    except BaseException:
+        if old is not None and not dest.exists():  # put the previous checkpoint back
+            os.replace(old, dest)
+        raise
+    _op("fsync parent")
+    fsync_dir(parent)
+    if old is not None:
+        _op("remove old")
+        shutil.rmtree(old, ignore_errors=True)
+
+
+#: The files a checkpoint folder may hold (what save_checkpoint writes).
+CHECKPOINT_FILES = frozenset({CONFIG_FILE, WEIGHTS_FILE, TOKENIZER_FILE, STATE_TENSORS_FILE,
+                              STATE_JSON_FILE})
+
+
+def check_target(path: str | os.PathLike, *, force: bool = False, flag: str = "--out") -> Path:
+    """Refuse to write a checkpoint where it would lose a user's files.
+
+    Allowed: a new path, an empty folder, or (with ``force``) an existing checkpoint
+    folder holding nothing but checkpoint files — the only files a replacement deletes
+    are ones tinylm wrote. A regular file, a training run folder, or a folder with any
+    other file is refused, even with ``force``. Nothing is written here.
+    """
+    dest = Path(path)
+    if not dest.exists():
+        return dest
+    if not dest.is_dir():
+        raise CheckpointError(f"{flag} {dest} is a file; choose a new folder name (nothing "
+                              f"was written)")
+    names = sorted(p.name for p in dest.iterdir())
+    if not names:
+        return dest
+    if RUN_LATEST in names or ".lock" in names or "metrics.jsonl" in names:
+        raise CheckpointError(f"{flag} {dest} is a training run folder; write the checkpoint "
+                              f"to a new folder (nothing was written)")
+    others = [n for n in names if n not in CHECKPOINT_FILES]
+    if others or not is_complete(dest):
+        shown = ", ".join(others[:3]) + (" ..." if len(others) > 3 else "") if others \
+            else ", ".join(names[:3])
+        raise CheckpointError(f"{flag} {dest} is not empty and not a tinylm checkpoint (it "
+                              f"holds {shown}); choose a new or empty folder (nothing was "
+                              f"written)")
+    if not force:
+        raise CheckpointError(f"{flag} {dest} already holds a checkpoint; pass --force to "
+                              f"replace it, or choose a new folder")
+    return dest
+
+
+# --- recovery ------------------------------------------------------------------------------
 
 
 RUN_LATEST = "latest"  # a training run folder's newest checkpoint (tinylm train --out)
+RUN_BEST = "best"  # the run's checkpoint with the lowest periodic validation estimate
+
+
+def _writer_pid(name: str) -> int | None:
+    """The pid in ``.D.tmp-PID-XXXX`` / ``.D.old-PID`` (None when it has none)."""
+    tail = name.rsplit(".tmp-", 1)[-1] if ".tmp-" in name else name.rsplit(".old-", 1)[-1]
+    try:
+        return int(tail.split("-")[0])
+    except ValueError:
+        return None
+
+
+def _alive(pid: int | None) -> bool:
+    if pid is None:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True
+    return True
+
+
+def _saved_step(folder: Path) -> tuple[int, int]:
+    """(training step, config.json mtime) of a complete checkpoint folder: its age."""
+    step = -1
+    try:
+        step = int(json.loads((folder / STATE_JSON_FILE).read_text(encoding="utf-8"))["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            cfg = json.loads((folder / CONFIG_FILE).read_text(encoding="utf-8"))
+            step = int(cfg["best"]["step"])
+    try:
+        mtime = (folder / CONFIG_FILE).stat().st_mtime_ns
+    except OSError:
+        mtime = 0
+    return step, mtime
+
+
+def is_complete(folder: Path) -> bool:
+    """Whether a checkpoint folder was fully written (its config.json, written last,
+    parses as a tinylm config and the weights are there)."""
+    try:
+        cfg = json.loads((folder / CONFIG_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return (isinstance(cfg, dict) and cfg.get("format") == FORMAT
+            and (folder / WEIGHTS_FILE).is_file())
+
+
+def leftovers(dest: Path) -> list[Path]:
+    """Temporary and previous copies of ``dest`` left beside it by saves (any writer)."""
+    parent = dest.parent
+    if not parent.is_dir():
+        return []
+    prefixes = (f".{dest.name}.tmp-", f".{dest.name}.old-")
+    return sorted(p for p in parent.iterdir() if p.name.startswith(prefixes) and p.is_dir())
+
+
+def recover_checkpoint(dest: str | os.PathLike) -> Path | None:
+    """Make ``dest`` the newest complete checkpoint among it and its leftovers.
+
+    Leftovers of live writers (their pid runs) are never touched. When a complete
+    leftover is newer than ``dest`` (or ``dest`` is gone), it is renamed into place and
+    one line says so; the other leftovers of dead writers are removed. Returns ``dest``
+    when it now holds a complete checkpoint, else None.
+    """
+    dest = Path(dest)
+    dead = [p for p in leftovers(dest) if not _alive(_writer_pid(p.name))]
+    complete = [p for p in dead if is_complete(p)]
+    current = _saved_step(dest) if is_complete(dest) else None
+    newest = max(complete, key=_saved_step, default=None)
+    try:
+        if newest is not None and (current is None or _saved_step(newest) > current):
+            if dest.exists():
+                shutil.rmtree(dest)
+            os.replace(newest, dest)
+            fsync_dir(dest.parent)
+            step = _saved_step(dest)[0]
+            log.warning("recovered %s from %s%s, left by an interrupted save", dest,
+                        newest.name, f" (step {step})" if step >= 0 else "")
+        for p in dead:
+            if p.exists():
+                shutil.rmtree(p, ignore_errors=True)
+    except OSError as exc:
+        log.warning("could not tidy the leftovers of an interrupted save beside %s (%s)",
+                    dest, exc.strerror or exc)
+        return dest if is_complete(dest) else newest
+    return dest if is_complete(dest) else None
+
+
+# --- reading ------------------------------------------------------------------------------
 
 
 def resolve_checkpoint_dir(path: str | os.PathLike) -> Path:
     """The checkpoint folder ``path`` names: itself, or ``path/latest`` for a run folder.
 
     ``tinylm train --out RUN`` writes RUN/latest and RUN/best; passing RUN wherever a
-    checkpoint is expected means RUN/latest. This is the one place that decides it.
+    checkpoint is expected means RUN/latest. This is the one place that decides it, and
+    it first recovers a checkpoint whose save was interrupted (:func:`recover_checkpoint`).
     """
     folder = Path(path)
-    if not (folder / CONFIG_FILE).is_file() and (folder / RUN_LATEST / CONFIG_FILE).is_file():
-        return folder / RUN_LATEST
+    if folder.is_file():
+        raise CheckpointError(f"{folder} is a file, not a checkpoint folder; pass the folder "
+                              f"that holds config.json (or a tinylm train --out folder)")
+    if (folder / CONFIG_FILE).is_file():
+        return folder
+    if folder.is_dir() and ((folder / RUN_LATEST).exists() or leftovers(folder / RUN_LATEST)):
+        if is_locked(folder):  # a live training owns the folder: read, never tidy
+            if is_complete(folder / RUN_LATEST):
+                return folder / RUN_LATEST
+            done = [p for p in leftovers(folder / RUN_LATEST) if is_complete(p)]
+            if done:  # mid-swap: the previous checkpoint, read where it is
+                return max(done, key=_saved_step)
+        recover_checkpoint(folder / RUN_LATEST)
+        if is_complete(folder / RUN_LATEST):
+            return folder / RUN_LATEST
+    elif not folder.exists() and leftovers(folder):
+        recover_checkpoint(folder)
+    if folder.is_dir() and not (folder / RUN_LATEST).exists() and is_complete(folder / RUN_BEST):
+        raise CheckpointError(f"{folder} has no latest/ checkpoint, but best/ beside it is "
+                              f"complete; pass {folder / RUN_BEST}")
     return folder
 
 
@@ -233,8 +438,6 @@ def read_config(path: str | os.PathLike) -> dict[str, Any]:
 
 def read_tensors(path: str | os.PathLike) -> dict[str, Tensor]:
     """All tensors of a safetensors file; a corrupt file becomes a CheckpointError."""
-    from safetensors.torch import load_file
-
     p = Path(path)
     if not p.is_file():
         raise CheckpointError(f"{p} is missing; the checkpoint is incomplete")
@@ -266,8 +469,6 @@ def build_model(config: dict[str, Any]) -> GPT:
     model = GPT(model_config)
     lowrank = config.get("lowrank")
     if lowrank:
-        from tinylm.lowrank import apply_structure  # factorised layers (tinylm compress)
-
         apply_structure(model, lowrank)
     return model
 

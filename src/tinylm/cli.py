@@ -305,7 +305,13 @@ def _add_compress(sub: argparse._SubParsersAction) -> None:
                    help="sequences per step of --finetune (default: 32)")
     p.add_argument("--fractions", default="0.9,0.75,0.5,0.35,0.25", metavar="P,P,...",
                    help="parameter fractions of --sweep (default: 0.9,0.75,0.5,0.35,0.25)")
-    p.add_argument("--plot", metavar="FILE.png", help="with --sweep: write the loss/speed plot")
+    p.add_argument("--plot", metavar="FILE.png",
+                   help="with --sweep: write the loss/speed plot (.png, .svg or .pdf)")
+    p.add_argument("--force", action="store_true",
+                   help="replace an existing checkpoint in --out (never a run folder or a "
+                   "folder with other files)")
+    p.add_argument("--threads", type=int, metavar="N",
+                   help="CPU threads for torch (default: the free cores)")
     _device_flag(p)
     p.set_defaults(func=_cmd_compress)
 
@@ -325,22 +331,16 @@ def _parse_fractions(text: str) -> list[float]:
     return values
 
 
-def _cmd_compress(args: argparse.Namespace) -> int:
-    import tempfile
-    from pathlib import Path
-
-    from tinylm.checkpoint import load_checkpoint, resolve_checkpoint_dir, save_checkpoint
-    from tinylm.config import resolve_device
+def _check_compress_flags(args: argparse.Namespace) -> list[str]:
+    """Flag combinations of compress (before anything is loaded); returns the layers."""
     from tinylm.errors import ConfigError
-    from tinylm.lowrank import compress, format_report, format_sweep, plot_sweep, sweep
 
-    mode = {"rank": args.rank, "energy": args.energy, "params_fraction": args.params_fraction}
+    mode = (args.rank, args.energy, args.params_fraction)
     if args.sweep:
         if not args.data:
             raise ConfigError("--sweep needs --data DIR to measure the validation loss; pass "
                               "a folder made by 'tinylm prepare'")
-        fractions = _parse_fractions(args.fractions)
-    elif all(v is None for v in mode.values()):
+    elif all(v is None for v in mode):
         raise ConfigError("choose how much to keep: --rank R, --energy F, --params-fraction P "
                           "(or --sweep)")
     elif not args.out:
@@ -352,73 +352,48 @@ def _cmd_compress(args: argparse.Namespace) -> int:
                           f"--data DIR to train on")
     if args.eval_windows is not None and args.eval_windows < 1:
         raise ConfigError(f"--eval-windows must be >= 1, got {args.eval_windows}")
+    if args.threads is not None and args.threads < 1:
+        raise ConfigError(f"--threads must be >= 1, got {args.threads}")
     layers = [name.strip() for name in args.layers.split(",") if name.strip()]
     if not layers:
         raise ConfigError(f"--layers names no layer ({args.layers!r}); e.g. --layers "
                           f"attn.qkv,ffn.up")
+    return layers
 
-    device = resolve_device(args.device)
-    model, tokenizer = load_checkpoint(args.model, device=device)
-    data = None
-    if args.data:
-        from tinylm.data import load_prepared
 
-        data = load_prepared(args.data)
+def _cmd_compress(args: argparse.Namespace) -> int:
+    from tinylm.compression import compress_checkpoint, sweep_checkpoint
+    from tinylm.config import default_threads
+    from tinylm.lowrank import format_report, format_sweep
 
-    def val_loss(m):
-        from tinylm.evaluation import evaluate
-
-        return evaluate(m, data.val, max_windows=args.eval_windows)
-
+    layers = _check_compress_flags(args)
+    threads = args.threads or default_threads()
+    common = {"layers": layers, "eval_windows": args.eval_windows, "device": args.device,
+              "threads": threads}
     if args.sweep:
-        rows = sweep(model, fractions, lambda m: val_loss(m).loss, layers=layers,
-                     progress=lambda r: log.info("params %.3f kept: val loss %.4f, %.0f tokens/s",
-                                                 r.params_fraction, r.loss, r.tokens_per_s))
+        rows, plot = sweep_checkpoint(args.model, args.data, _parse_fractions(args.fractions),
+                                      plot=args.plot, **common)
         print(format_sweep(rows))
-        if args.plot:
-            print(f"plot: {plot_sweep(rows, args.plot)}")
+        if plot is not None:
+            print(f"plot: {plot}")
         return 0
-
-    before = val_loss(model) if data is not None else None
-    report = compress(model, layers=layers, **mode)
-    print(format_report(report))
-    if data is not None:
-        after = val_loss(model)
-        print(f"val loss: {before.loss:.4f} -> {after.loss:.4f} "
-              f"(perplexity {before.perplexity:.3f} -> {after.perplexity:.3f}, "
-              f"{100 * (after.loss / before.loss - 1):+.1f} %)")
-    if args.finetune:
-        from tinylm.config import TrainConfig
-        from tinylm.training import train
-
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        from tinylm.checkpoint import read_config
-
-        # Fine-tune at the peak lr the model was trained with: a factorised model must move
-        # its weights about as far as training did (3e-4 left it at +12 % loss, 3e-3 at
-        # +3 %, on make demo's model at --params-fraction 0.5, 200 steps).
-        lr = args.lr if args.lr is not None else \
-            read_config(args.model).get("train", {}).get("lr", 1e-3)
-        train_config = TrainConfig(
-            max_steps=args.finetune, lr=lr, batch_size=args.batch_size,
-            warmup_steps=min(20, args.finetune // 10), eval_every=args.finetune,
-            save_every=args.finetune, device=str(device))
-        with tempfile.TemporaryDirectory(prefix=f".{out.name}.finetune-", dir=out.parent) as run:
-            train(model.config, train_config, args.data, run, model=model)  # in place
-        tuned = val_loss(model)
-        print(f"after fine-tuning {args.finetune} steps: val loss {tuned.loss:.4f} "
-              f"(perplexity {tuned.perplexity:.3f}, {100 * (tuned.loss / before.loss - 1):+.1f} % "
-              f"vs the uncompressed model)")
-    dest = save_checkpoint(args.out, model, tokenizer,
-                           extra_config={"compress": {"source": str(args.model),
-                                                      "mode": report.mode,
-                                                      "finetune_steps": args.finetune}})
-    size_in = (resolve_checkpoint_dir(args.model) / "model.safetensors").stat().st_size
-    size_out = (dest / "model.safetensors").stat().st_size
-    print(f"file size: {size_in / 1e6:.2f} MB -> {size_out / 1e6:.2f} MB "
-          f"({100 * (1 - size_out / size_in):.1f} % smaller)")
-    print(f"wrote {dest}")
+    mode = {k: v for k, v in (("rank", args.rank), ("energy", args.energy),
+                              ("params_fraction", args.params_fraction)) if v is not None}
+    r = compress_checkpoint(args.model, args.out, mode=mode, data_dir=args.data,
+                            finetune_steps=args.finetune, lr=args.lr,
+                            batch_size=args.batch_size, force=args.force, **common)
+    print(format_report(r.report))
+    if r.before is not None and r.after is not None:
+        print(f"val loss: {r.before.loss:.4f} -> {r.after.loss:.4f} "
+              f"(perplexity {r.before.perplexity:.3f} -> {r.after.perplexity:.3f}, "
+              f"{100 * (r.after.loss / r.before.loss - 1):+.1f} %)")
+    if r.tuned is not None and r.before is not None:
+        print(f"after fine-tuning {r.finetune_steps} steps: val loss {r.tuned.loss:.4f} "
+              f"(perplexity {r.tuned.perplexity:.3f}, "
+              f"{100 * (r.tuned.loss / r.before.loss - 1):+.1f} % vs the uncompressed model)")
+    print(f"file size: {r.bytes_in / 1e6:.2f} MB -> {r.bytes_out / 1e6:.2f} MB "
+          f"({100 * (1 - r.bytes_out / r.bytes_in):.1f} % smaller)")
+    print(f"wrote {r.dest}")
     return 0
 
 
@@ -459,12 +434,33 @@ def _config_flags(group: argparse._ArgumentGroup, cls: type, helps: dict[str, st
         default = f.default if f.default is not dataclasses.MISSING else None
         if default is not None:
             help_text = f"{help_text} (default: {default})"
+        optional = "None" in str(f.type) and kind != "str"
         if kind == "bool":
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
                                help=help_text)
+        elif optional:
+            group.add_argument(flag, type=_or_off(types[kind], zero_is_off=f.name ==
+                                                   "time_budget"),
+                               default=None, metavar=kind.upper(),
+                               help=f"{help_text}; 'none' switches it off"
+                               + (" (so does 0)" if f.name == "time_budget" else ""))
         else:
             group.add_argument(flag, type=types[kind], default=None, metavar=kind.upper(),
                                help=help_text)
+
+
+_OFF = object()  # a flag given as "none": switch off what a config file or saved run set
+
+
+def _or_off(kind: type, zero_is_off: bool = False) -> Callable[[str], object]:
+    def parse(text: str) -> object:
+        if text.strip().lower() in ("none", "off"):
+            return _OFF
+        value = kind(text)
+        return _OFF if zero_is_off and value == 0 else value
+
+    parse.__name__ = kind.__name__
+    return parse
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
@@ -474,16 +470,21 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         "train",
         help="train a model on prepared data; writes checkpoints, metrics.jsonl, loss.png",
         description="Train a GPT on a folder written by 'tinylm prepare'. The run folder "
-        "--out gets latest/ (resumable checkpoint), best/ (lowest val loss), metrics.jsonl, "
-        "loss.png and run.toml. Values come from the defaults, then the saved run (with "
+        "--out gets latest/ (resumable checkpoint), best/ (lowest periodic validation "
+        "estimate), metrics.jsonl, "
+        "loss.png and run.toml; one process at a time (a lock). Values come from the "
+        "defaults, then the saved run (with "
         "--resume), then --config, then flags. Under torchrun every process runs this.",
     )
     p.add_argument("--data", required=True, metavar="DIR", help="prepared data folder")
     p.add_argument("--out", required=True, metavar="DIR", help="run folder to write")
     p.add_argument("--config", metavar="TOML", help="run config file ([model]/[train] "
                    "tables or top-level keys); flags override it")
-    p.add_argument("--resume", action="store_true",
-                   help="continue from OUT/latest (starts fresh if there is none)")
+    p.add_argument("--resume", nargs="?", const=True, default=None, type=_resume_arg,
+                   metavar="auto",
+                   help="continue from OUT/latest (an error when there is none); "
+                   "'--resume auto' continues if a checkpoint exists, else starts (the "
+                   "default when torchrun reports a restart)")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="force the progress bar on/off (default: on a terminal)")
     model = p.add_argument_group("model")
@@ -496,35 +497,29 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_train)
 
 
+def _resume_arg(text: str) -> str:
+    if text != "auto":
+        raise argparse.ArgumentTypeError(f"expected nothing or 'auto', got {text!r}")
+    return text
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     import dataclasses
     from pathlib import Path
 
-    from tinylm.checkpoint import CONFIG_FILE, RUN_LATEST, read_config
-    from tinylm.config import ModelConfig, TrainConfig, read_toml, resolve_arch
-    from tinylm.training import train
+    from tinylm.config import ModelConfig, TrainConfig
+    from tinylm.training import UNSET, train_run
 
-    model_kw: dict = {}
-    train_kw: dict = {}
-    latest = Path(args.out) / RUN_LATEST
-    if args.resume and (latest / CONFIG_FILE).is_file():
-        saved = read_config(latest)
-        model_kw.update(saved["model"])
-        train_kw.update(saved.get("train", {}))
-    if args.config:
-        m, t = read_toml(args.config)
-        model_kw.update(m)
-        train_kw.update(t)
-    for cls, kw in ((ModelConfig, model_kw), (TrainConfig, train_kw)):
-        for f in dataclasses.fields(cls):
-            value = getattr(args, f.name, None)
-            if value is not None:
-                kw[f.name] = value
-    model_kw.pop("vocab_size", None)  # taken from the data's tokenizer by train()
-    model_kw = resolve_arch(args.arch, model_kw)  # the preset fills what was not given
-    result = train(ModelConfig.from_dict(model_kw), TrainConfig.from_dict(train_kw),
-                   args.data, args.out, resume=args.resume, progress=args.progress)
+    names = [f.name for cls in (ModelConfig, TrainConfig) for f in dataclasses.fields(cls)]
+    overrides = {n: UNSET if getattr(args, n, None) is _OFF else getattr(args, n, None)
+                 for n in names}
+    result = train_run(args.data, args.out, config_file=args.config, overrides=overrides,
+                       resume=args.resume, progress=args.progress, arch=args.arch)
     if result.rank != 0:
+        return 0
+    if result.stop_reason == "finished":
+        print(f"{result.out_dir} was already finished at step {result.steps}; nothing changed "
+              f"(pass a larger --max-steps or --time-budget to train further)")
         return 0
     mins, secs = divmod(int(result.elapsed), 60)
     if result.interrupted:
@@ -535,24 +530,31 @@ def _cmd_train(args: argparse.Namespace) -> int:
     print(f"trained {result.steps} steps in {mins}m{secs:02d}s "
           f"({result.tokens_per_s:,.0f} tokens/s), stopped by {result.stop_reason}")
     if result.final_val_loss is not None:
+        best = (f"; best estimate {result.best_val_loss:.4f}"
+                if result.best_val_loss is not None else "")
         print(f"val loss {result.final_val_loss:.4f} (perplexity "
-              f"{result.final_val_perplexity:.2f}) over the whole validation split; "
-              f"best {result.best_val_loss:.4f}")
-    print(f"checkpoint: {result.checkpoint}  (best: {result.out_dir / 'best'})")
-    print(f"loss curve: {result.out_dir / 'loss.png'}")
+              f"{result.final_val_perplexity:.2f}) over the whole validation split{best}")
+    best_dir = result.out_dir / "best"
+    print(f"checkpoint: {result.checkpoint}"
+          + (f"  (best: {best_dir})" if best_dir.is_dir() else ""))
+    plot = Path(result.out_dir) / "loss.png"
+    if plot.is_file():
+        print(f"loss curve: {plot}")
     return 0
 
 
 def _add_plot(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "plot",
-        help="draw the loss curves of one or more training runs into one PNG",
-        description="Read RUN_DIR/metrics.jsonl of each run and draw train loss (lines) "
-        "and validation loss (dots) against step, one colour per run.",
+        help="draw the loss curves of one or more training runs into one figure",
+        description="Read RUN_DIR/metrics.jsonl of each run and draw train loss (lines), "
+        "the periodic validation estimates (dots) and the final whole-split validation "
+        "loss (a star) against step, one colour per run.",
     )
     p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run folders (tinylm train --out)")
-    p.add_argument("--out", default="loss-comparison.png", metavar="FILE.png",
-                   help="the PNG to write (default: loss-comparison.png)")
+    p.add_argument("--out", default="loss-comparison.png", metavar="FILE",
+                   help="the figure to write: .png, .svg or .pdf (default: "
+                   "loss-comparison.png)")
     p.add_argument("--log-scale", action="store_true", help="log-scale loss axis")
     p.set_defaults(func=_cmd_plot)
 
@@ -715,7 +717,11 @@ def _add_convert(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--from-hf", metavar="HF_DIR",
                    help="a Hugging Face GPT-2/Llama/Qwen2/Mistral folder to import")
-    p.add_argument("--out", metavar="DIR", help="the tinylm checkpoint to write (--from-hf)")
+    p.add_argument("--out", metavar="DIR",
+                   help="the tinylm checkpoint to write (--from-hf); a new or empty folder")
+    p.add_argument("--force", action="store_true",
+                   help="--from-hf: replace an existing tinylm checkpoint in --out (never a "
+                   "folder holding other files)")
     p.add_argument("--model", metavar="DIR", help="a tinylm checkpoint to export")
     p.add_argument("--to-hf", metavar="HF_DIR",
                    help="the Hugging Face folder to write (--model); must not exist or be empty")
@@ -726,7 +732,7 @@ def _add_convert(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
-    from tinylm.checkpoint import load_checkpoint, save_checkpoint
+    from tinylm.checkpoint import check_target, load_checkpoint, save_checkpoint
     from tinylm.errors import ConfigError
     from tinylm.hf import export_family, read_hf_folder, write_hf_folder
 
@@ -739,6 +745,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     if importing:
         if args.weights_only:
             raise ConfigError("--weights-only applies to --to-hf only")
+        check_target(args.out, force=args.force)
         model, tokenizer = read_hf_folder(args.from_hf)
         save_checkpoint(args.out, model, tokenizer)
         tok = f"{tokenizer.kind} tokenizer" if tokenizer is not None else "no tokenizer files"

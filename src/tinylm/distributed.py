@@ -121,6 +121,17 @@ def all_reduce_max(values: list[float], ctx: DistContext) -> list[float]:
     return t.tolist()
 
 
+def all_reduce_mean(t: Tensor, ctx: DistContext) -> Tensor:
+    """The mean of a tensor over all ranks (``t`` itself when not distributed)."""
+    if not ctx.enabled:
+        return t
+    import torch.distributed as dist
+
+    out = t.detach().to(_comm_device(), torch.float64).clone()
+    dist.all_reduce(out, op=dist.ReduceOp.SUM)
+    return out / ctx.world_size
+
+
 def broadcast_floats(values: list[float], ctx: DistContext) -> list[float]:
     """Rank 0's ``values`` on every rank (e.g. a schedule length estimated from its clock)."""
     if not ctx.enabled:

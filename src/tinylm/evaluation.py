@@ -1,6 +1,6 @@
 """Evaluation: mean loss, perplexity and bits per byte over a token sequence.
 
-The model's row t predicts token t+1 (SEED-MATH.md section 5), so a sequence of N
+The model's row t predicts token t+1 (docs/attention.md), so a sequence of N
 tokens has N - 1 targets. :func:`evaluate` scores every one of them exactly once and
 returns their mean cross-entropy:
 
@@ -21,6 +21,8 @@ guide) at the cost of about C / S times more compute.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import math
 from dataclasses import dataclass
@@ -32,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tinylm import acceleration
+from tinylm.checkpoint import unwrap_model
 from tinylm.data import iter_windows
 from tinylm.errors import ConfigError, DataError
 
@@ -111,21 +114,10 @@ def evaluate(
     Runs under ``torch.inference_mode``, in eval mode (the previous train/eval mode is
     restored), in fp32 on CPU and with bf16 autocast on CUDA.
     """
-    from tinylm.checkpoint import unwrap_model
-
     base = unwrap_model(model)
     config = base.config
     C = config.context_length if context_length is None else context_length
-    if isinstance(C, bool) or not isinstance(C, int) or not 1 <= C <= config.context_length:
-        raise ConfigError(f"context length must be between 1 and the model's "
-                          f"{config.context_length}, got {C!r}")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ConfigError(f"batch size must be an integer >= 1, got {batch_size!r}")
-    if max_windows is not None and (isinstance(max_windows, bool)
-                                    or not isinstance(max_windows, int) or max_windows < 1):
-        raise ConfigError(f"max_windows must be an integer >= 1 or None, got {max_windows!r}")
-    if stride is not None and (isinstance(stride, bool) or not isinstance(stride, int)):
-        raise ConfigError(f"stride must be an integer, got {stride!r}")
+    _check_options(config.context_length, C, batch_size, max_windows, stride)
     arr = _as_numpy(tokens)
     if arr.size < 2:
         raise DataError(f"evaluation needs at least 2 tokens (one input and its next-token "
@@ -145,39 +137,12 @@ def evaluate(
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" \
         else torch.autocast(device.type, enabled=False)
 
-    V = config.vocab_size
-    total = 0.0  # sum of per-target nats, accumulated in float64
-    scored = 0
-    windows = 0
     was_training = model.training
     model.eval()
     try:
         with torch.inference_mode(), autocast, acceleration.plan(base, device).apply():
-            for x, y, mask in iter_windows(arr, C, batch_size, stride, device=device):
-                if max_windows is not None:  # x, y, mask: (b, C) inputs, targets, scored
-                    x, y, mask = x[:max_windows - windows], y[:max_windows - windows], \
-                        mask[:max_windows - windows]
-                ids = torch.cat([x[:, :1], y], dim=1)  # (b, C + 1): every token of the window
-                outside = (ids < 0) | (ids >= V)
-                if outside.any():
-                    bad = int(ids[outside][0])
-                    raise DataError(
-                        f"token id {bad} is outside the model's vocabulary of {V}; the "
-                        f"tokens were made with a different tokenizer than the model's — "
-                        f"prepare the data with the model's tokenizer")
-                # Scored targets are a suffix of each window: project only the columns
-                # from the first scored one onto the vocabulary.
-                first = int(mask.any(0).nonzero()[0])
-                h = base.hidden_states(x)[:, first:]  # (b, C, E) -> (b, n, E)
-                logits = base.lm_head(h).float()  # (b, n, V)
-                nll = F.cross_entropy(logits.reshape(-1, V), y[:, first:].reshape(-1),
-                                      reduction="none")  # (b·n, V) -> (b·n,)
-                keep = mask[:, first:].reshape(-1)  # (b, n) -> (b·n,)
-                total += float(nll[keep].double().sum())
-                scored += int(keep.sum())
-                windows += x.shape[0]
-                if max_windows is not None and windows >= max_windows:
-                    break
+            total, scored, windows = _score_windows(base, arr, C, batch_size, stride,
+                                                    max_windows, device)
     finally:
         model.train(was_training)
 
@@ -189,6 +154,56 @@ def evaluate(
         bpb = bits_per_byte(loss, scored, covered) if covered > 0 else None
     log.debug("evaluated %d targets in %d windows", scored, windows)
     return EvalResult(loss=loss, perplexity=perplexity(loss), bits_per_byte=bpb, tokens=scored)
+
+
+def _check_options(model_context: int, C: Any, batch_size: Any, max_windows: Any,
+                   stride: Any) -> None:
+    if isinstance(C, bool) or not isinstance(C, int) or not 1 <= C <= model_context:
+        raise ConfigError(f"context length must be between 1 and the model's "
+                          f"{model_context}, got {C!r}")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ConfigError(f"batch size must be an integer >= 1, got {batch_size!r}")
+    if max_windows is not None and (isinstance(max_windows, bool)
+                                    or not isinstance(max_windows, int) or max_windows < 1):
+        raise ConfigError(f"max_windows must be an integer >= 1 or None, got {max_windows!r}")
+    if stride is not None and (isinstance(stride, bool) or not isinstance(stride, int)):
+        raise ConfigError(f"stride must be an integer, got {stride!r}")
+
+
+def _score_windows(base: nn.Module, arr: np.ndarray, C: int, batch_size: int,
+                   stride: int | None, max_windows: int | None,
+                   device: torch.device) -> tuple[float, int, int]:
+    """(sum of nats, targets scored, windows) over the windows of :func:`iter_windows`."""
+    V = base.config.vocab_size
+    total = 0.0  # sum of per-target nats, accumulated in float64
+    scored = 0
+    windows = 0
+    for x, y, mask in iter_windows(arr, C, batch_size, stride, device=device):
+        if max_windows is not None:  # x, y, mask: (b, C) inputs, targets, scored
+            x, y, mask = x[:max_windows - windows], y[:max_windows - windows], \
+                mask[:max_windows - windows]
+        ids = torch.cat([x[:, :1], y], dim=1)  # (b, C + 1): every token of the window
+        outside = (ids < 0) | (ids >= V)
+        if outside.any():
+            bad = int(ids[outside][0])
+            raise DataError(
+                f"token id {bad} is outside the model's vocabulary of {V}; the "
+                f"tokens were made with a different tokenizer than the model's — "
+                f"prepare the data with the model's tokenizer")
+        # Scored targets are a suffix of each window: project only the columns
+        # from the first scored one onto the vocabulary.
+        first = int(mask.any(0).nonzero()[0])
+        h = base.hidden_states(x)[:, first:]  # (b, C, E) -> (b, n, E)
+        logits = base.lm_head(h).float()  # (b, n, V)
+        nll = F.cross_entropy(logits.reshape(-1, V), y[:, first:].reshape(-1),
+                              reduction="none")  # (b·n, V) -> (b·n,)
+        keep = mask[:, first:].reshape(-1)  # (b, n) -> (b·n,)
+        total += float(nll[keep].double().sum())
+        scored += int(keep.sum())
+        windows += x.shape[0]
+        if max_windows is not None and windows >= max_windows:
+            break
+    return total, scored, windows
 
 
 # --- texts and prepared splits ----------------------------------------------------------
@@ -215,26 +230,123 @@ def decoded_bytes(tokenizer: Any, tokens: Any, chunk: int = 1 << 20) -> int:
     return total
 
 
-def _identity(tokenizer: Any) -> str:
-    import json
-
+def _identity(tokenizer: Any) -> dict[str, Any]:
     doc = tokenizer.to_hf_json()
-    return json.dumps({"model": doc.get("model"), "added": doc.get("added_tokens"),
-                       "pre": doc.get("pre_tokenizer"), "norm": doc.get("normalizer")},
-                      sort_keys=True)
+    return {"model": doc.get("model"), "added": doc.get("added_tokens"),
+            "pre": doc.get("pre_tokenizer"), "norm": doc.get("normalizer")}
 
 
-def check_same_tokenizer(model_tokenizer: Any, data_tokenizer: Any, where: str) -> None:
-    """Raise a DataError unless both tokenizers map text to the same ids (same kind,
-    vocabulary, merges, special tokens and pre-tokenization)."""
+def tokenizer_hash(tokenizer: Any) -> str:
+    """sha256 of what decides a tokenizer's ids (kind, vocabulary, merges, special tokens,
+    pre-tokenization): equal hashes, equal ids for every text."""
+    text = json.dumps(_identity(tokenizer), sort_keys=True, ensure_ascii=False)
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def _vocab_of(identity: dict[str, Any]) -> dict[str, int]:
+    vocab = (identity.get("model") or {}).get("vocab") or {}
+    return vocab if isinstance(vocab, dict) else {}
+
+
+def describe_difference(model_tokenizer: Any, data_tokenizer: Any) -> str:
+    """What differs between two tokenizers, in a few words (for error messages)."""
+    a, b = _identity(model_tokenizer), _identity(data_tokenizer)
+    if model_tokenizer.kind != data_tokenizer.kind:
+        return f"kind {data_tokenizer.kind} vs {model_tokenizer.kind}"
+    va, vb = _vocab_of(a), _vocab_of(b)
+    if va != vb:
+        by_id_a = {i: t for t, i in va.items()}
+        by_id_b = {i: t for t, i in vb.items()}
+        ids = sorted(set(by_id_a) | set(by_id_b), key=lambda i: (not isinstance(i, int), i))
+        diff = [i for i in ids if by_id_a.get(i) != by_id_b.get(i)]
+        if diff:
+            i = diff[0]
+            return (f"{len(diff)} of {max(len(va), len(vb))} token ids map to different "
+                    f"strings, e.g. id {i} is {by_id_b.get(i)!r} in the data but "
+                    f"{by_id_a.get(i)!r} in the model")
+    for key, what in (("model", "merges or model settings"), ("added", "special tokens"),
+                      ("pre", "pre-tokenization"), ("norm", "normalization")):
+        if a.get(key) != b.get(key):
+            return f"the {what} differ"
+    return "their content hashes differ"
+
+
+def check_same_tokenizer(model_tokenizer: Any, data_tokenizer: Any, where: str, *,
+                         fix: str = "prepare the data with the model's tokenizer (tinylm "
+                                    "prepare --tokenizer MODEL_DIR/tokenizer.json) or use "
+                                    "--text") -> None:
+    """Raise a DataError unless both tokenizers map text to the same ids (equal
+    :func:`tokenizer_hash`); the message says what differs, then ``fix``."""
     if model_tokenizer is None or data_tokenizer is None:
         return
-    if _identity(model_tokenizer) != _identity(data_tokenizer):
+    if tokenizer_hash(model_tokenizer) != tokenizer_hash(data_tokenizer):
         raise DataError(
-            f"{where} was prepared with a different tokenizer ({data_tokenizer.kind}, "
-            f"{data_tokenizer.vocab_size} tokens) than the model's ({model_tokenizer.kind}, "
-            f"{model_tokenizer.vocab_size} tokens); prepare the data with the model's "
-            f"tokenizer (tinylm prepare --tokenizer MODEL_DIR/tokenizer.json) or use --text")
+            f"{where} was prepared with a different tokenizer than the model's "
+            f"({describe_difference(model_tokenizer, data_tokenizer)}); {fix}")
+
+
+# --- the periodic estimate during training -------------------------------------------------
+
+
+def sample_windows(num_tokens: int, context_length: int, count: int | None,
+                   seed: int) -> np.ndarray:
+    """Starts of a fixed random sample of ``count`` non-overlapping windows (sorted).
+
+    The candidates are the windows at 0, C, 2C, ... (each C + 1 tokens) that cover the
+    whole split; ``count`` of them are drawn without replacement by a generator of its
+    own (``seed``), so the same split, C, count and seed give the same sample, and the
+    mean loss over it is an unbiased estimate of the mean over all those windows.
+    ``count`` None (or >= the number of windows) takes them all.
+    """
+    C = context_length
+    total = max(1, (num_tokens - 1) // C)
+    starts = np.arange(total, dtype=np.int64) * C
+    if count is None or count >= total:
+        return starts
+    rng = np.random.default_rng(seed)
+    return np.sort(rng.choice(starts, size=count, replace=False))
+
+
+def estimate_loss(model: nn.Module, tokens: Any, starts: np.ndarray, *,
+                  context_length: int, batch_size: int = 16,
+                  loss_mask: Any | None = None) -> EvalResult:
+    """Mean next-token loss over the windows beginning at ``starts`` (every target of each
+    window counts; with ``loss_mask``, a 0/1 array as long as ``tokens``, only targets
+    whose mask is 1). Runs in eval mode under inference_mode; the mode is restored."""
+    base = unwrap_model(model)
+    device = next(base.parameters()).device
+    arr = _as_numpy(tokens)
+    C = min(context_length, arr.size - 1)
+    offsets = np.arange(C + 1)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" \
+        else torch.autocast(device.type, enabled=False)
+    total, scored = 0.0, 0
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.inference_mode(), autocast, acceleration.plan(base, device).apply():
+            for b in range(0, len(starts), batch_size):
+                idx = starts[b:b + batch_size, None] + offsets  # (b, C + 1)
+                xy = torch.from_numpy(np.asarray(arr[idx]).astype(np.int64)).to(device)
+                logits = base(xy[:, :-1]).float()  # (b, C, V)
+                nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                      xy[:, 1:].reshape(-1), reduction="none")
+                if loss_mask is not None:
+                    keep = torch.from_numpy(np.asarray(loss_mask[idx[:, 1:]]) != 0)
+                    keep = keep.reshape(-1).to(device)
+                    total += float(nll[keep].double().sum())
+                    scored += int(keep.sum())
+                else:
+                    total += float(nll.double().sum())
+                    scored += nll.numel()
+    finally:
+        model.train(was_training)
+    if scored == 0:
+        raise DataError("the validation windows have no target with loss mask 1; nothing "
+                        "to evaluate — check the data's loss mask")
+    loss = total / scored
+    return EvalResult(loss=loss, perplexity=perplexity(loss), bits_per_byte=None,
+                      tokens=scored)
 
 
 def evaluate_text(model: nn.Module, tokenizer: Any, text: str, **kwargs: Any) -> EvalResult:
@@ -266,5 +378,6 @@ def evaluate_split(model: nn.Module, tokenizer: Any, data_dir: Any, split: str =
     return evaluate(model, tokens, num_bytes=num_bytes, **kwargs)
 
 
-__all__ = ["EvalResult", "bits_per_byte", "check_same_tokenizer", "decoded_bytes", "evaluate",
-           "evaluate_split", "evaluate_text", "perplexity"]
+__all__ = ["EvalResult", "bits_per_byte", "check_same_tokenizer", "decoded_bytes",
+           "describe_difference", "estimate_loss", "evaluate", "evaluate_split", "evaluate_text",
+           "perplexity", "sample_windows", "tokenizer_hash"]

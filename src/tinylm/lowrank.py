@@ -1,4 +1,4 @@
-"""Low-rank factorisation (SEED-MATH.md section 2): W ≈ W1·W2, applied to a whole model.
+"""Low-rank factorisation (docs/compress.md): W ≈ W1·W2, applied to a whole model.
 
 The seed's idea: a weight W of shape (E, F) (the layer computes x·W, E -> F) is replaced
 by two thin matrices W1 (E, r) and W2 (r, F), so that x·W1·W2 ≈ x·W. Parameters go from
@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tinylm.errors import CheckpointError, ConfigError
+from tinylm.plotting import figure_path, new_figure, save_figure
 
 log = logging.getLogger(__name__)
 
@@ -422,19 +423,7 @@ def compress(
     """
     if isinstance(layers, str):
         layers = [layers]
-    given = [k for k, v in (("rank", rank), ("energy", energy),
-                            ("params_fraction", params_fraction)) if v is not None]
-    if len(given) != 1:
-        raise ConfigError(f"choose exactly one of rank, energy or params_fraction "
-                          f"(--rank, --energy, --params-fraction), got "
-                          f"{', '.join(given) or 'none'}")
-    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 1):
-        raise ConfigError(f"rank must be an integer >= 1, got {rank!r}; e.g. --rank 16")
-    if energy is not None:
-        _check_fraction("energy", energy)
-    if params_fraction is not None:
-        _check_fraction("params fraction", params_fraction)
-
+    _check_mode(rank, energy, params_fraction)
     chosen = select_layers(model, layers)
     if rank is not None:
         too_big = [(n, m) for n, m in chosen if rank > min(m.in_features, m.out_features)]
@@ -469,6 +458,31 @@ def compress(
                 f"choose a fraction >= {math.ceil(floor / params_before * 1000) / 1000:g}")
         wanted = ranks_for_budget(spectra, params_fraction * params_before - fixed)
 
+    rows = _factorise(model, chosen, spectra, wanted)
+    params_after = sum(p.numel() for p in model.parameters())
+    return CompressReport(mode, tuple(rows), params_before, params_after, bytes_before,
+                          _payload_bytes(model))
+
+
+def _check_mode(rank: int | None, energy: float | None, params_fraction: float | None) -> None:
+    given = [k for k, v in (("rank", rank), ("energy", energy),
+                            ("params_fraction", params_fraction)) if v is not None]
+    if len(given) != 1:
+        raise ConfigError(f"choose exactly one of rank, energy or params_fraction "
+                          f"(--rank, --energy, --params-fraction), got "
+                          f"{', '.join(given) or 'none'}")
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 1):
+        raise ConfigError(f"rank must be an integer >= 1, got {rank!r}; e.g. --rank 16")
+    if energy is not None:
+        _check_fraction("energy", energy)
+    if params_fraction is not None:
+        _check_fraction("params fraction", params_fraction)
+
+
+def _factorise(model: nn.Module, chosen: list[tuple[str, nn.Module]],
+               spectra: list[LayerSpectrum], wanted: list[int | None]) -> list[LayerReport]:
+    """Replace each chosen layer by its rank-r factorisation where that saves parameters;
+    one report row per layer."""
     rows = []
     for (name, layer), spec, r in zip(chosen, spectra, wanted, strict=True):
         E, Fo, full = spec.in_features, spec.out_features, min(spec.in_features,
@@ -492,10 +506,7 @@ def compress(
         rows.append(LayerReport(name, E, Fo, r, full, before, lowrank_params(E, Fo, r, False)
                                 + bias, truncation_error(spec.sigma, r)))
         log.debug("factorised %s (%d->%d) at rank %d", name, E, Fo, r)
-
-    params_after = sum(p.numel() for p in model.parameters())
-    return CompressReport(mode, tuple(rows), params_before, params_after, bytes_before,
-                          _payload_bytes(model))
+    return rows
 
 
 def format_report(report: CompressReport) -> str:
@@ -628,18 +639,14 @@ def format_sweep(rows: Sequence[SweepRow]) -> str:
 
 
 def plot_sweep(rows: Sequence[SweepRow], path: str | Path, title: str | None = None) -> Path:
-    """PNG: validation loss vs share of parameters kept, speed on a second axis."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise ConfigError("plotting needs matplotlib; install it with: "
-                          "pip install 'tinylm[plot]'") from exc
+    """Validation loss vs share of parameters kept, speed on a second axis; written in
+    the format of ``path``'s suffix (:func:`tinylm.plotting.save_figure`), returns the
+    file really written."""
+    figure_path(path)
     rows = sorted(rows, key=lambda r: r.params_fraction)
     x = [r.params_fraction for r in rows]
-    fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
+    fig = new_figure(6.4, 4.2, dpi=120)
+    ax = fig.add_subplot(1, 1, 1)
     ax.plot(x, [r.loss for r in rows], "o-", color="C0", label="validation loss")
     ax.set_xlabel("share of parameters kept")
     ax.set_ylabel("validation loss (nats/token)", color="C0")
@@ -650,8 +657,5 @@ def plot_sweep(rows: Sequence[SweepRow], path: str | Path, title: str | None = N
     ax2.set_ylabel("forward pass tokens/s", color="C1")
     ax.set_title(title or "tinylm compress: loss and speed vs parameters kept")
     fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out)
-    plt.close(fig)
-    return out
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    return save_figure(fig, path)
