@@ -5,10 +5,11 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: help install browser demo test lint bench clean
+.PHONY: help install browser demo chat-demo test lint bench clean
 
 help:
 	@echo "make demo   set up .venv, prepare the built-in corpus, train ~3 min, print samples"
+	@echo "make chat-demo  fine-tune the demo model on python-qa (LoRA), answer held-out questions"
 	@echo "make test   set up .venv (and Chromium for the browser tests) and run the whole test suite"
 	@echo "make lint   ruff check"
 	@echo "make bench  run the benchmarks and rewrite their tables in BENCHMARKS.md"
@@ -38,6 +39,20 @@ demo: $(STAMP)
 	$(PY) -m tinylm sample --model runs/demo --prompt "The" --num-samples 3 \
 		--max-new-tokens 100 --temperature 0.8 --seed 0
 	@echo "loss curve: runs/demo/loss.png"
+
+# Fine-tune the make-demo model (trained first if runs/demo is missing) on the built-in
+# instruction set python-qa with LoRA rank 8 for ~90 s, then ask questions it never saw
+# answered (tinylm.instructions.HELD_OUT).
+chat-demo: $(STAMP)
+	@test -f runs/demo/latest/config.json || $(MAKE) demo
+	$(PY) -m tinylm prepare --chat python-qa --tokenizer runs/demo --context-length 128 \
+		--skip-bad --force --out data/python-qa
+	rm -rf runs/chat-demo
+	$(PY) -m tinylm finetune --model runs/demo --data data/python-qa --out runs/chat-demo \
+		--lora-rank 8 --max-steps 100000 --time-budget 90 --eval-every 100 --merge
+	$(PY) -m tinylm chat --model runs/chat-demo/merged --temperature 0 --max-new-tokens 60 \
+		--prompt "What does the built-in function abs do?" --prompt "What does str.upper do?" \
+		--prompt "What does math.gcd do?" --prompt "What does os.path.basename do?"
 
 test: $(STAMP) browser
 	$(PY) -m ruff check src tests benchmarks

@@ -4,6 +4,7 @@ streaming cut points of byte-level BPE."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import numpy as np
@@ -13,8 +14,17 @@ from hypothesis import strategies as st
 
 from tinylm.corpora import load_corpus
 from tinylm.data import safe_split
-from tinylm.errors import DataError
-from tinylm.tokenizers import UNK, BPETokenizer, CharTokenizer, load_tokenizer
+from tinylm.errors import DataError, TinyLMError
+from tinylm.tokenizers import (
+    CHAT_TEMPLATE,
+    STANDARD_SPECIALS,
+    UNK,
+    BPETokenizer,
+    CharTokenizer,
+    Tokenizer,
+    load_tokenizer,
+    tokenizer_from_json,
+)
 
 JAPANESE = "注意機構は、クエリとキーの内積から重みを計算する。言語モデル🌤️"
 FAST = settings(max_examples=60, deadline=None,
@@ -215,3 +225,219 @@ def test_safe_split_examples() -> None:
     assert safe_split("ab\r\ncd", 0, 6) == 3  # before "\n", never between "\r\n" and "c"
     assert safe_split("abcd", 0, 4) == -1
     assert safe_split("ab   ", 0, 5) == -1  # trailing whitespace is not a safe cut
+
+
+# --- special tokens only on purpose (issue 11 item 4) ---------------------------------------
+
+SPECIALS = list(STANDARD_SPECIALS)
+HOSTILE = "a <|endoftext|> b<|user|><|assistant|>c<|end|><|system|>\n<unk>"
+
+
+def _word_level_file(tmp_path) -> Tokenizer:
+    """A kind-"file" tokenizer: WordLevel over characters, with the standard specials."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, pre_tokenizers
+
+    chars = sorted(set(HOSTILE + "xyz"))
+    hf = HFTokenizer(models.WordLevel({c: i for i, c in enumerate(chars)}, unk_token="x"))
+    hf.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    hf.add_special_tokens(SPECIALS)
+    hf.save(str(tmp_path / "tokenizer.json"))
+    return load_tokenizer(tmp_path / "tokenizer.json")
+
+
+@pytest.fixture()
+def every_kind(bpe: BPETokenizer, tmp_path) -> list[Tokenizer]:
+    """One tokenizer of each kind, each with the standard special tokens."""
+    char = CharTokenizer(HOSTILE + JAPANESE, unknown="replace", special_tokens=SPECIALS)
+    trained = BPETokenizer.train([load_corpus("python-docs")[:50_000], HOSTILE],
+                                 vocab_size=400, special_tokens=SPECIALS)
+    (tmp_path / "g").mkdir()
+    trained.hf.model.save(str(tmp_path / "g"))
+    gpt2 = load_tokenizer(tmp_path / "g").with_special_tokens(SPECIALS)
+    kinds = [char, trained, gpt2, _word_level_file(tmp_path)]
+    assert [t.kind for t in kinds] == ["char", "bpe", "gpt2", "file"]
+    return kinds
+
+
+def test_user_text_never_becomes_a_special_id_for_every_kind(every_kind) -> None:
+    for tok in every_kind:
+        special = {tok.token_to_id(s) for s in tok.special_tokens} - {tok.token_to_id(UNK)}
+        assert len(special) >= len(SPECIALS), tok
+        for ids in (tok.encode(HOSTILE), tok.encode_batch([HOSTILE])[0],
+                    tok.encode_array([HOSTILE, HOSTILE]).tolist()):
+            assert not special & set(ids), (tok.kind, ids)
+        if tok.kind != "file":  # WordLevel maps characters it lacks to its unk
+            assert tok.decode(tok.encode(HOSTILE)) == HOSTILE
+        # Asked for, the spellings are the tokens.
+        wanted = tok.encode(HOSTILE, allow_special=True)
+        assert [i for i in wanted if i in special] == [
+            tok.token_to_id(s) for s in ("<|endoftext|>", "<|user|>", "<|assistant|>",
+                                         "<|end|>", "<|system|>")], tok.kind
+        assert tok.encode_array([HOSTILE], allow_special=True).tolist() == wanted
+
+
+def test_hugging_face_matches_both_ways_of_encoding(every_kind, tmp_path) -> None:
+    import transformers
+
+    for tok in every_kind:
+        path = tok.save(tmp_path / f"{tok.kind}.json")
+        auto = transformers.PreTrainedTokenizerFast(tokenizer_file=str(path))
+        assert auto(HOSTILE, add_special_tokens=False)["input_ids"] == \
+            tok.encode(HOSTILE, allow_special=True), tok.kind
+        assert auto(HOSTILE, add_special_tokens=False, split_special_tokens=True
+                    )["input_ids"] == tok.encode(HOSTILE), tok.kind
+
+
+def test_with_special_tokens_appends_ids_and_keeps_the_rest(every_kind, tmp_path) -> None:
+    for tok in every_kind:
+        more = tok.with_special_tokens(["<|tool|>", "<|user|>"])
+        assert more.vocab_size == tok.vocab_size + 1 and more.kind == tok.kind
+        assert more.token_to_id("<|tool|>") == tok.vocab_size
+        assert more.encode(HOSTILE) == tok.encode(HOSTILE)
+        assert more.token_to_id("<|user|>") == tok.token_to_id("<|user|>")
+        back = load_tokenizer(more.save(tmp_path / f"more-{tok.kind}.json"))
+        # (GPT-2 files of another size than GPT-2's read back as byte-level "bpe")
+        assert back.vocab_size == more.vocab_size
+        assert back.kind == ("bpe" if more.kind == "gpt2" else more.kind)
+        assert back.encode(HOSTILE, allow_special=True) == more.encode(HOSTILE,
+                                                                       allow_special=True)
+
+
+def test_char_unk_keeps_its_id_when_tokens_are_added(tmp_path) -> None:
+    tok = CharTokenizer("abc", unknown="replace", special_tokens=["<|endoftext|>"])
+    unk = tok.token_to_id(UNK)
+    more = tok.with_special_tokens(["<|user|>"])
+    assert more.token_to_id(UNK) == unk and more.token_to_id("<|user|>") == 5
+    back = load_tokenizer(more.save(tmp_path / "t.json"))
+    assert back.token_to_id(UNK) == unk and back.encode("aé") == [0, unk]
+
+
+def test_chat_template_only_with_every_chat_token() -> None:
+    assert CharTokenizer("ab", special_tokens=SPECIALS).chat_template == CHAT_TEMPLATE
+    assert CharTokenizer("ab", special_tokens=["<|endoftext|>", "<|user|>"]).chat_template \
+        is None
+    with pytest.raises(DataError, match="no special token <\\|assistant\\|>"):
+        CharTokenizer("ab").special_id("<|assistant|>")
+
+
+def test_prepare_gives_every_built_tokenizer_eos_and_chat_tokens(tmp_path) -> None:
+    from tinylm.data import prepare
+
+    (tmp_path / "in.txt").write_text(("hello world " * 20 + "\n") * 20 + HOSTILE)
+    for kind in ("char", "bpe"):
+        d = prepare(tmp_path / kind, [tmp_path / "in.txt"], tokenizer=kind, vocab_size=300,
+                    context_length=16, progress=False)
+        tok = d.tokenizer
+        assert tok.special_tokens[:len(SPECIALS)] == tuple(SPECIALS)
+        assert tok.eos_id is not None and tok.chat_template == CHAT_TEMPLATE
+        ids = np.concatenate([d.train, d.val])
+        assert not set(ids.tolist()) & {tok.token_to_id(s) for s in SPECIALS}
+        assert tok.decode(ids).endswith(HOSTILE)
+
+
+# --- malformed tokenizer files: one typed line each (issue 11 items 5 and 7) --------------
+
+
+@pytest.mark.parametrize("doc", [
+    {"model": [None]},
+    {"model": None},
+    {"model": {"type": "BPE", "vocab": {"a": []}, "merges": []}, "pre_tokenizer": None,
+     "decoder": {"type": "Fuse"}},
+    {"model": {"type": "BPE", "vocab": {"a": 0, "<|x|>": 1}, "merges": []},
+     "pre_tokenizer": None, "decoder": {"type": "Fuse"}, "added_tokens": [{"content": "<|x|>"}]},
+    {"model": {"type": "BPE", "vocab": [], "merges": []}, "pre_tokenizer": None,
+     "decoder": {"type": "Fuse"}},
+    {"model": {"type": "BPE", "vocab": {"ab": 0}, "merges": []}, "pre_tokenizer": None,
+     "decoder": {"type": "Fuse"}},
+    {"model": {"type": "BPE", "vocab": {"a": 0}, "merges": []}, "pre_tokenizer": None,
+     "decoder": {"type": "Fuse"}, "added_tokens": None},
+    {"model": {"type": "WordLevel", "vocab": {"a": "0"}}},
+    {"model": {"type": "Nope"}, "pre_tokenizer": [1]},
+    {"model": {"type": "BPE", "vocab": {"a": 0}, "merges": [["a"]]},
+     "pre_tokenizer": {"type": "ByteLevel"}},
+])
+def test_malformed_tokenizer_json_is_one_data_error(doc) -> None:
+    with pytest.raises(DataError) as info:
+        tokenizer_from_json(json.dumps(doc), "t.json")
+    assert "\n" not in str(info.value) and "t.json" in str(info.value)
+
+
+def test_deeply_nested_tokenizer_json_is_one_data_error() -> None:
+    with pytest.raises(DataError):
+        tokenizer_from_json('{"model": ' + "[" * 100_000 + "]" * 100_000 + "}")
+
+
+# Values a broken or hostile file may hold where a field belongs.
+JSON_VALUES = [None, True, 0, -1, 7, 2**40, 1.5, float("nan"), "", "a", "ab", "<unk>", "BPE",
+               "Fuse", "ByteLevel", "WordLevel", "Sequence", [], [None], [0], ["a"],
+               [["a", "b"]], ["a b"], {}, {"a": 0}, {"a": []}, {"type": "BPE"},
+               {"type": "Fuse"}, {"type": "ByteLevel"}, {"type": None}, {"a": "0"},
+               [{"id": 0}], [{"content": "a"}], [{"id": "0", "content": "a"}],
+               [{"id": 99, "content": "<|x|>", "special": True}], {"ab": 0, "b": 1}]
+
+
+FIELDS = [("model",), ("model", "vocab"), ("model", "merges"), ("model", "type"),
+          ("model", "unk_token"), ("added_tokens",), ("decoder",), ("pre_tokenizer",),
+          ("normalizer",), ("post_processor",), ("added_tokens", 0),
+          ("added_tokens", 0, "id"), ("added_tokens", 0, "content"), ("model", "vocab", "a")]
+
+
+@pytest.fixture(scope="module")
+def real_docs() -> list[dict]:
+    """Real tokenizer documents of both tinylm formats: char and byte-level BPE."""
+    return [CharTokenizer("ab日", unknown="replace", special_tokens=SPECIALS).to_hf_json(),
+            BPETokenizer.train(["ab ab abc " * 30], vocab_size=262,
+                               special_tokens=SPECIALS).to_hf_json()]
+
+
+def _mutate(doc: dict, changes) -> dict:
+    """A deep copy of ``doc`` with each (field path, value or DELETE) applied."""
+    doc = json.loads(json.dumps(doc))
+    for path, value in changes:
+        node = doc
+        try:
+            for key in path[:-1]:
+                node = node[key]
+            if value is DELETE:
+                del node[path[-1]]
+            else:
+                node[path[-1]] = copy.deepcopy(value)
+        except (KeyError, IndexError, TypeError):  # an earlier change removed the parent
+            pass
+    return doc
+
+
+DELETE = object()
+
+
+def _load_or_typed_error(doc: dict) -> None:
+    try:
+        tok = tokenizer_from_json(json.dumps(doc), "t.json")
+    except TinyLMError as exc:
+        assert "\n" not in str(exc)
+        return
+    try:  # a tokenizer that loads must encode without a raw exception too
+        tok.encode("ab 日", allow_special=True)
+    except TinyLMError:
+        pass
+
+
+def test_every_single_field_mutation_is_loaded_or_one_typed_error(real_docs) -> None:
+    """Each real document with one field replaced by each hostile value or removed:
+    2 x 14 x 37 = 1,036 files, each loads or is a one-line TinyLMError."""
+    for doc in real_docs:
+        for path in FIELDS:
+            for value in [*JSON_VALUES, DELETE]:
+                _load_or_typed_error(_mutate(doc, [(path, value)]))
+
+
+@settings(max_examples=1500, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.integers(0, 1), st.lists(st.tuples(st.sampled_from(FIELDS),
+                                             st.sampled_from([*JSON_VALUES, DELETE])),
+                                   min_size=2, max_size=4))
+def test_fuzzed_tokenizer_files_raise_only_typed_errors(real_docs, base, changes) -> None:
+    """Hypothesis: 1,500 documents with two to four fields broken at once; never a raw
+    exception from json, this module or the Rust ``tokenizers`` library (no panic)."""
+    _load_or_typed_error(_mutate(real_docs[base], changes))

@@ -617,6 +617,7 @@ def test_resume_refuses_data_with_another_tokenizer(reference_run, data_dir, tmp
 
     from tinylm.corpora import load_corpus
     from tinylm.data import prepare
+    from tinylm.tokenizers import STANDARD_SPECIALS
 
     text = load_corpus("python-docs")[:40_000]
     present = sorted(set(text))
@@ -625,7 +626,7 @@ def test_resume_refuses_data_with_another_tokenizer(reference_run, data_dir, tmp
     swapped.write_text(text.replace(present[-1], absent), encoding="utf-8")
     other = prepare(tmp_path / "other", [swapped], tokenizer="char", context_length=32,
                     progress=False)
-    assert other.vocab_size == len(present)
+    assert other.vocab_size == len(present) + len(STANDARD_SPECIALS)  # chars + end-of-text, chat
     out = tmp_path / "run"
     shutil.copytree(reference_run, out)
     with pytest.raises(DataError, match=r"token ids map to different strings, e\.g\. id"):

@@ -34,6 +34,7 @@ from tinylm.config import ModelConfig, check_model_fits
 from tinylm.errors import CheckpointError, ConfigError, TinyLMError
 from tinylm.files import fsync_dir, is_locked, umask_mode, write_error
 from tinylm.jsonio import read_json
+from tinylm.lora import apply_lora_structure, is_adapter_key, lora_structure
 from tinylm.lowrank import apply_structure, structure_of
 from tinylm.model import GPT
 
@@ -167,6 +168,11 @@ def save_checkpoint(
     config.update(extra_config or {})
     if structure_of(base):
         config["lowrank"] = structure_of(base)
+    if lora_structure(base):
+        config["lora"] = lora_structure(base)
+    state = model_state(base)
+    if config.get("lora_base"):  # a LoRA run: the adapters (and grown embeddings) only
+        state = _lora_own_tensors(state, config["lora_base"])
     current = parent
     try:
         parent.mkdir(parents=True, exist_ok=True)
@@ -176,7 +182,7 @@ def save_checkpoint(
         raise write_error(parent, exc) from exc
     try:
         current = tmp / WEIGHTS_FILE
-        _write_tensors(current, model_state(base))
+        _write_tensors(current, state)
         if tokenizer is not None:
             current = tmp / TOKENIZER_FILE
             _op(f"write {TOKENIZER_FILE}")
@@ -470,7 +476,44 @@ def build_model(config: dict[str, Any]) -> GPT:
     lowrank = config.get("lowrank")
     if lowrank:
         apply_structure(model, lowrank)
+    if config.get("lora"):
+        apply_lora_structure(model, config["lora"])
     return model
+
+
+_EMBEDDINGS = ("tok_emb.weight", "lm_head.weight")
+
+
+def _lora_own_tensors(state: dict[str, Tensor], base: Any) -> dict[str, Tensor]:
+    """What a LoRA checkpoint stores itself: the adapters, plus the embedding rows when
+    fine-tuning grew the vocabulary (new chat tokens); the rest is the base's."""
+    grown = isinstance(base, dict) and base.get("grown", False)
+    return {k: v for k, v in state.items() if is_adapter_key(k) or (grown and k in _EMBEDDINGS)}
+
+
+def _lora_base_state(base: Any, where: Path) -> dict[str, Tensor]:
+    """The base checkpoint's weights that a LoRA checkpoint at ``where`` refers to."""
+    import hashlib
+
+    if not isinstance(base, dict) or not isinstance(base.get("path"), str):
+        raise CheckpointError(f"{where}/config.json's \"lora_base\" entry is malformed; the "
+                              f"checkpoint is corrupt")
+    folder = Path(base["path"])
+    try:
+        weights = resolve_checkpoint_dir(folder) / WEIGHTS_FILE
+        digest = hashlib.sha256()
+        with open(weights, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    except (OSError, TinyLMError) as exc:
+        raise CheckpointError(f"{where} holds LoRA adapters for the base model {folder}, which "
+                              f"cannot be read ({exc}); put the base back, or use a merged "
+                              f"checkpoint (tinylm merge)") from None
+    if base.get("sha256") not in (None, digest.hexdigest()):
+        raise CheckpointError(f"{where} holds LoRA adapters for the base model {folder}, whose "
+                              f"weights have changed since; restore that base, or merge the "
+                              f"adapters while it is intact (tinylm merge)")
+    return read_tensors(weights)
 
 
 def load_model(path: str | os.PathLike, device: torch.device | str = "cpu", *,
@@ -485,6 +528,11 @@ def load_model(path: str | os.PathLike, device: torch.device | str = "cpu", *,
     config = read_config(path)
     model = build_model(config)
     state = strip_wrapper_prefixes(read_tensors(path / WEIGHTS_FILE))
+    if config.get("lora_base"):  # adapters only: the frozen weights come from the base
+        own = state
+        state = {k: v for k, v in strip_wrapper_prefixes(
+            _lora_base_state(config["lora_base"], path)).items() if k not in own}
+        state.update(own)
     if model.config.tie_embeddings:
         state.pop("lm_head.weight", None)
     expected = set(model_state(model))

@@ -170,9 +170,15 @@ def _add_prepare(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--text-field", default="text", metavar="NAME",
                    help="the records' text field in JSONL/Parquet/datasets inputs; dotted "
                    "for nested fields, e.g. meta.text (default: text)")
+    src.add_argument("--chat", action="append", metavar="FILE.jsonl|DIR|python-qa",
+                     help="conversation records for 'tinylm finetune' (repeatable): "
+                     "{messages}, {prompt, completion} or {instruction, input, output} lines, "
+                     "or python-qa (the built-in instruction set); writes token shards plus "
+                     "a loss mask. Use --tokenizer MODEL_DIR (default: char from the text)")
     p.add_argument("--skip-bad", action="store_true",
                    help="skip records whose text field is missing, null or not a string "
-                   "(counted and reported) instead of refusing the input")
+                   "(counted and reported) instead of refusing the input; with --chat: bad "
+                   "conversation records, named by file and line")
     p.add_argument("--tokenizer", default="char", metavar="char|bpe|PATH",
                    help="char (one token per character), bpe (byte-level BPE trained on "
                    "the input), or an existing tokenizer.json / folder with vocab.json + "
@@ -209,7 +215,9 @@ def _add_prepare(sub: argparse._SubParsersAction) -> None:
                    "or all of it; bounds time and memory on huge corpora (default: 32)")
     p.add_argument("--special-token", action="append", default=[], metavar="TOKEN",
                    dest="special_tokens",
-                   help="add a special token such as '<|endoftext|>' (repeatable)")
+                   help="add a special token after the standard ones every char/bpe "
+                   "tokenizer gets (<|endoftext|>, <|system|>, <|user|>, <|assistant|>, "
+                   "<|end|>) (repeatable)")
     p.add_argument("--glob", default="*", metavar="PATTERN",
                    help="files to take from an input folder (default: * = all non-hidden)")
     p.add_argument("--out", required=True, metavar="DIR", help="output folder")
@@ -235,12 +243,15 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
     from tinylm.data import prepare
     from tinylm.readers import display_path
 
+    if args.chat:
+        return _cmd_prepare_chat(args)
     start = time.perf_counter()
     data = prepare(
         args.out, args.input, corpus=args.corpus, tokenizer=args.tokenizer,
         vocab_size=args.vocab_size, val_fraction=args.val_fraction, val_files=args.val_files,
         context_length=args.context_length, unknown=args.unknown, errors=args.errors,
-        special_tokens=args.special_tokens, glob=args.glob, force=args.force,
+        special_tokens=args.special_tokens, glob=args.glob,
+        force=args.force,
         bpe_train_mb=args.bpe_train_mb, progress=False if args.no_progress else None,
         text_field=args.text_field, skip_bad=args.skip_bad, doc_separator=args.doc_separator,
         dedup=args.dedup, shard_tokens=args.shard_tokens, workers=args.workers,
@@ -258,6 +269,155 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
           f"{docs['train']:,} + {docs['val']:,} documents{extra}, {data.tokenizer.kind} "
           f"tokenizer with {data.vocab_size:,} tokens, from {meta['source']} ({mb:.2f} MB) in "
           f"{seconds:.1f} s ({mb / max(seconds, 1e-9):.1f} MB/s, {meta['workers']} worker(s))")
+    return 0
+
+
+def _cmd_prepare_chat(args: argparse.Namespace) -> int:
+    from tinylm.chatdata import prepare_chat
+
+    data = prepare_chat(args.out, args.chat, tokenizer=args.tokenizer,
+                        context_length=args.context_length, val_fraction=args.val_fraction,
+                        skip_bad=args.skip_bad, force=args.force)
+    chat = data.meta["chat"]
+    counted = int(data.train_mask.sum())
+    skipped = f", skipped {chat['skipped']} bad record(s)" if chat["skipped"] else ""
+    print(f"prepared {data.dir}: {chat['conversations']['train']:,} train + "
+          f"{chat['conversations']['val']:,} val conversations in rows of "
+          f"{chat['row_length']} tokens, {len(data.train):,} train tokens of which "
+          f"{counted:,} count in the loss, {data.tokenizer.kind} tokenizer with "
+          f"{data.tokenizer.vocab_size:,} tokens{skipped}")
+    return 0
+
+
+def _add_finetune(sub: argparse._SubParsersAction) -> None:
+    from tinylm.config import TrainConfig
+    from tinylm.finetune import FULL_DEFAULTS, LORA_DEFAULTS
+
+    p = sub.add_parser(
+        "finetune",
+        help="fine-tune a checkpoint on chat data (full or LoRA); loss on assistant tokens",
+        description="Supervised fine-tuning of --model on a folder written by 'tinylm "
+        "prepare --chat'. Only the assistants' tokens count in the loss. Full fine-tuning "
+        "by default; --lora-rank R trains low-rank adapters instead and saves only them "
+        "(plus a reference to the base; 'tinylm merge' folds them in). The same loop, "
+        "files and flags as 'tinylm train'. Defaults that differ from train: "
+        + ", ".join(f"{k}={v}" for k, v in FULL_DEFAULTS.items())
+        + f" (LoRA: lr={LORA_DEFAULTS['lr']}).",
+    )
+    p.add_argument("--model", required=True, metavar="DIR",
+                   help="base checkpoint or run folder (tinylm train / convert --from-hf)")
+    p.add_argument("--data", required=True, metavar="DIR", help="'tinylm prepare --chat' folder")
+    p.add_argument("--out", required=True, metavar="DIR", help="run folder to write")
+    p.add_argument("--lora-rank", type=int, metavar="R",
+                   help="train rank-R LoRA adapters instead of every weight")
+    p.add_argument("--lora-alpha", type=float, metavar="A",
+                   help="LoRA scale numerator: updates are (A / R)·x·A·B (default: 2·R)")
+    p.add_argument("--lora-targets", default="qkv,out,up,down", metavar="LIST",
+                   help="layers to adapt, from qkv,out,up,down (default: all four)")
+    p.add_argument("--merge", action="store_true",
+                   help="LoRA: also write OUT/merged, a plain checkpoint with the adapters "
+                   "folded in")
+    p.add_argument("--resume", action="store_true", help="continue from OUT/latest")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="force the progress bar on/off (default: on a terminal)")
+    _config_flags(p.add_argument_group("training"), TrainConfig, {})
+    p.set_defaults(func=_cmd_finetune)
+
+
+def _cmd_finetune(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from tinylm.config import TrainConfig
+    from tinylm.finetune import finetune
+
+    overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
+                 if getattr(args, f.name, None) is not None}
+    result, info = finetune(args.model, args.data, args.out, lora_rank=args.lora_rank,
+                            lora_alpha=args.lora_alpha, lora_targets=args.lora_targets,
+                            overrides=overrides, resume=args.resume, progress=args.progress,
+                            merge_to=args.merge)
+    if result.rank != 0:
+        return 0
+    if result.interrupted:
+        print(f"interrupted at step {result.steps}; continue with the same command and "
+              f"--resume", file=sys.stderr)
+        return 130
+    share = 100 * info["trainable"] / max(info["parameters"], 1)
+    print(f"fine-tuned ({info['mode']}) {result.steps} steps, {info['trainable']:,} trainable "
+          f"of {info['parameters']:,} parameters ({share:.2f} %)")
+    if result.final_val_loss is not None:
+        print(f"val loss on assistant tokens {result.final_val_loss:.4f} (perplexity "
+              f"{result.final_val_perplexity:.2f})")
+    print(f"checkpoint: {result.checkpoint}")
+    if info.get("merged"):
+        print(f"merged: {info['merged']}")
+    return 0
+
+
+def _add_merge(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "merge",
+        help="fold a LoRA checkpoint's adapters into a plain checkpoint",
+        description="Load a LoRA fine-tuning checkpoint (its adapters and the base it "
+        "names), fold every adapter into its layer (W + (alpha/r)·(A·B)ᵀ) and write a plain "
+        "checkpoint that every command loads without the base.",
+    )
+    p.add_argument("--model", required=True, metavar="DIR", help="LoRA checkpoint or run folder")
+    p.add_argument("--out", required=True, metavar="DIR", help="checkpoint folder to write")
+    p.add_argument("--force", action="store_true", help="replace an existing checkpoint")
+    p.set_defaults(func=_cmd_merge)
+
+
+def _cmd_merge(args: argparse.Namespace) -> int:
+    from tinylm.finetune import merge
+
+    print(f"wrote {merge(args.model, args.out, force=args.force)}")
+    return 0
+
+
+def _add_chat(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "chat",
+        help="chat with a fine-tuned model in the terminal (or answer one --prompt)",
+        description="An interactive chat: the history is kept within the model's context "
+        "(the oldest turns are dropped, with a note), answers stream as they are generated. "
+        "Commands: /reset, /system TEXT, /temperature X, /help; Ctrl-D quits. With --prompt, "
+        "answer one message and exit.",
+    )
+    p.add_argument("--model", required=True, metavar="DIR", help="checkpoint or run folder")
+    p.add_argument("--prompt", action="append", metavar="TEXT",
+                   help="answer this message and exit (repeatable: each is answered as a "
+                   "new conversation, printed after its question)")
+    p.add_argument("--system", metavar="TEXT", help="a system message (default: none)")
+    p.add_argument("--temperature", type=float, default=0.7, metavar="T",
+                   help="sampling temperature, 0 = greedy (default: 0.7)")
+    p.add_argument("--top-k", type=int, metavar="K", help="sample from the K likeliest tokens")
+    p.add_argument("--top-p", type=float, default=0.9, metavar="P",
+                   help="nucleus sampling mass (default: 0.9)")
+    p.add_argument("--max-new-tokens", type=int, default=200, metavar="N",
+                   help="longest answer in tokens (default: 200)")
+    p.add_argument("--seed", type=int, metavar="N", help="seed for reproducible answers")
+    p.add_argument("--device", default="cpu", metavar="DEV", help="device (default: cpu)")
+    p.set_defaults(func=_cmd_chat)
+
+
+def _cmd_chat(args: argparse.Namespace) -> int:
+    from tinylm.chatsession import open_session, run_terminal
+
+    session = open_session(args.model, system=args.system, temperature=args.temperature,
+                           top_k=args.top_k, top_p=args.top_p,
+                           max_new_tokens=args.max_new_tokens, seed=args.seed,
+                           device=args.device)
+    if args.prompt is None:
+        return run_terminal(session, sys.stdin, sys.stdout)
+    for prompt in args.prompt:
+        session.reset()
+        if len(args.prompt) > 1:
+            sys.stdout.write(f"Q: {prompt}\nA: ")
+        for piece in session.reply(prompt, note=lambda s: print(s, file=sys.stderr)):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
     return 0
 
 
@@ -483,8 +643,8 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--resume", nargs="?", const=True, default=None, type=_resume_arg,
                    metavar="auto",
                    help="continue from OUT/latest (an error when there is none); "
-                   "'--resume auto' continues if a checkpoint exists, else starts (the "
-                   "default when torchrun reports a restart)")
+                   "'--resume auto' continues if a checkpoint exists, else starts; after a "
+                   "torchrun restart, auto is what a plain run does")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="force the progress bar on/off (default: on a terminal)")
     model = p.add_argument_group("model")
@@ -953,6 +1113,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_prepare,
     _add_train,
+    _add_finetune,
+    _add_merge,
+    _add_chat,
     _add_plot,
     _add_sample,
     _add_eval,

@@ -320,8 +320,8 @@ class TrainConfig(_JSONMixin):
     compile: bool = _field(False, "torch.compile the model (falls back with a warning)")
     plot_log_scale: bool = _field(False, "draw loss.png with a log-scale loss axis")
     threads: int | None = _field(
-        None, "CPU threads for torch's kernels (default: the free cores, see "
-              "tinylm.config.default_threads)")
+        None, "CPU threads for torch's kernels (default: the free cores: OMP_NUM_THREADS "
+              "if set, else the cores the machine's load leaves free)")
 
     def __post_init__(self) -> None:
         _check_int("batch_size", self.batch_size)

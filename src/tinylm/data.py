@@ -56,7 +56,14 @@ from tinylm.corpora import corpus_names, load_corpus
 from tinylm.errors import DataError
 from tinylm.readers import BadRecords, Source, display_path, iter_documents, resolve_inputs
 from tinylm.shards import DTYPES, SHARD_RE, ShardWriter, move_tail, open_split
-from tinylm.tokenizers import EOS_NAMES, BPETokenizer, CharTokenizer, Tokenizer, load_tokenizer
+from tinylm.tokenizers import (
+    EOS_NAMES,
+    BPETokenizer,
+    CharTokenizer,
+    Tokenizer,
+    load_tokenizer,
+    standard_special_tokens,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -352,7 +359,7 @@ def _options(out_dir: str | Path, inputs: Sequence[str | Path] | None,
                  val_files=list(kw.pop("val_files") or []),
                  corpus=kw.pop("corpus") or (None if inputs else "python-docs"),
                  tok_spec="given" if given is not None else str(tokenizer), given=given,
-                 special_tokens=list(dict.fromkeys(kw.pop("special_tokens"))), **kw)
+                 special_tokens=standard_special_tokens(kw.pop("special_tokens")), **kw)
     _check_args(o)
     o.settings = {
         "source": f"corpus:{o.corpus}" if o.corpus else _describe(o.inputs),

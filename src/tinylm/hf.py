@@ -17,6 +17,7 @@ pickles) directly; ``transformers`` is needed (imported lazily) only to export.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import pickle
@@ -31,6 +32,7 @@ import torch
 
 from tinylm.config import ModelConfig, check_model_fits
 from tinylm.errors import CheckpointError, ConfigError
+from tinylm.lora import LoRALinear, merge_lora
 from tinylm.model import GPT
 
 # (Hugging Face name, tinylm name, how). "{i}" is the block index.
@@ -495,6 +497,8 @@ def to_hf(model: GPT, family: str | None = None):
     if any(type(m).__name__ == "LowRankLinear" for m in model.modules()):
         raise ConfigError(f"a compressed (low-rank) model has no {fam.architecture} "
                           f"equivalent; export the model before 'tinylm compress'")
+    if any(isinstance(m, LoRALinear) for m in model.modules()):
+        model = merge_lora(copy.deepcopy(model))  # LoRA adapters: export the merged weights
     hf = getattr(transformers, fam.architecture)(_hf_config(c, fam, transformers))
     ours = model.state_dict()
     sizes = {"q": (0, c.inner_dim), "k": (c.inner_dim, c.kv_dim),
@@ -641,5 +645,7 @@ def _write_hf_tokenizer(tokenizer: Any, folder: Path, context_length: int) -> No
     # that lacks it, changing both the size and the encoding of that text.
     eos = tokenizer.id_to_token(tokenizer.eos_id) if tokenizer.eos_id is not None else None
     config.update(bos_token=eos, eos_token=eos, unk_token=eos)
+    if tokenizer.chat_template is not None:  # the same ids as tinylm.chat.render_chat
+        config["chat_template"] = tokenizer.chat_template
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n",
                                                   encoding="utf-8")

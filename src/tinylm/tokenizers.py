@@ -16,8 +16,17 @@ JSON (a char tokenizer is a BPE model with no merges and a Fuse decoder), so
 ``tokenizers.Tokenizer.from_file`` and ``transformers`` can read every tinylm
 tokenizer, and :func:`load_tokenizer` reads any of them back and recognises the kind.
 
-Encoding never adds special tokens (no BOS/EOS templates); an end-of-text token is
-optional (``eos_id``) and the caller decides where it goes.
+Special tokens only on purpose: ``encode(text)`` never adds special tokens and never
+turns text into a special id, even when the text contains a special token's literal
+spelling such as ``<|endoftext|>`` (it is encoded as ordinary characters or bytes);
+``encode(text, allow_special=True)`` matches the spellings in the text instead. The
+caller decides where an end-of-text token goes (``eos_id``).
+
+Chat: :data:`STANDARD_SPECIALS` are the end-of-text token and the chat format's role
+tokens (``<|system|>``, ``<|user|>``, ``<|assistant|>``) and end of turn (``<|end|>``);
+``tinylm prepare`` gives every tokenizer it builds these. A tokenizer that has the role
+tokens has a :attr:`Tokenizer.chat_template` (:data:`CHAT_TEMPLATE`, Jinja2, the one
+exported as Hugging Face ``chat_template``); :mod:`tinylm.chat` renders conversations.
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ from __future__ import annotations
 import codecs
 import json
 import logging
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -40,6 +50,32 @@ UNK = "<unk>"
 #: Names recognised as the end-of-text token, in order of preference.
 EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|eos|>")
 UNKNOWN_POLICIES = ("error", "replace")
+
+EOS = "<|endoftext|>"
+#: The chat format's role tokens, one per role, and the token that ends every turn.
+ROLE_TOKENS = {"system": "<|system|>", "user": "<|user|>", "assistant": "<|assistant|>"}
+END_OF_TURN = "<|end|>"
+CHAT_TOKENS = (*ROLE_TOKENS.values(), END_OF_TURN)
+#: The special tokens ``tinylm prepare`` gives every tokenizer it builds, in id order.
+STANDARD_SPECIALS = (EOS, *CHAT_TOKENS)
+#: The chat template (Jinja2, as Hugging Face ``apply_chat_template`` runs it): each turn
+#: is its role token, the content, then <|end|>; the generation prompt is <|assistant|>.
+#: No spaces or newlines are added, so a turn's ids are exactly
+#: ``[role] + encode(content) + [end]`` for every tokenizer kind.
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if message['role'] not in ['system', 'user', 'assistant'] -%}"
+    "{{- raise_exception('chat roles are system, user and assistant') -}}"
+    "{%- endif -%}"
+    "{{- '<|' + message['role'] + '|>' + message['content'] + '<|end|>' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|assistant|>' -}}{%- endif -%}"
+)
+
+
+def standard_special_tokens(extra: Sequence[str] = ()) -> list[str]:
+    """:data:`STANDARD_SPECIALS` followed by ``extra`` (duplicates dropped)."""
+    return list(dict.fromkeys([*STANDARD_SPECIALS, *extra]))
 
 
 class Tokenizer(ABC):
@@ -57,15 +93,18 @@ class Tokenizer(ABC):
         """V, the number of distinct ids (the model's embedding rows)."""
 
     @abstractmethod
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` (no special tokens added)."""
+    def encode(self, text: str, *, allow_special: bool = False) -> list[int]:
+        """Token ids of ``text``; no special tokens added, and a special token's spelling
+        in the text is ordinary text unless ``allow_special``."""
 
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+    def encode_batch(self, texts: Sequence[str], *, allow_special: bool = False
+                     ) -> list[list[int]]:
         """``[encode(t) for t in texts]``, done in parallel where the kind allows."""
-        return [self.encode(t) for t in texts]
+        return [self.encode(t, allow_special=allow_special) for t in texts]
 
     @abstractmethod
-    def encode_array(self, texts: Sequence[str]) -> np.ndarray:
+    def encode_array(self, texts: Sequence[str], *, allow_special: bool = False
+                     ) -> np.ndarray:
         """The ids of the concatenation of ``texts`` as one uint32 array (fast path).
 
         Callers must split the text only where tokenization does not look across the
@@ -102,6 +141,26 @@ class Tokenizer(ABC):
                 return self.token_to_id(name)
         return None
 
+    @property
+    def chat_template(self) -> str | None:
+        """:data:`CHAT_TEMPLATE` when the vocabulary has every chat token, else None."""
+        return CHAT_TEMPLATE if set(CHAT_TOKENS) <= set(self.special_tokens) else None
+
+    def special_id(self, token: str) -> int:
+        """The id of special token ``token``; a DataError naming the fix if absent."""
+        if token not in self.special_tokens:
+            raise DataError(f"this {self.kind} tokenizer has no special token {token}; "
+                            f"prepare the data again with tinylm prepare (it adds "
+                            f"{', '.join(STANDARD_SPECIALS)})")
+        found = self.token_to_id(token)
+        assert found is not None
+        return found
+
+    @abstractmethod
+    def with_special_tokens(self, tokens: Sequence[str]) -> Tokenizer:
+        """A copy with ``tokens`` that it lacks added as special tokens, with new ids
+        after every existing id (so ids a model already knows keep their meaning)."""
+
     def save(self, path: str | Path) -> Path:
         """Write the tokenizer as one ``tokenizer.json`` (a file path or a folder)."""
         path = Path(path)
@@ -120,6 +179,13 @@ class Tokenizer(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(kind={self.kind!r}, vocab_size={self.vocab_size})"
+
+
+def _split_specials(text: str, specials: Sequence[str]) -> list[str]:
+    """``text`` cut at special-token spellings: [text, special, text, ..., text]
+    (the longest spelling wins where several match)."""
+    pattern = "|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True))
+    return re.split(f"({pattern})", text)
 
 
 def _char_label(c: str) -> str:
@@ -145,9 +211,13 @@ class CharTokenizer(Tokenizer):
         alphabet = sorted(set(chars), key=ord)
         if any(len(c) != 1 for c in alphabet):
             raise DataError("a char tokenizer's alphabet must be single characters")
-        specials = [s for s in dict.fromkeys(special_tokens) if s != UNK]
-        if unknown == "replace":
+        # <unk> keeps the place it is given (it comes last unless listed); without
+        # "replace" there is no <unk>.
+        specials = [s for s in dict.fromkeys(special_tokens) if s != UNK or unknown == "replace"]
+        if unknown == "replace" and UNK not in specials:
             specials.append(UNK)
+        if any(not isinstance(s, str) or len(s) < 2 for s in specials):
+            raise DataError("special tokens must be strings of two or more characters")
         if set(specials) & set(alphabet):
             raise DataError(f"special tokens {sorted(set(specials) & set(alphabet))} clash "
                             f"with characters; use multi-character special tokens")
@@ -226,12 +296,25 @@ class CharTokenizer(Tokenizer):
             counts = np.bincount(cp, minlength=1)
             seen[: counts.size] |= counts > 0
 
-    def encode_array(self, texts: Sequence[str]) -> np.ndarray:
+    def encode_array(self, texts: Sequence[str], *, allow_special: bool = False
+                     ) -> np.ndarray:
         text = texts if isinstance(texts, str) else "".join(texts)
+        if allow_special and self._specials:
+            parts = [np.asarray([self._stoi[p]], dtype=np.int32) if i % 2 else
+                     self._lookup(self.code_points(p))
+                     for i, p in enumerate(_split_specials(text, self._specials))]
+            return np.concatenate(parts).view(np.uint32)
+        # Special tokens are several characters long and encoding is per character,
+        # so text never becomes a special id here.
         return self._lookup(self.code_points(text)).view(np.uint32)
 
-    def encode(self, text: str) -> list[int]:
-        return self._lookup(self.code_points(text)).tolist()
+    def encode(self, text: str, *, allow_special: bool = False) -> list[int]:
+        return self.encode_array(text, allow_special=allow_special).tolist()
+
+    def with_special_tokens(self, tokens: Sequence[str]) -> CharTokenizer:
+        new = [t for t in dict.fromkeys(tokens) if t not in self._stoi]
+        return CharTokenizer(self._chars, unknown=self.unknown,
+                             special_tokens=[*self._specials, *new])
 
     def decode(self, ids: Iterable[int]) -> str:
         arr = np.asarray(ids if isinstance(ids, np.ndarray) else list(ids), dtype=np.int64)
@@ -316,6 +399,9 @@ class BPETokenizer(Tokenizer):
                                   "use_regex": True} and cfg.get("normalizer") is None
         self._specials = tuple(t["content"] for t in cfg.get("added_tokens", [])
                                if t.get("special"))
+        # User text never becomes a special id: special tokens' spellings are encoded
+        # as ordinary text unless a call asks otherwise (allow_special).
+        self._tok.encode_special_tokens = True
 
     # --- construction -------------------------------------------------------------------
 
@@ -358,8 +444,7 @@ class BPETokenizer(Tokenizer):
         tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = tk.decoders.ByteLevel()
         vocab_map = tok.get_vocab()
-        if "<|endoftext|>" in vocab_map:
-            tok.add_special_tokens(["<|endoftext|>"])
+        tok.add_special_tokens([t for t in STANDARD_SPECIALS if t in vocab_map])
         return cls(tok, kind="gpt2")
 
     # --- interface ----------------------------------------------------------------------
@@ -377,29 +462,41 @@ class BPETokenizer(Tokenizer):
     def special_tokens(self) -> tuple[str, ...]:
         return self._specials
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, *, allow_special: bool = False) -> list[int]:
+        return self._encode_batch([text], allow_special)[0].ids
+
+    def _encode_batch(self, texts: Sequence[str], allow_special: bool = False) -> list[Any]:
+        fast = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
         try:
-            return self._tok.encode(text, add_special_tokens=False).ids
+            if not allow_special:
+                return fast(list(texts), add_special_tokens=False)
+            self._tok.encode_special_tokens = False
+            try:
+                return fast(list(texts), add_special_tokens=False)
+            finally:
+                self._tok.encode_special_tokens = True
         except Exception as exc:  # e.g. lone surrogates cannot cross into Rust
             raise DataError(f"cannot encode text with this {self.kind} tokenizer: "
                             f"{_first_line(exc)}; pass valid Unicode text") from exc
 
-    def _encode_batch(self, texts: Sequence[str]) -> list[Any]:
-        fast = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
-        try:
-            return fast(list(texts), add_special_tokens=False)
-        except Exception as exc:
-            raise DataError(f"cannot encode text with this {self.kind} tokenizer: "
-                            f"{_first_line(exc)}; pass valid Unicode text") from exc
+    def encode_batch(self, texts: Sequence[str], *, allow_special: bool = False
+                     ) -> list[list[int]]:
+        return [e.ids for e in self._encode_batch(texts, allow_special)]
 
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        return [e.ids for e in self._encode_batch(texts)]
-
-    def encode_array(self, texts: Sequence[str]) -> np.ndarray:
+    def encode_array(self, texts: Sequence[str], *, allow_special: bool = False
+                     ) -> np.ndarray:
         if isinstance(texts, str):
             texts = [texts]
-        parts = [np.asarray(e.ids, dtype=np.uint32) for e in self._encode_batch(texts)]
+        parts = [np.asarray(e.ids, dtype=np.uint32)
+                 for e in self._encode_batch(texts, allow_special)]
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint32)
+
+    def with_special_tokens(self, tokens: Sequence[str]) -> BPETokenizer:
+        tk = _require_hf_tokenizers()
+        copy = tk.Tokenizer.from_str(self._tok.to_str())
+        # A token already in the vocabulary as ordinary text keeps its id and becomes special.
+        copy.add_special_tokens([t for t in dict.fromkeys(tokens) if t not in self._specials])
+        return BPETokenizer(copy, kind=self.kind)
 
     def decode(self, ids: Iterable[int]) -> str:
         arr = np.asarray(ids if isinstance(ids, np.ndarray) else list(ids), dtype=np.int64)
@@ -446,53 +543,87 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _kind_of(doc: dict[str, Any]) -> str:
-    model = doc.get("model") or {}
-    decoder = doc.get("decoder") or {}
-    if (model.get("type") == "BPE" and not model.get("merges") and doc.get("pre_tokenizer") is None
+    model = doc.get("model")
+    model = model if isinstance(model, dict) else {}
+    decoder = doc.get("decoder")
+    decoder = decoder if isinstance(decoder, dict) else {}
+    pre = doc.get("pre_tokenizer")
+    if (model.get("type") == "BPE" and not model.get("merges") and pre is None
             and decoder.get("type") == "Fuse"):
         return "char"
-    pre = doc.get("pre_tokenizer") or {}
+    pre = pre if isinstance(pre, dict) else {}
     if pre.get("type") == "ByteLevel" and model.get("type") == "BPE":
-        vocab = model.get("vocab") or {}
+        vocab = model.get("vocab")
+        vocab = vocab if isinstance(vocab, dict) else {}
         return "gpt2" if len(vocab) == 50257 and vocab.get("<|endoftext|>") == 50256 else "bpe"
     return "file"
 
 
+def _bad_file(path: Path, what: str) -> DataError:
+    return DataError(f"tokenizer file {path} is malformed: {what}; re-run tinylm prepare "
+                     f"or pass a tokenizer.json written by tinylm or Hugging Face tokenizers")
+
+
 def _char_from_hf(doc: dict[str, Any], path: Path) -> CharTokenizer:
+    """A char tokenizer from its JSON, every field checked (a DataError names the bad one)."""
     model = doc["model"]
-    vocab: dict[str, int] = model.get("vocab") or {}
-    specials = [t["content"] for t in sorted(doc.get("added_tokens", []), key=lambda t: t["id"])]
+    vocab = model.get("vocab")
+    if not isinstance(vocab, dict):
+        raise _bad_file(path, "model.vocab is not an object of token -> id")
+    for token, i in vocab.items():
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < 2**31:
+            raise _bad_file(path, f"model.vocab[{token!r}] is {i!r}, not a token id")
+    added = doc.get("added_tokens", [])
+    if not isinstance(added, list) or not all(
+            isinstance(t, dict) and isinstance(t.get("content"), str)
+            and isinstance(t.get("id"), int) and not isinstance(t.get("id"), bool)
+            for t in added):
+        raise _bad_file(path, "added_tokens must be a list of {\"id\": int, \"content\": str}")
+    specials = [t["content"] for t in sorted(added, key=lambda t: t["id"])]
     unknown = "replace" if model.get("unk_token") == UNK else "error"
     chars = [s for s in vocab if s not in specials]
-    tok = CharTokenizer(chars, unknown=unknown, special_tokens=[s for s in specials if s != UNK])
-    want = {s: int(i) for s, i in vocab.items()}
-    if tok._stoi != want:
+    if any(len(c) != 1 for c in chars):
+        bad = next(c for c in chars if len(c) != 1)
+        raise _bad_file(path, f"char vocabulary entry {bad[:20]!r} is not one character "
+                              f"and not in added_tokens")
+    tok = CharTokenizer(chars, unknown=unknown, special_tokens=specials)
+    if tok._stoi != vocab:
         raise DataError(f"char tokenizer {path} has ids that are not in code-point order; "
                         f"it was not written by tinylm, re-run tinylm prepare")
     return tok
 
 
 def tokenizer_from_json(text: str, path: str | Path = "<string>") -> Tokenizer:
-    """A tokenizer from the text of a tokenizer.json (tinylm's or any HF one)."""
+    """A tokenizer from the text of a tokenizer.json (tinylm's or any HF one).
+
+    Any malformed document is a one-line DataError naming the file, never a raw
+    exception from the JSON parser, this module or the Rust ``tokenizers`` library.
+    """
     path = Path(path)
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as exc:
         raise DataError(f"tokenizer file {path} is not valid JSON ({exc.msg} at line "
                         f"{exc.lineno}); re-run tinylm prepare or pass another file") from exc
+    except RecursionError as exc:
+        raise _bad_file(path, "JSON nested too deeply") from exc
     if not isinstance(doc, dict) or "model" not in doc:
         raise DataError(f"{path} is not a Hugging Face tokenizer.json (no 'model' entry); "
                         f"pass a tokenizer.json or a folder with vocab.json and merges.txt")
+    if not isinstance(doc["model"], dict):
+        raise _bad_file(path, "'model' is not an object")
     kind = _kind_of(doc)
     if kind == "char":
         return _char_from_hf(doc, path)
     tk = _require_hf_tokenizers()
     try:
         hf = tk.Tokenizer.from_str(text)
-    except Exception as exc:
-        raise DataError(f"cannot load tokenizer {path}: {_first_line(exc)}; "
-                        f"it may need a newer 'tokenizers' package") from exc
-    return BPETokenizer(hf, kind=kind)
+        return BPETokenizer(hf, kind=kind)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # pyo3 panics are BaseExceptions
+        raise DataError(f"cannot load tokenizer {path}: {_first_line(exc)}; re-run tinylm "
+                        f"prepare, or it may need a newer 'tokenizers' package") from exc
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
@@ -523,11 +654,18 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
 
 
 __all__ = [
+    "CHAT_TEMPLATE",
+    "CHAT_TOKENS",
+    "END_OF_TURN",
+    "EOS",
     "EOS_NAMES",
+    "ROLE_TOKENS",
+    "STANDARD_SPECIALS",
     "UNK",
     "BPETokenizer",
     "CharTokenizer",
     "Tokenizer",
     "load_tokenizer",
+    "standard_special_tokens",
     "tokenizer_from_json",
 ]
