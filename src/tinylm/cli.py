@@ -649,9 +649,9 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                    help="force the progress bar on/off (default: on a terminal)")
     model = p.add_argument_group("model")
     model.add_argument("--arch", choices=sorted(ARCH_PRESETS), default=None,
-                       help="architecture preset: gpt2 (default), llama (RMSNorm, RoPE, "
-                       "SwiGLU, no biases, untied head) or modern (RMSNorm, RoPE, ReLU², "
-                       "QK-norm, no biases, untied head); explicit flags override it")
+                       help="architecture preset: gpt2, llama (RMSNorm, RoPE, SwiGLU, no "
+                       "biases, untied head) or modern (RMSNorm, RoPE, ReLU², QK-norm, no "
+                       "biases, untied head); explicit flags override it (default: gpt2)")
     _config_flags(model, ModelConfig, _MODEL_FLAG_HELP)
     _config_flags(p.add_argument_group("training"), TrainConfig, {})
     p.set_defaults(func=_cmd_train)
