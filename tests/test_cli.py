@@ -96,9 +96,10 @@ def test_device_flag_is_the_same_in_every_command() -> None:
     for name, parser in _commands().items():
         for action in parser._actions:
             if "--device" in action.option_strings:
-                # train's flags default to None (= not given: the config file decides),
-                # and TrainConfig's default is what its help shows
-                default = action.default if name != "train" else "auto"
+                # train's and finetune's flags default to None (= not given: the config
+                # file or the base run decides), and TrainConfig's default is what its
+                # help shows
+                default = action.default if name not in ("train", "finetune") else "auto"
                 seen[name] = (default, action.help)
     assert {"sample", "eval", "explain", "compress", "train"} <= set(seen)
     assert len(set(seen.values())) == 1, seen

@@ -26,7 +26,7 @@ from tinylm.data import (
     prepare,
 )
 from tinylm.errors import DataError
-from tinylm.tokenizers import CharTokenizer, load_tokenizer
+from tinylm.tokenizers import STANDARD_SPECIALS, CharTokenizer, load_tokenizer
 
 JAPANESE = "言語モデルは次のトークンを予測する。注意機構🌤️\n"
 
@@ -88,8 +88,10 @@ def test_shard_dtype_follows_vocab_size(tmp_path) -> None:
     src = tmp_path / "cjk.txt"
     src.write_text(chars + chars[::-1], encoding="utf-8")
     d = prepare(tmp_path / "out", [src], progress=False)
-    assert d.vocab_size == 70_000 and d.train.dtype == np.uint32
-    assert _all_tokens(d).tolist() == list(range(70_000)) + list(range(69_999, -1, -1))
+    # prepare adds the standard special tokens (end of text, chat roles) after the chars.
+    assert d.vocab_size == 70_000 + len(STANDARD_SPECIALS) and d.train.dtype == np.uint32
+    ids = [d.tokenizer.token_to_id(c) for c in chars]
+    assert _all_tokens(d).tolist() == ids + ids[::-1]
 
 
 def test_folder_input_sorted_one_document_per_file(tmp_path) -> None:
@@ -99,11 +101,12 @@ def test_folder_input_sorted_one_document_per_file(tmp_path) -> None:
     (tmp_path / "in" / "sub" / "c.md").write_text("third 日本" * 40)
     (tmp_path / "in" / ".hidden").write_text("\x00binary")
     d = prepare(tmp_path / "out", [tmp_path / "in"], context_length=8, progress=False)
-    # No end-of-text token in this char vocabulary: a line break separates documents.
-    expected = "first file\n" * 40 + "\n" + "second file" * 40 + "\n" + "third 日本" * 40
+    # prepare gives the char vocabulary an end-of-text token: it separates documents.
+    eot = "<|endoftext|>"
+    expected = "first file\n" * 40 + eot + "second file" * 40 + eot + "third 日本" * 40
     assert d.tokenizer.decode(_all_tokens(d)) == expected
     assert d.meta["documents"]["read"] == 3 and d.meta["doc_separator"] == [
-        d.tokenizer.token_to_id("\n")]
+        d.tokenizer.eos_id]
     assert [i["name"].split("/")[-1] for i in d.meta["inputs"]] == ["a.txt", "b.txt", "c.md"]
     only_md = prepare(tmp_path / "md", [tmp_path / "in"], glob="*.md", context_length=8,
                       progress=False)

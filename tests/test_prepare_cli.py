@@ -112,7 +112,7 @@ def test_bad_input_one_line_exit_2_nothing_overwritten(case, prepared, text_file
         "bad_parquet": ["--input", str(parquet)],
         "no_glob_match": ["--input", str(tmp_path / "*.parquet.nope")],
         "separator": ["--input", str(text_file), "--input", str(short), "--doc-separator",
-                      "<|endoftext|>"],
+                      "<|nope|>"],
         "json_file": ["--input", str(tmp_path / "x.json")],
     }[case]
     expect = {
@@ -134,7 +134,7 @@ def test_bad_input_one_line_exit_2_nothing_overwritten(case, prepared, text_file
                          f"the first: {records} line 1",
         "bad_parquet": f"{parquet} is not a readable Parquet file",
         "no_glob_match": "matches no files",
-        "separator": "--doc-separator <|endoftext|> is not a special token",
+        "separator": "--doc-separator <|nope|> is not a special token",
         "json_file": "x.json is a .json file, which prepare does not read as text",
     }[case]
     if not case.startswith("different"):  # --force: only the bad input may stop the run

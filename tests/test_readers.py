@@ -202,7 +202,7 @@ def test_doc_separator_choices(tmp_path) -> None:
                    val_fraction=0.25, progress=False)
     assert none.tokenizer.decode(none.train) == "".join(DOCS[:3])
     with pytest.raises(DataError, match="not a special token of this tokenizer"):
-        prepare(tmp_path / "x", [src], doc_separator=EOT, context_length=8, progress=False)
+        prepare(tmp_path / "x", [src], doc_separator="<|nope|>", context_length=8, progress=False)
 
 
 def test_cli_reads_jsonl_and_parquet(tmp_path, capsys) -> None:

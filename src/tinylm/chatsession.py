@@ -17,6 +17,7 @@ from typing import Any, TextIO
 import torch
 
 from tinylm.chat import render_chat, stop_ids
+from tinylm.config import resolve_device
 from tinylm.errors import ConfigError, TinyLMError
 from tinylm.sampling import TextStream, generate_stream
 
@@ -107,11 +108,12 @@ class ChatSession:
             yield rest
 
 
-def open_session(model_dir: str, *, device: str = "cpu", **settings: Any) -> ChatSession:
-    """A :class:`ChatSession` with the model and tokenizer of a checkpoint or run folder."""
+def open_session(model_dir: str, *, device: str = "auto", **settings: Any) -> ChatSession:
+    """A :class:`ChatSession` with the model and tokenizer of a checkpoint or run folder
+    (``device`` as ``--device``: auto picks cuda > mps > cpu)."""
     from tinylm.checkpoint import load_checkpoint
 
-    model, tokenizer = load_checkpoint(model_dir, device=device)
+    model, tokenizer = load_checkpoint(model_dir, device=resolve_device(device))
     if tokenizer is None:
         raise ConfigError(f"{model_dir} has no tokenizer.json; chat needs the model's "
                           f"tokenizer")

@@ -397,7 +397,7 @@ def _add_chat(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-new-tokens", type=int, default=200, metavar="N",
                    help="longest answer in tokens (default: 200)")
     p.add_argument("--seed", type=int, metavar="N", help="seed for reproducible answers")
-    p.add_argument("--device", default="cpu", metavar="DEV", help="device (default: cpu)")
+    _device_flag(p)
     p.set_defaults(func=_cmd_chat)
 
 
