@@ -572,8 +572,8 @@ _MODEL_FLAG_HELP = {
     "position": "learned (position table, GPT-2) or rope (rotary, in attention)",
     "rope_theta": "RoPE base theta",
     "mlp": "gelu (GPT-2), swiglu (gated SiLU, Llama) or relu2 (squared ReLU)",
-    "ffn_hidden": "MLP hidden width (default 4*E; swiglu 8*E/3 rounded up to 8)",
-    "n_kv_head": "key/value heads (default n_head; fewer = grouped-query, 1 = multi-query)",
+    "ffn_hidden": "MLP hidden width (default: 4*E; swiglu 8*E/3 rounded up to 8)",
+    "n_kv_head": "key/value heads, fewer = grouped-query, 1 = multi-query (default: n_head)",
     "qk_norm": "RMSNorm each head's query and key",
     "qkv_bias": "biases on the QKV projection only (default: --bias)",
 }
