@@ -17,6 +17,15 @@ Writes the table and benchmarks/sample.png into BENCHMARKS.md under
 "## Sampling throughput" (between the bench:sample markers) and prints the table.
 
     python benchmarks/sample.py            # about 2-4 minutes on 2 cores
+
+``--models`` adds (default) a Llama-shaped model: 6 layers, E=384, 6 query heads and 2
+key/value heads (grouped-query attention), RMSNorm, RoPE, SwiGLU (F=1024), untied head,
+vocabulary 32000 (``LLAMA``), against Hugging Face ``LlamaForCausalLM.generate`` on the
+same weights (``tinylm.hf.to_hf``), greedy ids compared; its table goes under
+"## Sampling throughput: Llama-shaped model" (bench:sample-llama markers).
+
+    python benchmarks/sample.py            # about 3-6 minutes on 2 cores
+    python benchmarks/sample.py --models llama --new-tokens 64 --repeats 1 --no-write
 """
 
 from __future__ import annotations
@@ -34,11 +43,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import write_section  # noqa: E402
 from tinylm import GPT, ModelConfig, generate, native  # noqa: E402
+from tinylm.config import resolve_arch  # noqa: E402
 from tinylm.hf import to_hf  # noqa: E402
 from tinylm.sampling import generate_stream  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 PNG = HERE / "sample.png"
+#: The Llama-shaped model of issue 13 (the llama preset: RMSNorm, RoPE, SwiGLU, no biases).
+LLAMA = resolve_arch("llama", dict(vocab_size=32000, context_length=512, n_layer=6, n_head=6,
+                                   n_kv_head=2, n_embd=384))
 
 
 def median_seconds(fn, repeats: int) -> float:
@@ -149,6 +162,45 @@ def plot(rows, contexts, cached, uncached, ceiling_tps, path: Path) -> None:
     plt.close(fig)
 
 
+def llama_section(args: argparse.Namespace) -> str:
+    """Greedy tokens/s of the Llama-shaped model: tinylm vs LlamaForCausalLM.generate."""
+    torch.manual_seed(0)
+    config = ModelConfig(**LLAMA)
+    model = GPT(config).eval()
+    hf = to_hf(model)  # LlamaForCausalLM, the same weights
+    n, load = args.new_tokens, os.getloadavg()[0]
+    with torch.inference_mode(), native.plan(model, "cpu").decoder(1) as decoder:
+        path = decoder.path
+    lines = [
+        f"Model: random weights, Llama-shaped: {config.n_layer} layers, {config.n_head} "
+        f"query heads and {config.n_kv_head} key/value heads (GQA) of D={config.head_dim}, "
+        f"E={config.n_embd}, RMSNorm, RoPE (θ={config.rope_theta:g}), SwiGLU "
+        f"(F={config.ffn_dim}), untied head, C={config.context_length}, "
+        f"V={config.vocab_size} ({model.num_parameters() / 1e6:.1f} M parameters, fp32). "
+        f"Greedy decoding of {n} new tokens after a {args.prompt_len}-token prompt; median "
+        f"of {args.repeats} runs. Hugging Face: `{type(hf).__name__}.generate` "
+        f"(transformers, its KV cache, default attention) on the same weights. "
+        f"{os.cpu_count()} CPU cores, {args.threads} threads; load average {load:.2f} at "
+        f"the start. tinylm's decoding path: {path}.",
+        "",
+        "| batch | tinylm tok/s | HF generate tok/s | tinylm / HF | same tokens as HF |",
+        "| ---: | ---: | ---: | ---: | --- |",
+    ]
+    for B in args.batches:
+        prompt = torch.randint(0, config.vocab_size, (B, args.prompt_len))
+        same = torch.equal(generate(model, prompt, n, temperature=0), hf_greedy(hf, prompt, n))
+        t_ours = median_seconds(lambda p=prompt: generate(model, p, n, temperature=0),
+                                args.repeats)
+        t_hf = median_seconds(lambda p=prompt: hf_greedy(hf, p, n), args.repeats)
+        print(f"llama batch {B}: tinylm {B * n / t_ours:.1f} tok/s, HF {B * n / t_hf:.1f}; "
+              f"same tokens as HF: {same}", flush=True)
+        lines.append(f"| {B} | {B * n / t_ours:.1f} | {B * n / t_hf:.1f} | "
+                     f"{t_hf / t_ours:.2f}x | {'yes' if same else 'no'} |")
+    lines += ["", "Target (issue 13): tinylm ≥ 2× HF at batch 1 and ≥ 1.8× at batch 8.", "",
+              "Command: `python benchmarks/sample.py`"]
+    return "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--vocab", type=int, default=50257, help="vocabulary size V")
@@ -159,8 +211,21 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3, help="median of this many runs")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--no-write", action="store_true", help="print only")
+    parser.add_argument("--models", default="gpt2,llama",
+                        help="comma-separated: gpt2 (GPT-2 small shape, V=--vocab) and/or "
+                        "llama (the Llama-shaped model, V=32000)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    models = {m.strip() for m in args.models.split(",") if m.strip()}
+    if not models or models - {"gpt2", "llama"}:
+        parser.error(f"--models takes gpt2 and/or llama, got {args.models!r}")
+    if "llama" in models:
+        body = llama_section(args)
+        print(body)
+        if not args.no_write:
+            write_section("sample-llama", "Sampling throughput: Llama-shaped model", body)
+    if "gpt2" not in models:
+        return 0
     torch.manual_seed(0)
     config = ModelConfig(vocab_size=args.vocab, context_length=512, n_layer=6, n_head=6,
                          n_embd=384)

@@ -1,7 +1,13 @@
-"""Time to quality: wall-clock seconds until the validation loss first reaches a target.
+"""Time to quality: wall-clock seconds until the validation loss first reaches a target,
+per architecture preset (``tinylm train --arch``), side by side in one run.
 
     python benchmarks/speedrun.py --input /path/to/tinyshakespeare/input.txt \\
-        [--target 1.886] [--runs 3] [--no-write]
+        [--arch gpt2,llama,modern] [--target 1.886] [--runs 3] [--no-write]
+
+Every preset gets the same data, shapes (``MODEL``), optimizer and schedule; runs are
+interleaved (seed 0 of each preset, then seed 1, ...) so a change in machine load
+affects all presets alike. The table gives each preset's median and its speed-up over
+``gpt2`` (issue 13's target: ``modern`` at least 1.2x faster than ``gpt2``).
 
 The text is prepared with the char tokenizer, the last 10 % as validation (as nanoGPT's
 shakespeare_char baseline). The clock starts before the model is built and stops when an
@@ -34,7 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import write_section  # noqa: E402
-from tinylm.config import ModelConfig, TrainConfig  # noqa: E402
+from tinylm.config import ARCH_PRESETS, ModelConfig, TrainConfig, resolve_arch  # noqa: E402
 from tinylm.data import get_batch, load_prepared, prepare  # noqa: E402
 from tinylm.evaluation import evaluate  # noqa: E402
 from tinylm.model import GPT  # noqa: E402
@@ -47,13 +53,14 @@ TRAIN = dict(optimizer="muon", lr=3e-3, batch_size=12, warmup_steps=100, max_ste
              min_lr_ratio=0.1, weight_decay=0.1, beta1=0.9, beta2=0.95, grad_clip=1.0)
 
 
-def run_once(data, target: float, seed: int, eval_every: int, threads: int) -> dict:
-    """One timed run; returns the time to target and the loss history."""
+def run_once(data, target: float, seed: int, eval_every: int, threads: int,
+             arch: str = "gpt2") -> dict:
+    """One timed run of preset ``arch``; returns the time to target and the loss history."""
     torch.set_num_threads(threads)
     cfg = TrainConfig(**TRAIN, seed=seed)
     t0 = time.perf_counter()
     torch.manual_seed(seed)
-    model = GPT(ModelConfig(vocab_size=data.vocab_size, **MODEL)).train()
+    model = GPT(ModelConfig(vocab_size=data.vocab_size, **resolve_arch(arch, MODEL))).train()
     optimizer = build_optimizer(model, cfg, torch.device("cpu"))
     params = [p for g in optimizer.param_groups for p in g["params"]]
     gen = torch.Generator().manual_seed(seed)
@@ -83,7 +90,7 @@ def run_once(data, target: float, seed: int, eval_every: int, threads: int) -> d
             if last_val <= target:
                 reached = time.perf_counter() - t0
                 break
-    return {"seed": seed, "seconds": reached, "steps": step + 1, "val_loss": last_val,
+    return {"arch": arch, "seed": seed, "seconds": reached, "steps": step + 1, "val_loss": last_val,
             "eval_seconds": eval_s, "evaluations": len(val_curve),
             "train": train_curve, "val": val_curve}
 
@@ -105,9 +112,9 @@ def plot(runs: list[dict], target: float, out: Path) -> None:
             smooth = [sum(v[max(0, i - k + 1):i + 1]) / len(v[max(0, i - k + 1):i + 1])
                       for i in range(len(v))]
             line, = ax.plot([x_of(p) for p in r["train"]], smooth, lw=1, alpha=0.7,
-                            label=f"train (seed {r['seed']})")
+                            label=f"{r['arch']} train (seed {r['seed']})")
             ax.plot([x_of(p) for p in r["val"]], [p[2] for p in r["val"]], "o-",
-                    color=line.get_color(), ms=3, label=f"val, whole split (seed {r['seed']})")
+                    color=line.get_color(), ms=3, label=f"{r['arch']} val (seed {r['seed']})")
         ax.axhline(target, color="k", ls="--", lw=1, label=f"target {target}")
         ax.set(xlabel=xlabel, ylim=(1.4, 3.0))
     axes[0].set(ylabel="loss")
@@ -118,9 +125,15 @@ def plot(runs: list[dict], target: float, out: Path) -> None:
     plt.close(fig)
 
 
-def render(runs: list[dict], target: float, args: argparse.Namespace, median: float | None,
-           vocab: int, n_train: int, n_val: int) -> str:
+def _median(runs: list[dict]) -> float | None:
+    times = [r["seconds"] for r in runs]
+    return statistics.median(times) if times and all(t is not None for t in times) else None
+
+
+def render(runs: list[dict], target: float, args: argparse.Namespace, vocab: int,
+           n_train: int, n_val: int) -> str:
     m = MODEL
+    archs = list(dict.fromkeys(r["arch"] for r in runs))
     lines = [
         f"Char tokenizer (V={vocab}), {n_train:,} train / {n_val:,} val tokens (last 10 %). "
         f"Model {m['n_layer']} layers, {m['n_head']} heads, E={m['n_embd']}, "
@@ -128,21 +141,32 @@ def render(runs: list[dict], target: float, args: argparse.Namespace, median: fl
         f"matrices at 10× the lr, AdamW for the rest), lr {TRAIN['lr']:g}, batch "
         f"{TRAIN['batch_size']}, warm-up {TRAIN['warmup_steps']} + cosine over "
         f"{TRAIN['max_steps']} steps, grad clip {TRAIN['grad_clip']}, fp32, "
-        f"{args.threads} threads. Validation: exact mean over the whole split.",
+        f"{args.threads} threads. Validation: exact mean over the whole split. Presets "
+        f"(`tinylm train --arch`): " + "; ".join(
+            f"`{a}` = " + ", ".join(f"{k}={v}" for k, v in ARCH_PRESETS[a].items())
+            for a in archs) + ".",
         "",
-        "| run (seed) | seconds to ≤ target | steps | val loss | evaluations (s) |",
-        "|---|---|---|---|---|",
+        "| preset | run (seed) | seconds to ≤ target | steps | val loss | evaluations (s) |",
+        "|---|---|---|---|---|---|",
     ]
     for r in runs:
         sec = f"{r['seconds']:.1f}" if r["seconds"] is not None else "not reached"
-        lines.append(f"| {r['seed']} | {sec} | {r['steps']} | {r['val_loss']:.4f} | "
-                     f"{r['evaluations']} ({r['eval_seconds']:.1f}) |")
-    med = f"**{median:.1f} s**" if median is not None else "**not reached**"
-    lines += ["", f"Median time to validation loss ≤ {target}: {med} (baseline: nanoGPT's "
-              f"4×128 shakespeare_char config, 2000 steps at batch 12, ~130 s here).", "",
+        lines.append(f"| {r['arch']} | {r['seed']} | {sec} | {r['steps']} | "
+                     f"{r['val_loss']:.4f} | {r['evaluations']} ({r['eval_seconds']:.1f}) |")
+    lines += ["", f"| preset | median seconds to val loss ≤ {target} | speed-up vs gpt2 |",
+              "|---|---|---|"]
+    base = _median([r for r in runs if r["arch"] == "gpt2"])
+    for a in archs:
+        med = _median([r for r in runs if r["arch"] == a])
+        ratio = f"{base / med:.2f}×" if med and base else "–"
+        lines.append(f"| {a} | " + (f"**{med:.1f} s**" if med is not None
+                                    else "**not reached**") + f" | {ratio} |")
+    lines += ["", "(baseline: nanoGPT's 4×128 shakespeare_char config, 2000 steps at batch "
+              "12, ~130 s here.)", "",
               "![speedrun loss curves](benchmarks/speedrun.png)", "",
               f"Command: `python benchmarks/speedrun.py --input "
-              f"data/tinyshakespeare/input.txt --target {target} --runs {len(runs)}`"]
+              f"data/tinyshakespeare/input.txt --arch {','.join(archs)} --target {target} "
+              f"--runs {args.runs}`"]
     return "\n".join(lines)
 
 
@@ -150,7 +174,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--input", required=True, help="text file, e.g. tiny Shakespeare")
     parser.add_argument("--target", type=float, default=1.886)
-    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--runs", type=int, default=3, help="seeds per preset")
+    parser.add_argument("--arch", default="gpt2,llama,modern",
+                        help="comma-separated presets to race (tinylm train --arch)")
     parser.add_argument("--eval-every", type=int, default=50)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--no-write", action="store_true", help="print only")
@@ -159,15 +185,20 @@ def main() -> None:
         prepare(tmp, [args.input], tokenizer="char", val_fraction=0.1,
                 context_length=MODEL["context_length"], force=True, progress=False)
         data = load_prepared(tmp)
+        archs = [a.strip() for a in args.arch.split(",") if a.strip()]
+        unknown = [a for a in archs if a not in ARCH_PRESETS]
+        if unknown:
+            parser.error(f"unknown --arch {unknown[0]!r}; choose from {', '.join(ARCH_PRESETS)}")
         runs = []
-        for seed in range(args.runs):
-            runs.append(run_once(data, args.target, seed, args.eval_every, args.threads))
-            r = runs[-1]
-            print(json.dumps({k: r[k] for k in ("seed", "seconds", "steps", "val_loss",
-                                                "eval_seconds")}), file=sys.stderr)
-        times = [r["seconds"] for r in runs]
-        median = statistics.median(times) if all(t is not None for t in times) else None
-        table = render(runs, args.target, args, median, data.vocab_size, len(data.train),
+        for seed in range(args.runs):  # interleaved: machine noise hits every preset alike
+            for arch in archs:
+                runs.append(run_once(data, args.target, seed, args.eval_every, args.threads,
+                                     arch))
+                r = runs[-1]
+                print(json.dumps({k: r[k] for k in ("arch", "seed", "seconds", "steps",
+                                                    "val_loss", "eval_seconds")}),
+                      file=sys.stderr)
+        table = render(runs, args.target, args, data.vocab_size, len(data.train),
                        len(data.val))
     print(table)
     if not args.no_write:

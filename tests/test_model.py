@@ -155,7 +155,7 @@ def test_dropout_only_in_training() -> None:
         ({"head_dim": 0}, "head_dim"),
         ({"n_layer": 2.5}, "n_layer"),
         ({"bias": "yes"}, "bias"),
-        ({"layer_norm_eps": 0}, "layer_norm_eps"),
+        ({"norm_eps": 0}, "norm_eps"),
     ],
 )
 def test_bad_configs_name_the_field(kw: dict, field: str) -> None:

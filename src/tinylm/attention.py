@@ -86,6 +86,54 @@ def explicit_attention(
     return torch.matmul(weights, v), weights  # (..., C, T)·(..., T, Dv) -> (..., C, Dv)
 
 
+# --- the variants' math: rotary positions, RMS norm, shared key/value heads -------------
+
+
+def rope_angles(start: int, C: int, head_dim: int, theta: float,
+                device: torch.device | str | None = None) -> tuple[Tensor, Tensor]:
+    """cos and sin (C, D) of rotary positions start .. start + C - 1.
+
+    Pair i of a head (dims i and i + D/2, Hugging Face's "rotate half" layout) turns
+    by the angle m·ω_i at position m, with ω_i = θ^(-2i/D): fast pairs see local
+    order, slow pairs far context. Both halves of a row repeat the C × D/2 angles.
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device,
+                                               dtype=torch.int64).float() / head_dim))
+    pos = torch.arange(start, start + C, device=device, dtype=torch.float32)  # (C,)
+    angles = torch.outer(pos, inv_freq)  # (C, D/2): m·ω_i
+    angles = torch.cat((angles, angles), dim=-1)  # (C, D)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate every pair (x_i, x_{i+D/2}) of x (..., C, D) by its angle:
+    (x_i cos − x_{i+D/2} sin, x_{i+D/2} cos + x_i sin). A rotation keeps ‖x‖, and
+    R(m)q · R(n)k = q · R(n − m)k, so the scores of rotated queries and keys depend
+    on positions only through m − n."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # (−x₂, x₁)
+    return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    """x / RMS(x) · g, RMS(x) = √(mean(x²) + ε) over the last dim (no mean subtracted,
+    no bias: LayerNorm's rescaling without its recentring, Zhang & Sennrich 2019)."""
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def repeat_kv(x: Tensor, n_rep: int) -> Tensor:
+    """Grouped-query attention's sharing made explicit: (B, H_kv, T, D) ->
+    (B, H_kv·n_rep, T, D), query head i reading key/value head i // n_rep."""
+    return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
+
+
 # --- the note's own class ---------------------------------------------------------------
 
 
@@ -118,9 +166,11 @@ class SingleHeadAttention(nn.Module):
 class KVCache:
     """Preallocated keys and values of every layer, for incremental decoding.
 
-    Holds k, v of shape (L, B, H, max_len, D). ``length`` is how many positions are
-    filled; a forward pass over C new tokens writes positions [length, length + C) in
-    each layer (:meth:`update`) and then the model calls :meth:`advance`. The cache is
+    Holds k, v of shape (L, B, H_kv, max_len, D) (H_kv = H but for grouped-query
+    attention; keys are stored after RoPE's rotation, as each was at its position).
+    ``length`` is how many positions are filled; a forward pass over C new tokens
+    writes positions [length, length + C) in each layer (:meth:`update`) and then the
+    model calls :meth:`advance`. The cache is
     an object passed into ``GPT.forward`` — the model itself keeps no hidden state.
     """
 
@@ -145,12 +195,14 @@ class KVCache:
     @classmethod
     def for_model(cls, model: nn.Module, batch_size: int, max_len: int | None = None,
                   **kwargs) -> KVCache:
-        """A cache sized for ``model`` (a GPT); max_len defaults to its context length."""
+        """A cache sized for ``model`` (a GPT); max_len defaults to its context length.
+        It holds the model's n_kv_head key/value heads, so grouped-query attention
+        shrinks it by n_head / n_kv_head."""
         cfg = model.config
         param = next(model.parameters())
         kwargs.setdefault("device", param.device)
         kwargs.setdefault("dtype", param.dtype)
-        return cls(cfg.n_layer, batch_size, cfg.n_head, max_len or cfg.context_length,
+        return cls(cfg.n_layer, batch_size, cfg.n_kv_head, max_len or cfg.context_length,
                    cfg.head_dim, **kwargs)
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -171,12 +223,12 @@ class KVCache:
                              f"{self.max_len}; restart it (reset) on a shorter window")
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """One new token (C = 1): store its k, v (B, H, 1, D) and attend its q (B, H, 1, D)
+        """One new token (C = 1): store its k, v (B, H_kv, 1, D), attend its q (B, H, 1, D)
         over every cached position, -> (B, H, 1, D). The one new query may see all keys,
         so no mask is needed. Subclasses may fuse the two steps (on CPU,
         tinylm.native.decoding.NativeKVCache does it in one native pass)."""
-        k, v = self.update(layer, k, v)  # (B, H, T, D)
-        return F.scaled_dot_product_attention(q, k, v)
+        k, v = self.update(layer, k, v)  # (B, H_kv, T, D)
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=k.shape[1] != q.shape[1])
 
     def advance(self, n: int) -> None:
         """Mark n more positions as filled (called once per forward, after all layers)."""
@@ -281,25 +333,52 @@ class RaggedKVCache(KVCache):
 class MultiHeadAttention(nn.Module):
     """Causal multi-head attention with a fused QKV projection.
 
-    ``qkv``: E -> 3·H·D holds every head's W_q^i, W_k^i, W_v^i side by side (the output
-    is laid out as [q | k | v], each split into H heads of D). ``out``: H·D -> E is the
-    stacked [W_o^1; …; W_o^H]. Biases are optional (GPT-2 has them, the seed does not).
+    ``qkv``: E -> (H + 2·H_kv)·D holds every head's W_q^i, then the key and value heads'
+    W_k^j, W_v^j side by side (the output is laid out as [q | k | v]: H query heads of D,
+    then H_kv key heads and H_kv value heads). With H_kv = H (the default) this is
+    GPT-2's layout; with fewer, each key/value head serves H / H_kv query heads
+    (grouped-query attention; H_kv = 1 is multi-query). ``out``: H·D -> E is the
+    stacked [W_o^1; …; W_o^H]. Biases are optional (GPT-2 has them, the seed does not;
+    ``qkv_bias`` sets the QKV projection's alone, as Qwen2 has). ``rope_theta`` rotates
+    queries and keys by position (RoPE, :func:`apply_rope`); ``qk_norm`` RMS-normalises
+    each head's query and key first.
     """
 
     def __init__(self, n_embd: int, n_head: int, head_dim: int, *, bias: bool = True,
-                 dropout: float = 0.0) -> None:
+                 dropout: float = 0.0, n_kv_head: int | None = None,
+                 qkv_bias: bool | None = None, rope_theta: float | None = None,
+                 qk_norm: bool = False, norm_eps: float = 1e-5) -> None:
         super().__init__()
         self.n_head = n_head
+        self.n_kv_head = n_head if n_kv_head is None else n_kv_head
         self.head_dim = head_dim
-        self.qkv = nn.Linear(n_embd, 3 * n_head * head_dim, bias=bias)
+        width = (n_head + 2 * self.n_kv_head) * head_dim
+        self.qkv = nn.Linear(n_embd, width, bias=bias if qkv_bias is None else qkv_bias)
         self.out = nn.Linear(n_head * head_dim, n_embd, bias=bias)
         self.dropout = dropout
+        self.rope_theta = rope_theta
+        self.q_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
 
-    def _heads(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    @property
+    def plain(self) -> bool:
+        """GPT-2's attention: every head its own keys, no rotation, no QK-norm."""
+        return self.n_kv_head == self.n_head and self.rope_theta is None and self.q_norm is None
+
+    def _heads(self, x: Tensor, start: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+        """q (B, H, C, D), k and v (B, H_kv, C, D) of x (B, C, E) at positions start..,
+        QK-normed and rotated where the layout says so (keys are cached rotated)."""
         B, C, _ = x.shape
-        qkv = self.qkv(x)  # (B, C, E) -> (B, C, 3·H·D)
-        qkv = qkv.view(B, C, 3, self.n_head, self.head_dim)  # -> (B, C, 3, H, D)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # -> 3 × (B, H, C, D)
+        H, Hkv, D = self.n_head, self.n_kv_head, self.head_dim
+        q, k, v = self.qkv(x).split([H * D, Hkv * D, Hkv * D], dim=-1)  # [q | k | v]
+        q = q.view(B, C, H, D).transpose(1, 2)  # (B, C, H·D) -> (B, H, C, D)
+        k = k.view(B, C, Hkv, D).transpose(1, 2)  # -> (B, H_kv, C, D)
+        v = v.view(B, C, Hkv, D).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rope_theta is not None:
+            cos, sin = rope_angles(start, C, D, self.rope_theta, device=x.device)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         return q, k, v
 
     def forward(
@@ -317,26 +396,36 @@ class MultiHeadAttention(nn.Module):
         into it (the caller advances it after the last layer).
         """
         B, C, _ = x.shape
-        q, k, v = self._heads(x)  # 3 × (B, H, C, D)
+        start = cache.length if cache is not None else 0
+        if cache is not None and (self.rope_theta is not None or self.n_kv_head != self.n_head) \
+                and cache.positions(C).dim() != 1:
+            raise ValueError("a cache whose rows have their own positions (RaggedKVCache) "
+                             "is not supported for RoPE or grouped-query attention yet")
+        q, k, v = self._heads(x, start)  # (B, H, C, D), 2 × (B, H_kv, C, D)
+        gqa = self.n_kv_head != self.n_head
         if cache is not None and C == 1 and not return_weights \
                 and not (self.training and self.dropout > 0):
             r = cache.attend(layer, q, k, v)  # one decoding step, (B, H, 1, D)
             return self.out(r.transpose(1, 2).reshape(B, C, self.n_head * self.head_dim))
         if cache is not None:
-            k, v = cache.update(layer, k, v)  # -> (B, H, T, D), T = cached + C
+            k, v = cache.update(layer, k, v)  # -> (B, H_kv, T, D), T = cached + C
         T = k.shape[2]
         if return_weights:
-            r, weights = explicit_attention(q, k, v, causal_mask(C, T, device=x.device))
+            n_rep = self.n_head // self.n_kv_head  # query heads per key/value head
+            r, weights = explicit_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep),
+                                            causal_mask(C, T, device=x.device))
         else:
             weights = None
             p = self.dropout if self.training else 0.0
             if T == C:  # no cache offset: the standard causal mask
-                r = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+                r = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
+                                                   enable_gqa=gqa)
             elif C == 1:  # one new token sees every cached key
-                r = F.scaled_dot_product_attention(q, k, v, dropout_p=p)
+                r = F.scaled_dot_product_attention(q, k, v, dropout_p=p, enable_gqa=gqa)
             else:  # C new tokens after T - C cached ones
                 mask = causal_mask(C, T, device=x.device)
-                r = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
+                r = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p,
+                                                   enable_gqa=gqa)
         r = r.transpose(1, 2).reshape(B, C, self.n_head * self.head_dim)  # (B,H,C,D)->(B,C,H·D)
         y = self.out(r)  # [R^1 … R^H]·[W_o^1; …; W_o^H]: (B, C, H·D) -> (B, C, E)
         return (y, weights) if return_weights else y
@@ -347,12 +436,13 @@ class MultiHeadAttention(nn.Module):
         Slow and explicit; exists to prove it equals the concat form of :meth:`forward`.
         """
         B, C, _ = x.shape
-        q, k, v = self._heads(x)  # 3 × (B, H, C, D)
+        q, k, v = self._heads(x)  # (B, H, C, D), 2 × (B, H_kv, C, D)
         mask = causal_mask(C, device=x.device)
-        D = self.head_dim
+        D, n_rep = self.head_dim, self.n_head // self.n_kv_head
         y = torch.zeros(B, C, self.out.out_features, dtype=x.dtype, device=x.device)
         for i in range(self.n_head):
-            r_i, _ = explicit_attention(q[:, i], k[:, i], v[:, i], mask)  # (B, C, D)
+            j = i // n_rep  # the key/value head query head i shares
+            r_i, _ = explicit_attention(q[:, i], k[:, j], v[:, j], mask)  # (B, C, D)
             W_o_i = self.out.weight[:, i * D:(i + 1) * D].t()  # (D, E), rows of W_o for head i
             y = y + r_i @ W_o_i  # (B, C, D)·(D, E) -> (B, C, E)
         if self.out.bias is not None:

@@ -624,7 +624,15 @@ _MODEL_FLAG_HELP = {
     "dropout": "dropout probability while training",
     "bias": "biases in Linear layers and LayerNorms",
     "tie_embeddings": "share the token embedding with the LM head",
-    "layer_norm_eps": "LayerNorm epsilon",
+    "norm_eps": "epsilon of every LayerNorm/RMSNorm",
+    "norm": "layernorm (GPT-2) or rmsnorm",
+    "position": "learned (position table, GPT-2) or rope (rotary, in attention)",
+    "rope_theta": "RoPE base theta",
+    "mlp": "gelu (GPT-2), swiglu (gated SiLU, Llama) or relu2 (squared ReLU)",
+    "ffn_hidden": "MLP hidden width (default: 4*E; swiglu 8*E/3 rounded up to 8)",
+    "n_kv_head": "key/value heads, fewer = grouped-query, 1 = multi-query (default: n_head)",
+    "qk_norm": "RMSNorm each head's query and key",
+    "qkv_bias": "biases on the QKV projection only (default: --bias)",
 }
 
 
@@ -673,7 +681,7 @@ def _or_off(kind: type, zero_is_off: bool = False) -> Callable[[str], object]:
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
-    from tinylm.config import ModelConfig, TrainConfig
+    from tinylm.config import ARCH_PRESETS, ModelConfig, TrainConfig
 
     p = sub.add_parser(
         "train",
@@ -696,7 +704,12 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                    "torchrun restart, auto is what a plain run does")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="force the progress bar on/off (default: on a terminal)")
-    _config_flags(p.add_argument_group("model"), ModelConfig, _MODEL_FLAG_HELP)
+    model = p.add_argument_group("model")
+    model.add_argument("--arch", choices=sorted(ARCH_PRESETS), default=None,
+                       help="architecture preset: gpt2, llama (RMSNorm, RoPE, SwiGLU, no "
+                       "biases, untied head) or modern (RMSNorm, RoPE, ReLU², QK-norm, no "
+                       "biases, untied head); explicit flags override it (default: gpt2)")
+    _config_flags(model, ModelConfig, _MODEL_FLAG_HELP)
     _config_flags(p.add_argument_group("training"), TrainConfig, {})
     p.set_defaults(func=_cmd_train)
 
@@ -718,7 +731,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     overrides = {n: UNSET if getattr(args, n, None) is _OFF else getattr(args, n, None)
                  for n in names}
     result = train_run(args.data, args.out, config_file=args.config, overrides=overrides,
-                       resume=args.resume, progress=args.progress)
+                       resume=args.resume, progress=args.progress, arch=args.arch)
     if result.rank != 0:
         return 0
     if result.stop_reason == "finished":
@@ -911,14 +924,16 @@ def _cmd_explain(args: argparse.Namespace) -> int:
 def _add_convert(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "convert",
-        help="Hugging Face GPT-2 folder <-> tinylm checkpoint",
-        description="--from-hf HF_DIR --out DIR: a Hugging Face GPT-2 folder on disk "
-        "(config.json, model.safetensors or pytorch_model.bin, tokenizer files when "
-        "present) -> a tinylm checkpoint. --model DIR --to-hf HF_DIR: a tinylm checkpoint "
-        "-> a folder that transformers' GPT2LMHeadModel and AutoTokenizer load. Nothing "
-        "is downloaded.",
+        help="Hugging Face GPT-2/Llama/Qwen2/Mistral folder <-> tinylm checkpoint",
+        description="--from-hf HF_DIR --out DIR: a Hugging Face GPT-2, Llama, Qwen2 or "
+        "Mistral folder on disk (config.json, model.safetensors or pytorch_model.bin, "
+        "tokenizer.json when present; the family comes from config.json) -> a tinylm "
+        "checkpoint. --model DIR --to-hf HF_DIR: a tinylm checkpoint -> a folder that "
+        "transformers' AutoModelForCausalLM and AutoTokenizer load (GPT-2, Llama or Qwen2, "
+        "from the architecture). Nothing is downloaded.",
     )
-    p.add_argument("--from-hf", metavar="HF_DIR", help="a Hugging Face GPT-2 folder to import")
+    p.add_argument("--from-hf", metavar="HF_DIR",
+                   help="a Hugging Face GPT-2/Llama/Qwen2/Mistral folder to import")
     p.add_argument("--out", metavar="DIR",
                    help="the tinylm checkpoint to write (--from-hf); a new or empty folder")
     p.add_argument("--force", action="store_true",
@@ -936,7 +951,7 @@ def _add_convert(sub: argparse._SubParsersAction) -> None:
 def _cmd_convert(args: argparse.Namespace) -> int:
     from tinylm.checkpoint import check_target, load_checkpoint, save_checkpoint
     from tinylm.errors import ConfigError
-    from tinylm.hf import read_hf_folder, write_hf_folder
+    from tinylm.hf import export_family, read_hf_folder, write_hf_folder
 
     importing = args.from_hf is not None or args.out is not None
     exporting = args.model is not None or args.to_hf is not None
@@ -957,7 +972,8 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         model, tokenizer = load_checkpoint(args.model)
         write_hf_folder(model, tokenizer, args.to_hf, weights_only=args.weights_only)
         what = "weights only" if args.weights_only else f"{tokenizer.kind} tokenizer"
-        print(f"exported {args.model} -> {args.to_hf} (Hugging Face GPT-2, {what})")
+        family = export_family(model.config).architecture
+        print(f"exported {args.model} -> {args.to_hf} (Hugging Face {family}, {what})")
     return 0
 
 

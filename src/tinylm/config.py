@@ -99,7 +99,24 @@ class ModelConfig(_JSONMixin):
     dropout         dropout probability used in training
     bias            biases in Linear layers and LayerNorms (GPT-2 has them)
     tie_embeddings  the LM head shares the token embedding matrix (GPT-2 does)
-    layer_norm_eps  LayerNorm epsilon (GPT-2 uses 1e-5)
+    norm_eps        epsilon of every LayerNorm/RMSNorm (GPT-2 uses 1e-5); old
+                    checkpoints spell it ``layer_norm_eps``
+    norm            ``layernorm`` (GPT-2) or ``rmsnorm`` (Llama: no mean, no bias)
+    position        ``learned`` (a (C, E) table added to the embeddings, GPT-2) or
+                    ``rope`` (rotary: queries and keys rotated by position, no table)
+    rope_theta      RoPE base θ: pair i of a head turns by angle m·θ^(-2i/D)
+    mlp             ``gelu`` (GPT-2), ``swiglu`` (Llama: gated SiLU) or ``relu2``
+                    (squared ReLU, modded-nanogpt/nanochat)
+    ffn_hidden      hidden width of the MLP; default 4·E, and for swiglu 8·E/3
+                    rounded up to a multiple of 8 (about as many weights as 4·E)
+    n_kv_head       key/value heads: n_head (default) is multi-head attention, fewer is
+                    grouped-query (each K/V head serves n_head / n_kv_head query heads),
+                    1 is multi-query
+    qk_norm         RMSNorm over each head's query and key before the scores
+    qkv_bias        biases on the QKV projection only (Qwen2); defaults to ``bias``
+
+    :attr:`gpt2_layout` says whether the config is plain GPT-2, the one layout the
+    native fast paths implement; every other layout runs the reference modules.
     """
 
     vocab_size: int = 50257
@@ -111,7 +128,15 @@ class ModelConfig(_JSONMixin):
     dropout: float = 0.0
     bias: bool = True
     tie_embeddings: bool = True
-    layer_norm_eps: float = 1e-5
+    norm_eps: float = 1e-5
+    norm: str = "layernorm"
+    position: str = "learned"
+    rope_theta: float = 10000.0
+    mlp: str = "gelu"
+    ffn_hidden: int | None = None
+    n_kv_head: int | None = None
+    qk_norm: bool = False
+    qkv_bias: bool | None = None
 
     def __post_init__(self) -> None:
         _check_int("vocab_size", self.vocab_size)
@@ -134,10 +159,72 @@ class ModelConfig(_JSONMixin):
             raise ConfigError(f"bias must be true or false, got {self.bias!r}")
         if not isinstance(self.tie_embeddings, bool):
             raise ConfigError(f"tie_embeddings must be true or false, got {self.tie_embeddings!r}")
-        if not (isinstance(self.layer_norm_eps, (int, float)) and self.layer_norm_eps > 0):
-            raise ConfigError(
-                f"layer_norm_eps must be a positive number, got {self.layer_norm_eps!r}"
-            )
+        _check_positive("norm_eps", self.norm_eps)
+        if self.norm_eps == 0:
+            raise ConfigError("norm_eps must be > 0 (it keeps the norm's division finite); "
+                              "use e.g. 1e-5")
+        self._check_variants()
+
+    def _check_variants(self) -> None:
+        """The architecture options: each value, and the combinations that cannot work."""
+        for name, allowed in (("norm", NORMS), ("position", POSITIONS), ("mlp", MLPS)):
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ConfigError(f"{name} must be one of {', '.join(allowed)}, got {value!r}; "
+                                  f"set --{name} {allowed[0]} (or --arch gpt2|llama|modern)")
+        _check_positive("rope_theta", self.rope_theta)
+        if self.rope_theta == 0:
+            raise ConfigError("rope_theta must be > 0 (10000 as in Llama), got 0")
+        if self.position == "rope" and self.head_dim % 2:
+            raise ConfigError(f"head_dim={self.head_dim} is odd, but position=rope rotates pairs "
+                              f"of dimensions; choose an even head_dim (or n_embd/n_head) or "
+                              f"position=learned")
+        if self.ffn_hidden is not None:
+            _check_int("ffn_hidden", self.ffn_hidden)
+        if self.n_kv_head is None:
+            object.__setattr__(self, "n_kv_head", self.n_head)
+        _check_int("n_kv_head", self.n_kv_head)
+        if self.n_head % self.n_kv_head:
+            raise ConfigError(f"n_kv_head={self.n_kv_head} does not divide n_head={self.n_head}: "
+                              f"each key/value head serves n_head / n_kv_head query heads; "
+                              f"choose n_kv_head among the divisors of {self.n_head}")
+        if self.qkv_bias is None:
+            object.__setattr__(self, "qkv_bias", self.bias)
+        for name in ("qk_norm", "qkv_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        """As for every config, plus the spelling of checkpoints written before the
+        architecture options: ``layer_norm_eps`` is read as ``norm_eps``."""
+        if "layer_norm_eps" in data:
+            data = dict(data)
+            eps = data.pop("layer_norm_eps")
+            if "norm_eps" in data and data["norm_eps"] != eps:
+                raise ConfigError(f"config has both layer_norm_eps={eps!r} and norm_eps="
+                                  f"{data['norm_eps']!r}; keep only norm_eps")
+            data["norm_eps"] = eps
+        return super().from_dict(data)
+
+    @property
+    def layer_norm_eps(self) -> float:
+        """The old name of :attr:`norm_eps`."""
+        return self.norm_eps
+
+    @property
+    def kv_dim(self) -> int:
+        """n_kv_head·D, the width of the keys (and of the values)."""
+        return self.n_kv_head * self.head_dim  # type: ignore[operator]
+
+    @property
+    def gpt2_layout(self) -> bool:
+        """Whether this is plain GPT-2 — LayerNorm, learned positions, GELU MLP, full
+        multi-head attention, no QK-norm, one bias setting for every layer. The native
+        fast paths implement exactly this layout and step aside for every other."""
+        return (self.norm == "layernorm" and self.position == "learned"
+                and self.mlp == "gelu" and self.n_kv_head == self.n_head
+                and not self.qk_norm and self.qkv_bias == self.bias)
 
     @property
     def inner_dim(self) -> int:
@@ -146,8 +233,44 @@ class ModelConfig(_JSONMixin):
 
     @property
     def ffn_dim(self) -> int:
-        """Hidden width of the feed-forward network (4·E, as in GPT-2)."""
+        """Hidden width of the MLP: ``ffn_hidden``, else 4·E (GPT-2), or for swiglu
+        8·E/3 rounded up to a multiple of 8 (three matrices instead of two)."""
+        if self.ffn_hidden is not None:
+            return self.ffn_hidden
+        if self.mlp == "swiglu":
+            return _round_up(-(-8 * self.n_embd // 3), 8)
         return 4 * self.n_embd
+
+
+#: ModelConfig.norm, .position and .mlp values.
+NORMS = ("layernorm", "rmsnorm")
+POSITIONS = ("learned", "rope")
+MLPS = ("gelu", "swiglu", "relu2")
+
+#: ``tinylm train --arch NAME``: the ModelConfig fields each preset fills (explicit
+#: flags, --config and a resumed run's saved config override them).
+ARCH_PRESETS: dict[str, dict[str, Any]] = {
+    "gpt2": {"norm": "layernorm", "position": "learned", "mlp": "gelu", "qk_norm": False,
+             "bias": True, "tie_embeddings": True},
+    "llama": {"norm": "rmsnorm", "position": "rope", "mlp": "swiglu", "qk_norm": False,
+              "bias": False, "tie_embeddings": False},
+    "modern": {"norm": "rmsnorm", "position": "rope", "mlp": "relu2", "qk_norm": True,
+               "bias": False, "tie_embeddings": False},
+}
+
+
+def resolve_arch(arch: str | None, fields: dict[str, Any]) -> dict[str, Any]:
+    """ModelConfig fields for preset ``arch`` (None: no preset) with ``fields`` on top:
+    a field given explicitly always wins over the preset."""
+    if arch is None:
+        return dict(fields)
+    if arch not in ARCH_PRESETS:
+        raise ConfigError(f"unknown --arch {arch!r}; choose one of {', '.join(ARCH_PRESETS)}")
+    return {**ARCH_PRESETS[arch], **fields}
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
 
 
 #: Optimizers TrainConfig.optimizer accepts (built in tinylm.training.build_optimizer).
@@ -264,7 +387,8 @@ def read_toml(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, Any]]:
                           f"TOML file") from exc
     except (tomllib.TOMLDecodeError, UnicodeDecodeError, OSError) as exc:
         raise ConfigError(f"config file {p} is not valid TOML: {exc}") from exc
-    names = {"model": {f.name for f in fields(ModelConfig)},
+    # "layer_norm_eps": run.toml files written before norm_eps (ModelConfig.from_dict reads it)
+    names = {"model": {f.name for f in fields(ModelConfig)} | {"layer_norm_eps"},
              "train": {f.name for f in fields(TrainConfig)}}
     out: dict[str, dict[str, Any]] = {"model": {}, "train": {}}
     for key, value in data.items():

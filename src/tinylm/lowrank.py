@@ -52,7 +52,8 @@ from tinylm.plotting import figure_path, new_figure, save_figure
 
 log = logging.getLogger(__name__)
 
-DEFAULT_LAYERS: tuple[str, ...] = ("attn.qkv", "attn.out", "ffn.up", "ffn.down")
+#: ffn.gate exists only in a gated (SwiGLU) MLP; a default kind the model lacks is skipped.
+DEFAULT_LAYERS: tuple[str, ...] = ("attn.qkv", "attn.out", "ffn.gate", "ffn.up", "ffn.down")
 
 
 # --- the math as small pure functions ---------------------------------------------------
@@ -385,6 +386,8 @@ def select_layers(model: nn.Module, layers: Sequence[str] = DEFAULT_LAYERS
     for pattern in layers:
         pattern = pattern.strip()
         hits = [(n, m) for n, m in linear if n == pattern or n.endswith("." + pattern)]
+        if not hits and pattern in DEFAULT_LAYERS and len(layers) > 1:
+            continue  # a kind this architecture lacks (ffn.gate without SwiGLU)
         if not pattern or not hits:
             kinds = sorted({n.split(".", 2)[-1] for n, _ in linear})
             raise ConfigError(f"unknown layer name {pattern!r}; choose from "

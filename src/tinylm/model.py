@@ -12,6 +12,11 @@ uses the cross-entropy of row t against token t+1.
 This is the reference model: plain modules, math only. The fast paths of
 :mod:`tinylm.native` are applied to it from outside (``tinylm.native.accelerate``) and
 are proven equal to it in tests/test_equivalence.py.
+
+The architecture options of :class:`~tinylm.config.ModelConfig` (docs/architectures.md)
+swap parts in place: RMSNorm for LayerNorm, RoPE (inside attention) for the learned
+position table, a SwiGLU or squared-ReLU MLP, grouped-query attention, QK-norm. Each is
+written once, here and in attention.py.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tinylm.attention import KVCache, MultiHeadAttention
+from tinylm.attention import KVCache, MultiHeadAttention, RMSNorm
 from tinylm.config import ModelConfig
 from tinylm.errors import ConfigError
 
@@ -33,37 +38,72 @@ def _dropout(drop: nn.Dropout, x: Tensor) -> Tensor:
     return drop(x) if drop.training and drop.p > 0 else x
 
 
-def _layer_norm(config: ModelConfig) -> nn.LayerNorm:
-    return nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=config.bias)
+def _layer_norm(config: ModelConfig) -> nn.Module:
+    """The block's normalisation: LayerNorm (GPT-2) or RMSNorm (``config.norm``)."""
+    if config.norm == "rmsnorm":
+        return RMSNorm(config.n_embd, eps=config.norm_eps)
+    return nn.LayerNorm(config.n_embd, eps=config.norm_eps, bias=config.bias)
+
+
+class ReLUSquared(nn.Module):
+    """max(0, x)², the activation of modded-nanogpt and nanochat."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.relu(x).square()
 
 
 class FeedForward(nn.Module):
-    """Position-wise FFN: E -> 4·E -> GELU (tanh approximation, as GPT-2) -> E."""
+    """Position-wise FFN: E -> F -> activation -> E, F = ``config.ffn_dim`` (4·E by
+    default); GELU (tanh approximation, as GPT-2) or squared ReLU (``mlp="relu2"``)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.up = nn.Linear(config.n_embd, config.ffn_dim, bias=config.bias)
-        self.act = nn.GELU(approximate="tanh")
+        self.act = ReLUSquared() if config.mlp == "relu2" else nn.GELU(approximate="tanh")
         self.down = nn.Linear(config.ffn_dim, config.n_embd, bias=config.bias)
         self.drop = nn.Dropout(config.dropout)
 
     def forward(self, x: Tensor) -> Tensor:
-        y = self.down(self.act(self.up(x)))  # (B, C, E) -> (B, C, 4E) -> (B, C, E)
+        y = self.down(self.act(self.up(x)))  # (B, C, E) -> (B, C, F) -> (B, C, E)
         return _dropout(self.drop, y)
 
 
+class GatedFeedForward(nn.Module):
+    """SwiGLU (Shazeer 2020, as in Llama): down(SiLU(gate(x)) ⊙ up(x)), E -> F -> E.
+
+    The gate's SiLU decides, per hidden unit, how much of the linear ``up`` passes."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate = nn.Linear(config.n_embd, config.ffn_dim, bias=config.bias)
+        self.up = nn.Linear(config.n_embd, config.ffn_dim, bias=config.bias)
+        self.down = nn.Linear(config.ffn_dim, config.n_embd, bias=config.bias)
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = F.silu(self.gate(x)) * self.up(x)  # (B, C, E) -> (B, C, F)
+        return _dropout(self.drop, self.down(h))  # -> (B, C, E)
+
+
+def feed_forward(config: ModelConfig) -> nn.Module:
+    """The MLP ``config.mlp`` names."""
+    return GatedFeedForward(config) if config.mlp == "swiglu" else FeedForward(config)
+
+
 class Block(nn.Module):
-    """One Transformer block: x + Attention(LN(x)), then x + FFN(LN(x))."""
+    """One Transformer block: x + Attention(Norm(x)), then x + FFN(Norm(x))."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.ln1 = _layer_norm(config)
         self.attn = MultiHeadAttention(
             config.n_embd, config.n_head, config.head_dim, bias=config.bias,
-            dropout=config.dropout,
+            dropout=config.dropout, n_kv_head=config.n_kv_head, qkv_bias=config.qkv_bias,
+            rope_theta=config.rope_theta if config.position == "rope" else None,
+            qk_norm=config.qk_norm, norm_eps=config.norm_eps,
         )
         self.ln2 = _layer_norm(config)
-        self.ffn = FeedForward(config)
+        self.ffn = feed_forward(config)
         self.drop = nn.Dropout(config.dropout)
 
     def forward(self, x: Tensor, cache: KVCache | None = None, layer: int = 0,
@@ -86,7 +126,9 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         self.tok_emb = nn.Embedding(config.vocab_size, config.n_embd)
-        self.pos_emb = nn.Embedding(config.context_length, config.n_embd)
+        # RoPE (position="rope") rotates queries and keys instead: no position table.
+        self.pos_emb = (nn.Embedding(config.context_length, config.n_embd)
+                        if config.position == "learned" else None)
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.final_norm = _layer_norm(config)
@@ -108,6 +150,8 @@ class GPT(nn.Module):
                     nn.init.zeros_(module.bias)
             elif isinstance(module, nn.Embedding):
                 nn.init.normal_(module.weight, mean=0.0, std=std)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
             elif isinstance(module, nn.LayerNorm):
                 nn.init.ones_(module.weight)
                 if module.bias is not None:
@@ -129,10 +173,12 @@ class GPT(nn.Module):
                 f"sequence of {start + C} tokens is longer than the model's context_length "
                 f"{self.config.context_length}; shorten the input or slide a window"
             )
-        if pos is None:
-            pos = torch.arange(start, start + C, device=ids.device)  # (C,)
-        # (B, C, E) + (C, E) or (B, C, E)
-        return _dropout(self.drop, self.tok_emb(ids) + self.pos_emb(pos))
+        x = self.tok_emb(ids)  # (B, C, E)
+        if self.pos_emb is not None:  # learned positions; RoPE acts inside attention
+            if pos is None:
+                pos = torch.arange(start, start + C, device=ids.device)  # (C,)
+            x = x + self.pos_emb(pos)  # + (C, E) or (B, C, E)
+        return _dropout(self.drop, x)
 
     def hidden_states(self, ids: Tensor, cache: KVCache | None = None) -> Tensor:
         """ids (B, C) -> final-normed hidden states (B, C, E). With a cache, the tokens'
@@ -177,7 +223,8 @@ class GPT(nn.Module):
         """Distinct parameters (a tied LM head counts once)."""
         n = sum(p.numel() for p in self.parameters())
         if exclude_embeddings:
-            n -= self.tok_emb.weight.numel() + self.pos_emb.weight.numel()
+            n -= self.tok_emb.weight.numel()
+            n -= self.pos_emb.weight.numel() if self.pos_emb is not None else 0
         return n
 
 
@@ -191,15 +238,21 @@ def lm_loss(logits: Tensor, targets: Tensor, ignore_index: int = -100) -> Tensor
 def parameter_count(config: ModelConfig) -> int:
     """Closed-form number of parameters of ``GPT(config)``.
 
-    Per block: QKV E·3HD (+3HD), output HD·E (+E), FFN 2·E·4E (+4E +E), two LayerNorms
-    2·E (+2·E biases). Plus embeddings V·E + C·E, the final LayerNorm, and an untied
-    LM head V·E.
+    Per block: QKV E·(H + 2·H_kv)·D (+ that many QKV biases), output H·D·E (+E), the
+    MLP's 2 (gelu, relu2) or 3 (swiglu) matrices of E·F (+F per input-side matrix, +E),
+    two norms of E (+E bias each for a biased LayerNorm), QK-norm 2·D. Plus the token
+    embedding V·E, a learned position table C·E, the final norm, and an untied head V·E.
     """
     E, HD, F4, V = config.n_embd, config.inner_dim, config.ffn_dim, config.vocab_size
     b = 1 if config.bias else 0
-    block = E * 3 * HD + HD * E + 2 * E * F4 + 2 * E
-    block += b * (3 * HD + E + F4 + E + 2 * E)
-    total = config.n_layer * block + V * E + config.context_length * E + E + b * E
+    qkv = E * (HD + 2 * config.kv_dim) + (HD + 2 * config.kv_dim) * config.qkv_bias
+    mats = 3 if config.mlp == "swiglu" else 2
+    norm = E + (E * b if config.norm == "layernorm" else 0)
+    block = qkv + HD * E + b * E + mats * E * F4 + b * ((mats - 1) * F4 + E) + 2 * norm
+    block += 2 * config.head_dim * config.qk_norm
+    total = config.n_layer * block + V * E + norm
+    if config.position == "learned":
+        total += config.context_length * E
     if not config.tie_embeddings:
         total += V * E
     return total

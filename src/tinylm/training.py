@@ -86,6 +86,7 @@ from tinylm.config import (
     available_cpus,
     default_threads,
     read_toml,
+    resolve_arch,
     resolve_device,
     to_toml,
 )
@@ -1278,12 +1279,14 @@ def using_threads(n: int | None) -> Iterator[None]:
 
 def layer_configs(out_dir: str | os.PathLike, *, config_file: str | os.PathLike | None = None,
                   overrides: dict[str, Any] | None = None,
-                  resume: bool | str | None = False) -> tuple[ModelConfig, TrainConfig]:
-    """The configuration layering rule of ``tinylm train``: defaults, then the saved run
+                  resume: bool | str | None = False, arch: str | None = None
+                  ) -> tuple[ModelConfig, TrainConfig]:
+    """The configuration layering rule of ``tinylm train``: defaults, then the ``arch``
+    preset (``tinylm.config.ARCH_PRESETS``), then the saved run
     (when resuming and OUT/latest exists), then the ``config_file`` TOML, then
     ``overrides`` (flags; a value of None there means "not given"; :data:`UNSET` means
     "switch off", e.g. ``--time-budget 0``). vocab_size always comes from the data."""
-    model_kw: dict[str, Any] = {}
+    model_kw: dict[str, Any] = resolve_arch(arch, {})  # every later layer overrides it
     train_kw: dict[str, Any] = {}
     latest = Path(out_dir) / RUN_LATEST
     if resume_mode(resume) and Path(out_dir).is_dir():
@@ -1314,11 +1317,11 @@ UNSET = object()
 def train_run(data_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
               config_file: str | os.PathLike | None = None,
               overrides: dict[str, Any] | None = None, resume: bool | str | None = None,
-              progress: bool | None = None) -> TrainResult:
+              progress: bool | None = None, arch: str | None = None) -> TrainResult:
     """``tinylm train``: :func:`layer_configs`, then :func:`train`, with ``threads``
     defaulting to :func:`tinylm.config.default_threads` when no layer sets it."""
     model_config, train_config = layer_configs(out_dir, config_file=config_file,
-                                               overrides=overrides, resume=resume)
+                                               overrides=overrides, resume=resume, arch=arch)
     if train_config.threads is None:
         with using_threads(default_threads()):
             return train(model_config, train_config, data_dir, out_dir, resume=resume,

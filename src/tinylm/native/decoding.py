@@ -44,7 +44,8 @@ class NativeKVCache(KVCache):
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         self.check_room(1)
-        if q.dtype != torch.float32 or q.stride(-1) != 1 or self.k.dtype != torch.float32:
+        if q.dtype != torch.float32 or q.stride(-1) != 1 or self.k.dtype != torch.float32 \
+                or k.shape[1] != q.shape[1]:  # grouped-query attention: SDPA (enable_gqa)
             return super().attend(layer, q, k, v)
         return self.lib.attend_one(q, k, v, self.k[layer], self.v[layer], self.length,
                                    self.scratch)
@@ -119,7 +120,7 @@ class _FusedStep:
         self.cache = cache
         B = cache.k.shape[1]
         self.B, self.E, self.H, self.D = B, cfg.n_embd, cfg.n_head, cfg.head_dim
-        self.V, self.eps = cfg.vocab_size, cfg.layer_norm_eps
+        self.V, self.eps = cfg.vocab_size, cfg.norm_eps
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         self.threads = torch.get_num_threads()
         HD = cfg.n_head * cfg.head_dim

@@ -57,7 +57,11 @@ log = logging.getLogger("tinylm.native")
 # The config fields whose every value the fast paths implement (dropout is checked per
 # call). A field added later (an architecture variant) must keep its default value.
 KNOWN_FIELDS = frozenset({"vocab_size", "context_length", "n_layer", "n_head", "n_embd",
-                          "head_dim", "dropout", "bias", "tie_embeddings", "layer_norm_eps"})
+                          "head_dim", "dropout", "bias", "tie_embeddings", "norm_eps"})
+# The architecture variants (docs/architectures.md): the fast paths implement GPT-2's
+# layout of them only, which ``ModelConfig.gpt2_layout`` decides in one place.
+LAYOUT_FIELDS = frozenset({"norm", "position", "rope_theta", "mlp", "ffn_hidden",
+                           "n_kv_head", "qk_norm", "qkv_bias"})
 
 
 @dataclass(frozen=True)
@@ -139,8 +143,12 @@ def _block_reason(block: nn.Module, linear: tuple[type, ...] = TRAIN_LINEAR) -> 
 
 
 def _config_reason(config: ModelConfig) -> str | None:
+    if not config.gpt2_layout:
+        return (f"the config is not GPT-2's layout (norm={config.norm}, position="
+                f"{config.position}, mlp={config.mlp}, n_kv_head={config.n_kv_head}/"
+                f"{config.n_head}, qk_norm={config.qk_norm}, qkv_bias={config.qkv_bias})")
     for field in dataclasses.fields(config):
-        if field.name in KNOWN_FIELDS:
+        if field.name in KNOWN_FIELDS or field.name in LAYOUT_FIELDS:
             continue
         default = field.default if field.default is not dataclasses.MISSING else (
             field.default_factory() if field.default_factory is not dataclasses.MISSING
