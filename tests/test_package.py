@@ -99,12 +99,6 @@ def test_no_function_level_imports_in_the_model_and_native_files() -> None:
                 assert not inner, f"{name}: {node.name} imports inside the function"
 
 
-# Long functions other helpers are splitting (issue 12, item 7); remove an entry when its
-# function is short. Entries no longer too long are ignored.
-BEING_SPLIT = {("training.py", "train"), ("data.py", "prepare"), ("cli.py", "_cmd_compress"),
-               ("evaluation.py", "evaluate"), ("lowrank.py", "compress")}
-
-
 def test_no_function_in_src_is_longer_than_80_lines() -> None:
     long = []
     for path in SRC.rglob("*.py"):
@@ -112,7 +106,7 @@ def test_no_function_in_src_is_longer_than_80_lines() -> None:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 n = node.end_lineno - node.lineno + 1
-                if n > 80 and (rel, node.name) not in BEING_SPLIT:
+                if n > 80:
                     long.append(f"{rel}:{node.name} ({n} lines)")
     assert not long, long
 
