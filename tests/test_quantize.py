@@ -244,8 +244,8 @@ def test_bad_flags_give_one_line_errors(setup, tmp_path, capsys, flags, message)
 
 
 def test_serve_answers_from_the_quantized_checkpoint(setup) -> None:
-    pytest.importorskip("fastapi")
-    httpx = pytest.importorskip("httpx")
+    import httpx  # the [serve] and [dev] extras, which make test installs
+
     from serve_support import live_server
     from tinylm.sampling import generate_text
     from tinylm.serve import make_server
