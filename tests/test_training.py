@@ -844,3 +844,15 @@ def test_a_zero_column_terminal_gets_log_lines_not_a_bar(monkeypatch) -> None:
     monkeypatch.setattr(shutil, "get_terminal_size", lambda fallback=None: _os.terminal_size(
         (120, 40)))
     assert _Progress(True, None).use_bar is True
+
+
+def test_default_threads_keep_every_core_on_a_quiet_machine(monkeypatch) -> None:
+    from tinylm import config as cfg
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(cfg, "available_cpus", lambda: 2)
+    for load, want in [(0.0, 2), (0.9, 2), (1.2, 1), (5.0, 1)]:
+        monkeypatch.setattr(cfg.os, "getloadavg", lambda load=load: (load, load, load))
+        assert cfg.default_threads() == want, load
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert cfg.default_threads() == 3

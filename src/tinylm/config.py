@@ -439,8 +439,9 @@ def available_cpus() -> int:
 
 def default_threads() -> int:
     """A sane default for torch's intra-op threads: OMP_NUM_THREADS when set, else the
-    CPUs left free by the current load (1-minute load average), at least 1 and at most
-    the available CPUs. On a busy machine, oversubscribed threads spin and wait on each
+    CPUs left free by the current load (1-minute load average, whole processes only: a
+    load under 1 on an idle machine is the tail of earlier work and keeps every core), at
+    least 1 and at most the available CPUs. On a busy machine, oversubscribed threads spin and wait on each
     other (one measured case: 1 thread 8x faster than the default)."""
     env = os.environ.get("OMP_NUM_THREADS", "")
     if env.isdigit() and int(env) > 0:
@@ -450,7 +451,7 @@ def default_threads() -> int:
         load = os.getloadavg()[0]
     except (AttributeError, OSError):
         load = 0.0
-    return max(1, min(cpus, cpus - int(load + 0.5)))
+    return max(1, min(cpus, cpus - int(load)))
 
 
 def resolve_device(name: str | None = "auto"):
