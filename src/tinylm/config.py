@@ -441,8 +441,8 @@ def default_threads() -> int:
     """A sane default for torch's intra-op threads: OMP_NUM_THREADS when set, else the
     CPUs left free by the current load (1-minute load average, whole processes only: a
     load under 1 on an idle machine is the tail of earlier work and keeps every core), at
-    least 1 and at most the available CPUs. On a busy machine, oversubscribed threads spin and wait on each
-    other (one measured case: 1 thread 8x faster than the default)."""
+    least 1 and at most the available CPUs. On a busy machine, oversubscribed threads
+    spin and wait on each other."""
     env = os.environ.get("OMP_NUM_THREADS", "")
     if env.isdigit() and int(env) > 0:
         return int(env)
