@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from tinylm.config import default_threads
 from tinylm.corpora import corpus_names, load_corpus
 from tinylm.errors import DataError
 from tinylm.readers import BadRecords, Source, display_path, iter_documents, resolve_inputs
@@ -802,11 +803,9 @@ def _encode_task(task: tuple[list[str], bytes, bytes]) -> tuple[np.ndarray, np.n
 
 
 def default_workers() -> int:
-    """The CPU cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+    """Encoding processes for a large input: the free cores
+    (:func:`tinylm.config.default_threads`)."""
+    return default_threads()
 
 
 class _SerialTokenizers:
@@ -1054,7 +1053,7 @@ def prepare(
                     break if it has none), "" = nothing, a special token, or any text
     dedup           drop exact duplicate documents (by hash; memory grows ~100 B per doc)
     shard_tokens    at most this many tokens per shard file
-    workers         encoding processes (None: every core for inputs over 16 MB, else 1);
+    workers         encoding processes (None: the free cores for inputs over 16 MB, else 1);
                     the output is the same for any number
 
     Nothing in ``out_dir`` changes unless the whole run succeeds.
