@@ -143,6 +143,27 @@ def test_threads_apply_to_the_whole_command(run_dir, capsys, monkeypatch, given,
     capsys.readouterr()
 
 
+def test_sample_allow_special_turns_a_spelled_token_into_its_id(run_dir, capsys,
+                                                                 monkeypatch) -> None:
+    """Issue 11 item 4: a prompt's "<|endoftext|>" is text unless --allow-special."""
+    from tinylm import sampling
+
+    prompts = []
+    real = sampling.generate_stream
+    monkeypatch.setattr(sampling, "generate_stream",
+                        lambda model, batch, *a, **k: (prompts.append(batch[0].tolist()),
+                                                       real(model, batch, *a, **k))[1])
+    tokenizer = load_checkpoint(run_dir)[1]
+    args = ["sample", "--model", str(run_dir), "--prompt", "The<|endoftext|>",
+            "--max-new-tokens", "2", "--device", "cpu"]
+    # as text, its characters are ones this char tokenizer never saw: refused, one line
+    line = one_line(main(args), capsys.readouterr().err, "sample")
+    assert "'<'" in line and "'|'" in line and not prompts
+    assert main([*args, "--allow-special"]) == 0
+    assert prompts == [[*tokenizer.encode("The"), tokenizer.eos_id]]
+    capsys.readouterr()
+
+
 # --- logging --------------------------------------------------------------------------------
 
 

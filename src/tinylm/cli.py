@@ -220,6 +220,9 @@ def _add_prepare(sub: argparse._SubParsersAction) -> None:
                    help="add a special token after the standard ones every char/bpe "
                    "tokenizer gets (<|endoftext|>, <|system|>, <|user|>, <|assistant|>, "
                    "<|end|>) (repeatable)")
+    p.add_argument("--allow-special", action="store_true",
+                   help="a special token spelled in the text (e.g. <|endoftext|>) becomes "
+                   "that token; without it, it is ordinary text like any other")
     p.add_argument("--glob", default="*", metavar="PATTERN",
                    help="files to take from an input folder (default: * = all non-hidden)")
     p.add_argument("--out", required=True, metavar="DIR", help="output folder")
@@ -257,6 +260,7 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
         bpe_train_mb=args.bpe_train_mb, progress=False if args.no_progress else None,
         text_field=args.text_field, skip_bad=args.skip_bad, doc_separator=args.doc_separator,
         dedup=args.dedup, shard_tokens=args.shard_tokens, workers=args.workers,
+        allow_special=args.allow_special,
     )
     seconds = time.perf_counter() - start
     meta = data.meta
@@ -1006,6 +1010,9 @@ def _add_sample(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stop", action="append", default=[], metavar="STRING",
                    help="end a sample before this string (repeatable; escapes like \\n work)")
     p.add_argument("--no-echo", action="store_true", help="print only the continuation")
+    p.add_argument("--allow-special", action="store_true",
+                   help="a special token spelled in the prompt (e.g. <|endoftext|>) becomes "
+                   "that token; without it, it is ordinary text")
     _allow_nonfinite_flag(p)
     _device_flag(p)
     p.set_defaults(func=_cmd_sample)
@@ -1099,7 +1106,7 @@ def _cmd_sample(args: argparse.Namespace) -> int:
     pieces = generate_text(model, tokenizer, prompt, args.max_new_tokens,
                            num_samples=args.num_samples, stop=stop,
                            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                           seed=args.seed)
+                           seed=args.seed, allow_special=args.allow_special)
     echo = "" if args.no_echo else prompt
     out = sys.stdout
     if args.num_samples == 1:
