@@ -1,10 +1,12 @@
 """``tinylm`` under torchrun, where rank 1 of the first attempt dies (``os._exit``, no
-cleanup) as soon as OUT/latest holds step >= $CRASH_AFTER: a worker lost mid-run, for
-tests/test_training.py's torchrun --max-restarts test. Not a test module itself."""
+cleanup; SIGKILL when $CRASH_SIGKILL is set) as soon as OUT/latest holds step >=
+$CRASH_AFTER: a worker lost mid-run, for the torchrun --max-restarts tests of
+tests/test_training.py and tests/test_distributed.py. Not a test module itself."""
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import threading
 import time
@@ -18,6 +20,8 @@ def _die_when_saved(out: Path, step: int) -> None:
     while True:
         try:
             if load_train_state(out / "latest")[1]["step"] >= step:
+                if os.environ.get("CRASH_SIGKILL"):
+                    os.kill(os.getpid(), signal.SIGKILL)
                 os._exit(17)
         except Exception:  # not written yet, or being replaced
             pass

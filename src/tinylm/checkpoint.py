@@ -8,6 +8,12 @@ Layout of a checkpoint folder::
     train_state.safetensors  optional: optimizer moments, RNG states (tensors)
     train_state.json         optional: step, data position, best loss ... (JSON)
 
+A *sharded* checkpoint (``tinylm train --strategy fsdp|zero1``) has no model.safetensors:
+its weights and optimizer state are in ``shards/`` (one safetensors file per rank, written
+by torch.distributed.checkpoint with each shard's offsets in the file's JSON header) and
+config.json says ``"sharded": {...}``. ``tinylm export-checkpoint`` turns one into the
+ordinary layout above.
+
 Writes follow the save protocol below: a temporary sibling folder, config.json last,
 renamed into place; a kill at any point leaves a complete checkpoint that the next load
 recovers (docs/train.md, "The save protocol").
@@ -49,6 +55,7 @@ WEIGHTS_FILE = "model.safetensors"
 TOKENIZER_FILE = "tokenizer.json"
 STATE_TENSORS_FILE = "train_state.safetensors"
 STATE_JSON_FILE = "train_state.json"
+SHARDS_DIR = "shards"  # a sharded checkpoint's weights and optimizer state
 
 # Prefixes that wrappers add to parameter names: torch.compile and DDP/FSDP.
 _WRAPPER_PREFIXES = ("_orig_mod.", "module.")
@@ -142,7 +149,10 @@ def _match_umask(folder: Path) -> None:
     """Files 0666 and the folder 0777 minus the user's umask, like any file they create
     (mkdtemp makes 0700 folders; the weights would otherwise differ from the JSON)."""
     for child in folder.iterdir():
-        os.chmod(child, umask_mode(0o666))
+        if child.is_dir():
+            _match_umask(child)
+        else:
+            os.chmod(child, umask_mode(0o666))
     os.chmod(folder, umask_mode(0o777))
 
 
@@ -154,6 +164,8 @@ def save_checkpoint(
     extra_config: dict[str, Any] | None = None,
     train_tensors: dict[str, Tensor] | None = None,
     train_meta: dict[str, Any] | None = None,
+    state: dict[str, Tensor] | None = None,
+    tmp: Path | None = None,
 ) -> Path:
     """Write ``model`` (and optionally its tokenizer and training state) to ``path``.
 
@@ -161,10 +173,12 @@ def save_checkpoint(
     ``train_tensors``/``train_meta`` become train_state.safetensors/.json. Follows the
     save protocol above: a complete checkpoint is reachable at every instant, and a
     previous checkpoint at ``path`` is replaced only once the new one is on disk. A full
-    disk is a :class:`~tinylm.files.DiskFullError` naming the file.
+    disk is a :class:`~tinylm.files.DiskFullError` naming the file. ``state``: the
+    weights to write instead of ``model``'s own (e.g. gathered from FSDP shards).
+    ``tmp``: a temporary folder from :func:`new_temporary` that already holds SHARDS_DIR
+    (a sharded save: no model.safetensors; ``extra_config`` carries "sharded").
     """
     dest = Path(path)
-    parent = dest.parent
     base = unwrap_model(model)
     config = {"format": FORMAT, "version": VERSION, "model": base.config.to_dict()}
     config.update(extra_config or {})
@@ -174,19 +188,16 @@ def save_checkpoint(
         config["quantize"] = quantized_layers(base)
     if lora_structure(base):
         config["lora"] = lora_structure(base)
-    state = model_state(base)
-    if config.get("lora_base"):  # a LoRA run: the adapters (and grown embeddings) only
-        state = _lora_own_tensors(state, config["lora_base"])
-    current = parent
+    if tmp is None:
+        state = model_state(base) if state is None else _without_tied_head(base, state)
+        if config.get("lora_base"):  # a LoRA run: the adapters (and grown embeddings) only
+            state = _lora_own_tensors(state, config["lora_base"])
+        tmp = new_temporary(dest)
+    current = tmp
     try:
-        parent.mkdir(parents=True, exist_ok=True)
-        _op(f"mkdir tmp for {dest.name}")
-        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-{os.getpid()}-", dir=parent))
-    except OSError as exc:
-        raise write_error(parent, exc) from exc
-    try:
-        current = tmp / WEIGHTS_FILE
-        _write_tensors(current, state)
+        if not config.get("sharded"):
+            current = tmp / WEIGHTS_FILE
+            _write_tensors(current, state)
         if tokenizer is not None:
             current = tmp / TOKENIZER_FILE
             _op(f"write {TOKENIZER_FILE}")
@@ -212,6 +223,24 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return dest
+
+
+def _without_tied_head(base: nn.Module, state: dict[str, Tensor]) -> dict[str, Tensor]:
+    state = strip_wrapper_prefixes(dict(state))
+    if getattr(base.config, "tie_embeddings", False):
+        state.pop("lm_head.weight", None)
+    return {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
+
+
+def new_temporary(dest: Path) -> Path:
+    """Step 1 of the save protocol: the private temporary folder beside ``dest``."""
+    parent = dest.parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        _op(f"mkdir tmp for {dest.name}")
+        return Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-{os.getpid()}-", dir=parent))
+    except OSError as exc:
+        raise write_error(parent, exc) from exc
 
 
 def _swap_in(tmp: Path, dest: Path) -> None:
@@ -240,7 +269,7 @@ def _swap_in(tmp: Path, dest: Path) -> None:
 
 #: The files a checkpoint folder may hold (what save_checkpoint writes).
 CHECKPOINT_FILES = frozenset({CONFIG_FILE, WEIGHTS_FILE, TOKENIZER_FILE, STATE_TENSORS_FILE,
-                              STATE_JSON_FILE})
+                              STATE_JSON_FILE, SHARDS_DIR})
 
 
 def check_target(path: str | os.PathLike, *, force: bool = False, flag: str = "--out") -> Path:
@@ -327,8 +356,16 @@ def is_complete(folder: Path) -> bool:
         cfg = json.loads((folder / CONFIG_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
-    return (isinstance(cfg, dict) and cfg.get("format") == FORMAT
-            and (folder / WEIGHTS_FILE).is_file())
+    if not (isinstance(cfg, dict) and cfg.get("format") == FORMAT):
+        return False
+    if cfg.get("sharded"):
+        return (folder / SHARDS_DIR).is_dir()
+    return (folder / WEIGHTS_FILE).is_file()
+
+
+def is_sharded(folder: Path) -> bool:
+    """Whether ``folder`` is a complete sharded checkpoint (``--strategy fsdp|zero1``)."""
+    return is_complete(folder) and bool(read_config(folder).get("sharded"))
 
 
 def leftovers(dest: Path) -> list[Path]:
@@ -407,7 +444,7 @@ def resolve_checkpoint_dir(path: str | os.PathLike) -> Path:
 
 
 #: config.json sections that hold JSON objects when present (others are free-form).
-_OBJECT_SECTIONS = ("train", "lowrank", "compress")
+_OBJECT_SECTIONS = ("train", "lowrank", "compress", "sharded")
 #: The largest config.json read (tinylm's are a few kB; a lowrank map of a huge model
 #: stays far below this).
 CONFIG_MAX_BYTES = 16 * 1024 * 1024
@@ -533,6 +570,10 @@ def load_model(path: str | os.PathLike, device: torch.device | str = "cpu", *,
     """
     path = resolve_checkpoint_dir(path)
     config = read_config(path)
+    if config.get("sharded"):
+        raise CheckpointError(f"{path} is a sharded checkpoint (tinylm train --strategy "
+                              f"{config['sharded'].get('strategy', 'fsdp')}); consolidate it "
+                              f"first: tinylm export-checkpoint {path} --out DIR")
     model = build_model(config)
     state = strip_wrapper_prefixes(read_tensors(path / WEIGHTS_FILE))
     if config.get("lora_base"):  # adapters only: the frozen weights come from the base

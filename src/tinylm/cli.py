@@ -948,6 +948,34 @@ def _add_convert(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_convert)
 
 
+def _add_export_checkpoint(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "export-checkpoint",
+        help="a sharded checkpoint (train --strategy zero1/fsdp) -> an ordinary one",
+        description="Consolidate a sharded checkpoint (written by tinylm train --strategy "
+        "zero1 or fsdp: one safetensors shard per rank) into the ordinary tinylm checkpoint "
+        "(model.safetensors + JSON, with the whole optimizer state) that sample, eval, "
+        "serve, convert ... read. Runs in one process; no GPU or process group needed.",
+    )
+    p.add_argument("checkpoint", metavar="CHECKPOINT",
+                   help="the sharded checkpoint folder, or a tinylm train --out folder "
+                   "(its latest/)")
+    p.add_argument("--out", metavar="DIR", required=True,
+                   help="the checkpoint to write; a new or empty folder")
+    p.add_argument("--force", action="store_true",
+                   help="replace an existing tinylm checkpoint in --out (never a folder "
+                   "holding other files)")
+    p.set_defaults(func=_cmd_export_checkpoint)
+
+
+def _cmd_export_checkpoint(args: argparse.Namespace) -> int:
+    from tinylm.training import export_checkpoint
+
+    dest = export_checkpoint(args.checkpoint, args.out, force=args.force)
+    print(f"exported {args.checkpoint} -> {dest}")
+    return 0
+
+
 def _cmd_convert(args: argparse.Namespace) -> int:
     from tinylm.checkpoint import check_target, load_checkpoint, save_checkpoint
     from tinylm.errors import ConfigError
@@ -1193,6 +1221,7 @@ COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_compress,
     _add_quantize,
     _add_convert,
+    _add_export_checkpoint,
     _add_serve,
     _add_info,
 ]

@@ -276,6 +276,9 @@ def _round_up(n: int, multiple: int) -> int:
 #: Optimizers TrainConfig.optimizer accepts (built in tinylm.training.build_optimizer).
 OPTIMIZERS = ("adamw", "muon")
 
+#: Multi-process strategies TrainConfig.strategy accepts (applied in tinylm.distributed).
+STRATEGIES = ("ddp", "fsdp", "zero1")
+
 
 def _field(default: Any, help: str) -> Any:
     """A dataclass field whose help text the CLI shows for its flag."""
@@ -309,6 +312,10 @@ class TrainConfig(_JSONMixin):
     beta2: float = _field(0.95, "AdamW beta2")
     grad_clip: float = _field(1.0, "clip the global gradient norm to this (0 = off)")
     optimizer: str = _field("adamw", f"optimizer: {', '.join(OPTIMIZERS)}")
+    strategy: str = _field(
+        "ddp", "under torchrun: ddp (replicate everything), zero1 (shard the optimizer "
+               "state), fsdp (shard parameters, gradients and optimizer state per block); "
+               "zero1/fsdp write sharded checkpoints (also from one process)")
     eval_every: int = _field(250, "evaluate on the validation split every N steps")
     eval_windows: int | None = _field(
         64, "a fixed random sample of this many validation windows for each periodic "
@@ -344,6 +351,9 @@ class TrainConfig(_JSONMixin):
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"unknown optimizer {self.optimizer!r}; choose one of "
                               f"{', '.join(OPTIMIZERS)}")
+        if self.strategy not in STRATEGIES:
+            raise ConfigError(f"unknown strategy {self.strategy!r}; choose one of "
+                              f"{', '.join(STRATEGIES)}")
         _check_int("eval_every", self.eval_every)
         if self.eval_windows is not None:
             _check_int("eval_windows", self.eval_windows)

@@ -2,10 +2,28 @@
 
 Launched by ``torchrun`` (or ``python -m torch.distributed.run``), each process finds
 RANK, WORLD_SIZE and LOCAL_RANK in its environment. :func:`init_from_env` then joins
-the process group (nccl on CUDA, gloo on CPU) and :func:`wrap_model` wraps the model
-in DistributedDataParallel, which averages gradients across ranks in backward.
+the process group (nccl on CUDA, gloo on CPU) and :func:`wrap_model` applies the
+strategy (``TrainConfig.strategy``) from outside the model:
+
+* ``ddp``: DistributedDataParallel; every rank holds the whole model, its gradients
+  and the whole optimizer state; gradients are averaged in backward.
+* ``zero1``: DDP, plus :func:`zero_optimizer` (``ZeroRedundancyOptimizer``): each rank
+  keeps the optimizer state of its share of the parameters (whole tensors, so Muon's
+  matrices stay whole) and broadcasts its updated share after the step.
+* ``fsdp``: FSDP2 ``fully_shard`` on each block, then on the root: parameters,
+  gradients and optimizer state are DTensors sharded on dim 0 across ranks; a block's
+  parameters are gathered for its forward/backward only. Mixed precision: bf16
+  parameters with fp32 gradient reduction on CUDA, fp32 throughout on CPU.
+
 Without those variables (or with WORLD_SIZE=1) everything here is a no-op, so the
 training loop has one code path.
+
+Sharded checkpoints (zero1/fsdp): :func:`sharded_state` names every tensor of the
+model and optimizer by parameter name (``model.<name>``, ``optim.<name>.<key>``);
+:func:`save_shards` writes it with torch.distributed.checkpoint, every rank its own
+shard, as safetensors files whose JSON header holds each shard's offsets (no pickle);
+:func:`load_shards` reads it back into any layout (any number of ranks, any strategy,
+or one process with no process group), resharding as it reads.
 
 Data sampling is designed so that N ranks with batch B train exactly like one
 process with batch N·B: every rank draws the same global batch of N·B windows from
@@ -15,15 +33,17 @@ writes checkpoints, logs and plots.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from tinylm.errors import ConfigError
+from tinylm.errors import CheckpointError, ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -112,17 +132,88 @@ def device_for(ctx: DistContext, device: torch.device) -> torch.device:
     return device
 
 
-def wrap_model(model: nn.Module, ctx: DistContext, device: torch.device) -> nn.Module:
-    """DistributedDataParallel around ``model`` when distributed, else ``model`` itself.
+def wrap_model(model: nn.Module, ctx: DistContext, device: torch.device,
+               strategy: str = "ddp") -> nn.Module:
+    """``model`` under ``strategy`` when distributed, else ``model`` itself.
 
-    DDP broadcasts rank 0's parameters at construction, so every rank starts equal.
+    ddp/zero1: DistributedDataParallel, which broadcasts rank 0's parameters at
+    construction, so every rank starts equal. fsdp: ``fully_shard`` each of
+    ``model.blocks`` and then the root, in place (the returned module is ``model``,
+    whose parameters are now DTensors); every rank built the same initial weights (same
+    seed) or loads them afterwards, so nothing is broadcast.
     """
     if not ctx.enabled:
         return model
+    if strategy == "fsdp":
+        return _fully_shard(model, device)
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     ids = [device.index] if device.type == "cuda" else None
     return DDP(model, device_ids=ids)
+
+
+def _fully_shard(model: nn.Module, device: torch.device) -> nn.Module:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+              if device.type == "cuda" else MixedPrecisionPolicy())
+    for block in getattr(model, "blocks", []):
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    return model
+
+
+def zero_optimizer(cls: type, groups: list[dict[str, Any]], kwargs: dict[str, Any],
+                   ctx: DistContext) -> torch.optim.Optimizer:
+    """``cls(groups, **kwargs)`` with its state sharded over the ranks (zero1): a
+    ZeroRedundancyOptimizer whose ``optim`` is this rank's ``cls`` over its share."""
+    if not ctx.enabled:
+        return cls(groups, **kwargs)
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return ZeroRedundancyOptimizer(groups, optimizer_class=cls, **kwargs)
+
+
+def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer that holds this rank's state (ZeroRedundancyOptimizer's ``optim``)."""
+    return getattr(optimizer, "optim", optimizer)
+
+
+def gradient_sync(model: nn.Module, ctx: DistContext, sync: bool) -> Any:
+    """A context for one micro-batch's backward: gradients are reduced across ranks
+    only when ``sync`` (the last micro-batch of an optimizer step)."""
+    if not ctx.enabled or sync:
+        if hasattr(model, "set_requires_gradient_sync"):
+            model.set_requires_gradient_sync(True)
+        return contextlib.nullcontext()
+    if hasattr(model, "no_sync"):  # DDP
+        return model.no_sync()
+    model.set_requires_gradient_sync(False)  # FSDP2: accumulate unsharded, reduce later
+    return contextlib.nullcontext()
+
+
+def full_tensor(t: Tensor) -> Tensor:
+    """The whole tensor behind a DTensor (an all-gather of its shards), else ``t``."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def shard_like(full: Tensor, like: Tensor) -> Tensor:
+    """This rank's piece of ``full`` as a DTensor laid out like ``like`` (every rank
+    holds the same ``full``: sliced locally, no communication), else ``full``."""
+    if not hasattr(like, "device_mesh"):
+        return full
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
+
+
+def local_bytes(tensors: Any) -> int:
+    """Bytes this rank holds of ``tensors`` (a DTensor counts its local shard only)."""
+    total = 0
+    for t in tensors:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        total += t.numel() * t.element_size()
+    return total
 
 
 def all_reduce_max(values: list[float], ctx: DistContext) -> list[float]:
@@ -192,3 +283,137 @@ def _comm_device() -> torch.device:
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+# --- sharded checkpoints (torch.distributed.checkpoint) --------------------------------------
+
+
+def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Tensor]:
+    """Every tensor of ``model`` and of this rank's optimizer state, named by parameter:
+    ``model.<name>`` (DTensor shards under fsdp) and ``optim.<name>.<key>`` for the
+    parameters whose state this rank holds (all of them, or its share under zero1).
+    Tensors that every rank holds whole are written once (by torch's deduplication)."""
+    state: dict[str, Tensor] = {}
+    inner = local_optimizer(optimizer)
+    for name, p in model.named_parameters():
+        state[f"model.{name}"] = p.detach()
+        for key, value in inner.state.get(p, {}).items():
+            if isinstance(value, Tensor):
+                state[f"optim.{name}.{key}"] = value
+    return state
+
+
+def save_shards(state: dict[str, Tensor], folder: Path, ctx: DistContext) -> None:
+    """Write ``state`` into ``folder`` (collective: every rank calls it, each writes its
+    own safetensors file; fsynced). One process writes one file, with no process group."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    folder.mkdir(parents=True, exist_ok=True)
+    dcp.save(state, storage_writer=HuggingFaceStorageWriter(str(folder), save_distributed=True),
+             no_dist=not ctx.enabled)
+
+
+def shard_metadata(folder: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """(global shape, dtype) of every tensor in a sharded checkpoint's ``folder``."""
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    try:
+        meta = HuggingFaceStorageReader(str(folder)).read_metadata().state_dict_metadata
+    except Exception as exc:  # safetensors/DCP raise their own types for a corrupt file
+        raise CheckpointError(f"cannot read the sharded checkpoint in {folder} ({exc}); "
+                              f"the folder is corrupt or incomplete") from exc
+    return {k: (tuple(v.size), v.properties.dtype) for k, v in meta.items()
+            if hasattr(v, "size")}
+
+
+def load_shards(model: nn.Module, optimizer: torch.optim.Optimizer | None, folder: Path,
+                ctx: DistContext) -> None:
+    """Fill ``model``'s parameters and (optionally) the optimizer state from ``folder``,
+    whatever the number of ranks and the strategy that wrote it (collective)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    meta = shard_metadata(folder)
+    params = dict(model.named_parameters())
+    missing = [n for n in params if f"model.{n}" not in meta]
+    if missing:
+        raise CheckpointError(f"the sharded checkpoint in {folder} has no weights for "
+                              f"{missing[:3]}; it belongs to another model")
+    state: dict[str, Tensor] = {f"model.{n}": p.detach() for n, p in params.items()}
+    wanted = _optimizer_destinations(params, optimizer, meta) if optimizer is not None else {}
+    state.update({key: t for key, (_, _, t) in wanted.items()})
+    with torch.no_grad():
+        dcp.load(state, storage_reader=HuggingFaceStorageReader(str(folder)),
+                 no_dist=not ctx.enabled)
+    if optimizer is not None:
+        _set_optimizer_state(local_optimizer(optimizer), wanted)
+
+
+def _optimizer_destinations(params: dict[str, Tensor], optimizer: torch.optim.Optimizer,
+                            meta: dict[str, tuple[tuple[int, ...], torch.dtype]]
+                            ) -> dict[str, tuple[Tensor, str, Tensor]]:
+    """key -> (parameter, state key, empty tensor to load into) for this rank's share."""
+    inner = local_optimizer(optimizer)
+    mine = {id(p) for g in inner.param_groups for p in g["params"]}
+    out: dict[str, tuple[Tensor, str, Tensor]] = {}
+    for name, p in params.items():
+        if id(p) not in mine:
+            continue
+        prefix = f"optim.{name}."
+        for key, (shape, dtype) in meta.items():
+            sub = key[len(prefix):]
+            if not key.startswith(prefix) or "." in sub:
+                continue
+            if shape == tuple(p.shape):
+                dest = torch.zeros_like(p, dtype=dtype)  # a DTensor under fsdp
+            else:
+                dest = torch.zeros(shape, dtype=dtype)
+            out[key] = (p, sub, dest)
+    return out
+
+
+def _set_optimizer_state(inner: torch.optim.Optimizer,
+                         wanted: dict[str, tuple[Tensor, str, Tensor]]) -> None:
+    """Through ``load_state_dict``, which casts and places each value as torch does."""
+    sd = inner.state_dict()
+    index = {id(p): i for i, p in enumerate(p for g in inner.param_groups for p in g["params"])}
+    state: dict[int, dict[str, Any]] = {}
+    for p, sub, value in wanted.values():
+        state.setdefault(index[id(p)], {})[sub] = value
+    inner.load_state_dict({"state": state, "param_groups": sd["param_groups"]})
+
+
+def full_model_state(model: nn.Module, ctx: DistContext) -> dict[str, Tensor]:
+    """The whole weights of an fsdp model on rank 0 (CPU; collective), {} elsewhere."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state = get_model_state_dict(model, options=options)
+    return state if ctx.is_main else {}
+
+
+def broadcast_text(text: str, ctx: DistContext) -> str:
+    """Rank 0's ``text`` on every rank (e.g. the name of a temporary folder)."""
+    if not ctx.enabled:
+        return text
+    import torch.distributed as dist
+
+    data = torch.zeros(4096, dtype=torch.uint8)
+    raw = text.encode("utf-8")[:4095] if ctx.is_main else b""
+    data[:len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+    data = data.to(_comm_device())
+    dist.broadcast(data, src=0)
+    return bytes(data.cpu().tolist()).rstrip(b"\0").decode("utf-8")
+
+
+def all_gather_floats(values: list[float], ctx: DistContext) -> list[list[float]]:
+    """Every rank's ``values`` (same length everywhere), in rank order."""
+    if not ctx.enabled:
+        return [values]
+    import torch.distributed as dist
+
+    t = torch.tensor(values, dtype=torch.float64, device=_comm_device())
+    parts = [torch.empty_like(t) for _ in range(ctx.world_size)]
+    dist.all_gather(parts, t)
+    return [p.cpu().tolist() for p in parts]

@@ -45,6 +45,7 @@ Choices, and why:
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import logging
 import math
@@ -68,15 +69,21 @@ from tinylm.checkpoint import (
     CONFIG_FILE,
     RUN_BEST,
     RUN_LATEST,
+    SHARDS_DIR,
     STATE_JSON_FILE,
+    build_model,
+    check_target,
     is_complete,
+    is_sharded,
     load_model,
     load_optimizer_state,
     load_tokenizer_of,
     load_train_state,
+    new_temporary,
     optimizer_state,
     read_config,
     recover_checkpoint,
+    resolve_checkpoint_dir,
     save_checkpoint,
     unwrap_model,
 )
@@ -153,6 +160,21 @@ def decay_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
             {"params": no_decay, "weight_decay": 0.0}]
 
 
+def optimizer_recipe(model: nn.Module, config: TrainConfig, device: torch.device
+                     ) -> tuple[type, list[dict[str, Any]], dict[str, Any]]:
+    """(class, parameter groups, keyword arguments) of the optimizer named by
+    ``config.optimizer``: see :func:`build_optimizer`."""
+    groups = decay_groups(model, config.weight_decay)
+    kwargs = {"lr": config.lr, "betas": (config.beta1, config.beta2),
+              "fused": device.type in ("cuda", "cpu")}
+    if config.optimizer == "adamw":
+        return torch.optim.AdamW, groups, kwargs
+    if config.optimizer == "muon":
+        groups[0]["muon"] = True  # the decayed 2-D weight matrices
+        return MuonAdamW, groups, kwargs
+    raise ConfigError(f"unknown optimizer {config.optimizer!r}")  # config validates first
+
+
 def build_optimizer(model: nn.Module, config: TrainConfig,
                     device: torch.device) -> torch.optim.Optimizer:
     """The optimizer named by ``config.optimizer`` over ``model``'s parameters.
@@ -161,17 +183,11 @@ def build_optimizer(model: nn.Module, config: TrainConfig,
     :func:`decay_groups`. "muon": :class:`MuonAdamW`, Muon on the decayed weight
     matrices and AdamW on the rest (reaches a given loss in ~3× fewer steps on tiny
     Shakespeare; see BENCHMARKS.md). Add new choices here and to config.OPTIMIZERS.
+    Under ``--strategy zero1`` the same recipe is sharded over the ranks
+    (:func:`tinylm.distributed.zero_optimizer`).
     """
-    groups = decay_groups(model, config.weight_decay)
-    fused = device.type in ("cuda", "cpu")
-    if config.optimizer == "adamw":
-        return torch.optim.AdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2),
-                                 fused=fused)
-    if config.optimizer == "muon":
-        groups[0]["muon"] = True  # the decayed 2-D weight matrices
-        return MuonAdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2),
-                         fused=fused)
-    raise ConfigError(f"unknown optimizer {config.optimizer!r}")  # config validates first
+    cls, groups, kwargs = optimizer_recipe(model, config, device)
+    return cls(groups, **kwargs)
 
 
 def newton_schulz(G: Tensor, steps: int = 5, eps: float = 1e-7) -> Tensor:
@@ -200,6 +216,7 @@ class MuonAdamW(torch.optim.AdamW):
     W ← W·(1 - η·λ) - η·√max(1, out/in)·NS(U) with η = ``muon_lr_ratio`` × the group's lr.
     One lr drives both parts, so the warm-up/cosine schedule of :func:`train` applies
     unchanged; the state is an ordinary ``state_dict`` (checkpoints and resume work).
+    Under fsdp each sharded matrix is gathered whole for its Newton–Schulz step.
     """
 
     def __init__(self, params: Any, lr: float = 1e-3, *, momentum: float = 0.95,
@@ -235,7 +252,10 @@ class MuonAdamW(torch.optim.AdamW):
                 state["step"] += 1
                 buf = state["momentum_buffer"]
                 buf.lerp_(p.grad, 1 - mu)
-                update = newton_schulz(p.grad.lerp(buf, mu), group["ns_steps"])
+                # Muon needs the whole matrix: under fsdp gather it, orthogonalise it (the
+                # same on every rank) and keep this rank's rows; else this is a no-op.
+                whole = distributed.full_tensor(p.grad.lerp(buf, mu))
+                update = distributed.shard_like(newton_schulz(whole, group["ns_steps"]), p)
                 p.mul_(1 - lr * group["weight_decay"])
                 p.add_(update, alpha=-lr * math.sqrt(max(1.0, p.shape[0] / p.shape[1])))
         return loss
@@ -740,6 +760,10 @@ class _Run:
     val_mask: Any | None = None
     n_params: int = 0
     n_trainable: int = 0
+    strategy: str = "ddp"  # how ranks share the work (single process: layout only)
+    sharded: bool = False  # latest/ is a sharded checkpoint (zero1/fsdp)
+    eval_copy: nn.Module | None = None  # fsdp, rank 0: a whole copy to evaluate and save
+    train_peak_rss: float | None = None  # bytes, measured when the training steps end
     # -- state (saved in latest/ and restored on resume) --
     step: int = 0
     best_val: float = math.inf
@@ -790,6 +814,8 @@ def _build_model(model_config: ModelConfig, cfg: TrainConfig, data: TrainData,
                                  "a new --out")
         saved_config = ModelConfig.from_dict(read_config(latest)["model"])
         _check_model_config(model_config, saved_config, latest)
+        if is_sharded(latest):  # the weights are filled from the shards after wrapping
+            return build_model(read_config(latest)).train()
         return load_model(latest, device="cpu").train()
     if model is not None:
         raw = unwrap_model(model)
@@ -821,18 +847,11 @@ def _setup(model_config: ModelConfig, cfg: TrainConfig, data: TrainData, out: Pa
         preflight(out, n_params)
     distributed.barrier(ctx)
     raw.to(device)
-    acceleration.accelerate(raw, device)  # the fast paths, decided once (tinylm.native)
     B, world = cfg.batch_size, ctx.world_size
-    accum = cfg.grad_accum
-    if cfg.tokens_per_step is not None:
-        accum = max(1, round(cfg.tokens_per_step / (B * C * world)))
+    accum = _grad_accum(cfg, found, B, C, world)
     amp = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
            else contextlib.nullcontext())
-    model_run = distributed.wrap_model(raw, ctx, device)
-    if cfg.compile:
-        sample = get_batch(data.train, B, C, torch.Generator().manual_seed(0), device)
-        model_run = _maybe_compile(model_run, True, sample, amp)
-    optimizer = build_optimizer(raw, cfg, device)
+    model_run, optimizer, eval_copy = _apply_strategy(raw, cfg, ctx, device, data, amp)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     if not params:
         raise ConfigError("the model has no parameter with requires_grad=True; nothing to "
@@ -844,9 +863,53 @@ def _setup(model_config: ModelConfig, cfg: TrainConfig, data: TrainData, out: Pa
                 eval_starts=sample_windows(len(data.val), C, cfg.eval_windows, cfg.seed),
                 extra=extra, train_mask=_mask_of(data, "train"), val_mask=_mask_of(data, "val"),
                 n_params=n_params, n_trainable=sum(p.numel() for p in params),
-                interval_loss=torch.zeros((), device=device),
+                strategy=cfg.strategy, sharded=cfg.strategy in ("zero1", "fsdp"),
+                eval_copy=eval_copy, interval_loss=torch.zeros((), device=device),
                 gnorm=torch.zeros((), device=device), lr=cfg.lr,
                 total_steps=float(cfg.max_steps))
+
+
+def _grad_accum(cfg: TrainConfig, found: _Found, B: int, C: int, world: int) -> int:
+    """Micro-batches per step. Resuming with another number of ranks keeps the saved
+    global batch (windows per step) by changing the accumulation: elastic resume."""
+    meta = found.meta or {}
+    saved_world = meta.get("world_size")
+    if found.resuming and saved_world not in (None, world) and cfg.tokens_per_step is None:
+        windows = int(meta["tokens_per_step"]) // C
+        accum, rest = divmod(windows, B * world)
+        if rest or accum < 1:
+            raise ConfigError(f"--resume with {world} process(es): the run's global batch of "
+                              f"{windows} windows (saved by {saved_world}) is not a multiple "
+                              f"of batch_size {B} x {world} processes; resume with a number "
+                              f"of processes (or a --batch-size) that divides it")
+        return accum
+    if cfg.tokens_per_step is not None:
+        return max(1, round(cfg.tokens_per_step / (B * C * world)))
+    return cfg.grad_accum
+
+
+def _apply_strategy(raw: nn.Module, cfg: TrainConfig, ctx: distributed.DistContext,
+                    device: torch.device, data: TrainData, amp: Any
+                    ) -> tuple[nn.Module, torch.optim.Optimizer, nn.Module | None]:
+    """(the module to run, the optimizer, fsdp's whole copy for rank 0's evaluations).
+
+    The native fast paths (tinylm.native) step aside under fsdp: they would read the
+    DTensor shards as if they were whole weights. Evaluation then runs on rank 0's
+    whole copy, which takes them as any plain model does."""
+    fsdp = ctx.enabled and cfg.strategy == "fsdp"
+    eval_copy = copy.deepcopy(raw).eval() if fsdp and ctx.is_main else None
+    if not fsdp:
+        acceleration.accelerate(raw, device)  # the fast paths, decided once (tinylm.native)
+    model_run = distributed.wrap_model(raw, ctx, device, cfg.strategy)
+    if cfg.compile:
+        sample = get_batch(data.train, cfg.batch_size, raw.config.context_length,
+                           torch.Generator().manual_seed(0), device)
+        model_run = _maybe_compile(model_run, True, sample, amp)
+    if ctx.enabled and cfg.strategy == "zero1":
+        optimizer = distributed.zero_optimizer(*optimizer_recipe(raw, cfg, device), ctx)
+    else:
+        optimizer = build_optimizer(raw, cfg, device)
+    return model_run, optimizer, eval_copy
 
 
 def _restore(run: _Run, found: _Found) -> None:
@@ -856,7 +919,7 @@ def _restore(run: _Run, found: _Found) -> None:
         torch.manual_seed(run.cfg.seed + 1 + ctx.rank)  # dropout masks differ per rank
         return
     tensors, meta = load_train_state(run.latest)
-    load_optimizer_state(run.optimizer, tensors, meta["optimizer"])
+    _restore_weights_and_optimizer(run, tensors, meta)
     run.gen.set_state(tensors["rng.data"])
     key = f"rng.torch.{ctx.rank}"
     if key in tensors and meta.get("world_size") == ctx.world_size:
@@ -879,6 +942,21 @@ def _restore(run: _Run, found: _Found) -> None:
     run.interval_loss = tensors["interval_loss"].to(device)
     run.interval_count = int(meta.get("interval_count", 0))
     run.pending_from = run.step + 1
+
+
+def _restore_weights_and_optimizer(run: _Run, tensors: dict[str, Tensor],
+                                   meta: dict[str, Any]) -> None:
+    """A sharded latest/ loads into any strategy and number of ranks (resharded as it is
+    read); an ordinary one into ddp or one process (its optimizer state is whole)."""
+    if is_sharded(run.latest):
+        distributed.load_shards(run.raw, run.optimizer, run.latest / SHARDS_DIR, run.ctx)
+        return
+    if run.sharded and run.ctx.enabled:
+        saved = (meta.get("strategy") or "ddp")
+        raise ConfigError(f"--resume: {run.latest} is an unsharded checkpoint (strategy "
+                          f"{saved}); resume it with --strategy {saved}, or with one process "
+                          f"(which then writes a sharded checkpoint)")
+    load_optimizer_state(run.optimizer, tensors, meta["optimizer"])
 
 
 def _eval_sample(run: _Run) -> dict[str, Any]:
@@ -927,15 +1005,13 @@ def _train_step(run: _Run) -> None:
     for micro in range(run.accum):
         x, y = _draw_batch(run.data.train, run.train_mask, run.B * ctx.world_size, run.C,
                            run.gen, ctx, run.device)
-        sync = (run.model_run.no_sync() if ctx.enabled and micro < run.accum - 1
-                else contextlib.nullcontext())
-        with sync:
+        with distributed.gradient_sync(run.model_run, ctx, micro == run.accum - 1):
             with run.amp:
                 loss = lm_loss(run.model_run(x), y)
             (loss / run.accum).backward()
         step_loss += loss.detach()
     clip = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
-    run.gnorm = torch.nn.utils.clip_grad_norm_(run.params, clip)
+    run.gnorm = distributed.full_tensor(torch.nn.utils.clip_grad_norm_(run.params, clip))
     run.pending_ok.append(torch.isfinite(step_loss) & torch.isfinite(run.gnorm))
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
@@ -1039,20 +1115,32 @@ def _watch_throughput(run: _Run, tok_s: float) -> None:
 # --- phase 4: evaluate -----------------------------------------------------------------------
 
 
-def _estimate(run: _Run) -> tuple[float, float]:
+def _eval_model(run: _Run) -> nn.Module | None:
+    """The module rank 0 evaluates and saves as best/ (None on the other ranks): the
+    model itself, or under fsdp its whole copy refreshed from the shards (a collective:
+    every rank calls this at the same steps)."""
+    if run.ctx.enabled and run.strategy == "fsdp":
+        full = distributed.full_model_state(run.raw, run.ctx)
+        if run.eval_copy is not None:
+            run.eval_copy.load_state_dict(full)
+        return run.eval_copy
+    return run.raw if run.ctx.is_main else None
+
+
+def _estimate(run: _Run, model: nn.Module) -> tuple[float, float]:
     """The periodic validation estimate: the fixed random sample of windows."""
     _check_finite(run)
-    r = estimate_loss(run.raw, run.data.val, run.eval_starts, context_length=run.C,
+    r = estimate_loss(model, run.data.val, run.eval_starts, context_length=run.C,
                       batch_size=2 * run.B, loss_mask=run.val_mask)
     run.raw.train()
     return r.loss, r.perplexity
 
 
-def _keep_if_best(run: _Run, estimate: float) -> None:
+def _keep_if_best(run: _Run, estimate: float, model: nn.Module) -> None:
     """best/ follows the lowest estimate (always the same sample: like for like)."""
     if estimate < run.best_val:
         run.best_val = estimate
-        save_checkpoint(run.out / RUN_BEST, run.raw, run.data.tokenizer, extra_config={
+        save_checkpoint(run.out / RUN_BEST, model, run.data.tokenizer, extra_config={
             **run.extra, "best": {"step": run.step, "val_loss_estimate": estimate,
                                   "eval_windows": len(run.eval_starts)}})
 
@@ -1061,9 +1149,10 @@ def _eval_phase(run: _Run, record: dict[str, Any]) -> None:
     if run.step % run.cfg.eval_every or run.final:
         return
     t0 = time.perf_counter()
-    if run.ctx.is_main:
-        val, ppl = _estimate(run)
-        _keep_if_best(run, val)
+    model = _eval_model(run)
+    if model is not None:
+        val, ppl = _estimate(run, model)
+        _keep_if_best(run, val, model)
         record.update(step=run.step, lr=run.lr, val_loss_estimate=val, val_ppl_estimate=ppl,
                       val_windows=len(run.eval_starts))
         run.bar.message(f"step {run.step}: val loss {val:.4f} (ppl {ppl:.2f}, estimate on "
@@ -1095,10 +1184,12 @@ def _redraw(run: _Run) -> None:
 
 
 def _save_latest(run: _Run) -> None:
-    """Write OUT/latest: weights, optimizer, every rank's RNG, counters (rank 0 writes)."""
+    """Write OUT/latest: weights, optimizer, every rank's RNG, counters (rank 0 writes;
+    under zero1/fsdp every rank writes its shard of the weights and optimizer state)."""
     ctx, device = run.ctx, run.device
     _check_finite(run)
-    tensors, opt_meta = optimizer_state(run.optimizer)
+    tensors, opt_meta = ({}, {"sharded": True}) if run.sharded else \
+        optimizer_state(run.optimizer)
     tensors["rng.data"] = run.gen.get_state()
     for r, t in enumerate(distributed.all_gather_bytes(torch.get_rng_state(), ctx)):
         tensors[f"rng.torch.{r}"] = t
@@ -1110,17 +1201,70 @@ def _save_latest(run: _Run) -> None:
     meta = {"step": run.step, "best_val_loss": run.best_val if math.isfinite(run.best_val)
             else None, "elapsed": run.elapsed0 + (time.perf_counter() - run.t_start),
             "interval_count": run.interval_count, "world_size": ctx.world_size,
-            "grad_accum": run.accum, "tokens_per_step": run.tokens_per_step,
+            "strategy": run.strategy, "grad_accum": run.accum,
+            "tokens_per_step": run.tokens_per_step,
             "tokens_seen": run.step * run.tokens_per_step, "optimizer": opt_meta,
             "eval_sample": _eval_sample(run),
             "stop_reason": run.stop_reason if run.final else None,
-            "final_val_loss": run.final_val,
+            "final_val_loss": run.final_val, "memory": _memory(run),
             "data_position": {"generator": "rng.data",
                               "windows_drawn": run.step * run.accum * run.B * ctx.world_size}}
-    if ctx.is_main:
+    if run.sharded:
+        _save_sharded(run, tensors, meta)
+    elif ctx.is_main:
         save_checkpoint(run.latest, run.raw, run.data.tokenizer, extra_config=run.extra,
                         train_tensors=tensors, train_meta=meta)
     run.last_saved = run.step
+
+
+def _save_sharded(run: _Run, tensors: dict[str, Tensor], meta: dict[str, Any]) -> None:
+    """The save protocol with shards: rank 0 makes the temporary folder, every rank
+    writes its shard into it, then rank 0 adds the JSON (config.json last) and renames
+    it into place. Until that rename the previous latest/ is the checkpoint."""
+    ctx = run.ctx
+    tmp = new_temporary(run.latest) if ctx.is_main else None
+    tmp = Path(distributed.broadcast_text(str(tmp), ctx))
+    try:
+        distributed.save_shards(distributed.sharded_state(run.raw, run.optimizer),
+                                tmp / SHARDS_DIR, ctx)
+        distributed.barrier(ctx)
+        if ctx.is_main:
+            sharded = {"strategy": run.strategy, "world_size": ctx.world_size}
+            save_checkpoint(run.latest, run.raw, run.data.tokenizer,
+                            extra_config={**run.extra, "sharded": sharded},
+                            train_tensors=tensors, train_meta=meta, tmp=tmp)
+    except BaseException:
+        if ctx.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    distributed.barrier(ctx)
+
+
+def _memory(run: _Run) -> dict[str, list[float]]:
+    """Per rank (MiB): the training state it holds (weights, gradients, optimizer state;
+    a shard counts its local part) and the process's peak resident memory during the
+    training steps (the final evaluation and best/ excluded)."""
+    params = [p for p in run.raw.parameters()]
+    grads = [p for p in params if p.requires_grad]  # a gradient per trainable parameter
+    inner = distributed.local_optimizer(run.optimizer)
+    moments = [v for st in inner.state.values() for v in st.values() if isinstance(v, Tensor)]
+    mib = 1 / 2**20
+    values = [distributed.local_bytes(params) * mib, distributed.local_bytes(grads) * mib,
+              distributed.local_bytes(moments) * mib,
+              (run.train_peak_rss or _peak_rss()) * mib]
+    rows = distributed.all_gather_floats(values, run.ctx)
+    names = ("weights_mib", "grads_mib", "optimizer_mib", "peak_rss_mib")
+    return {name: [round(r[i], 3) for r in rows] for i, name in enumerate(names)}
+
+
+def _peak_rss() -> float:
+    """Bytes: the peak resident set size of this process (0 where unknown)."""
+    try:
+        import resource
+    except ImportError:  # not on Windows
+        return 0.0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return float(peak if sys.platform == "darwin" else peak * 1024)
 
 
 def _finish(run: _Run) -> float:
@@ -1129,14 +1273,15 @@ def _finish(run: _Run) -> float:
     train_time = time.perf_counter() - run.t_start
     pure_time = train_time - run.eval_total - run.eval_time
     run.bar.close()
-    if run.stop_reason != "interrupted" and run.ctx.is_main:
-        estimate, _ = _estimate(run)
-        _keep_if_best(run, estimate)
+    model = _eval_model(run) if run.stop_reason != "interrupted" else None
+    if model is not None:
+        estimate, _ = _estimate(run, model)
+        _keep_if_best(run, estimate, model)
         if run.val_mask is None:
-            r = evaluate(run.raw, run.data.val, context_length=run.C, batch_size=2 * run.B)
+            r = evaluate(model, run.data.val, context_length=run.C, batch_size=2 * run.B)
         else:
             every = sample_windows(len(run.data.val), run.C, None, run.cfg.seed)
-            r = estimate_loss(run.raw, run.data.val, every, context_length=run.C,
+            r = estimate_loss(model, run.data.val, every, context_length=run.C,
                               batch_size=2 * run.B, loss_mask=run.val_mask)
         run.raw.train()
         run.final_val, run.final_ppl = r.loss, r.perplexity
@@ -1173,6 +1318,7 @@ def _loop(run: _Run, on_step: Callable[[int], None] | None) -> TrainResult:
                 t0 = time.perf_counter()
                 _save_latest(run)
                 run.eval_time += time.perf_counter() - t0
+        run.train_peak_rss = _peak_rss()  # before the final evaluation's whole copy
         pure_time = _finish(run)
     trained = run.step - (run.resumed_from or 0)
     return TrainResult(
@@ -1331,3 +1477,38 @@ def train_run(data_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     with command_threads(train_config.threads):
         return train(model_config, train_config, data_dir, out_dir, resume=resume,
                      progress=progress)
+
+
+# --- sharded checkpoints: consolidation ------------------------------------------------------
+
+_STRUCTURE_SECTIONS = ("format", "version", "model", "sharded", "lowrank", "quantize", "lora")
+
+
+def export_checkpoint(source: str | os.PathLike, out: str | os.PathLike, *,
+                      force: bool = False) -> Path:
+    """``tinylm export-checkpoint``: a sharded checkpoint (``--strategy zero1|fsdp``, or a
+    run folder whose latest/ is one) -> the ordinary safetensors + JSON checkpoint that
+    every command reads, with its whole optimizer state (resumable with ``--strategy
+    ddp`` or one process). Reads the shards in this one process, no process group."""
+    folder = resolve_checkpoint_dir(source)
+    if not is_complete(folder):
+        raise CheckpointError(f"{folder} is not a complete tinylm checkpoint; pass a "
+                              f"checkpoint folder or a tinylm train --out folder")
+    if not is_sharded(folder):
+        raise CheckpointError(f"{folder} is already an ordinary checkpoint; every command "
+                              f"reads it as it is (nothing was written)")
+    dest = check_target(out, force=force)
+    config = read_config(folder)
+    model = build_model(config)
+    train_cfg = TrainConfig.from_dict({**config.get("train", {}), "strategy": "ddp"})
+    optimizer = build_optimizer(model, train_cfg, torch.device("cpu"))
+    distributed.load_shards(model, optimizer, folder / SHARDS_DIR, distributed.DistContext())
+    tensors, meta = load_train_state(folder)
+    opt_tensors, opt_meta = optimizer_state(optimizer)
+    tensors.update(opt_tensors)
+    meta.update(optimizer=opt_meta, strategy="ddp",
+                exported_from={**config["sharded"], "step": meta.get("step")})
+    extra = {k: v for k, v in config.items() if k not in _STRUCTURE_SECTIONS}
+    extra["train"] = train_cfg.to_dict()
+    return save_checkpoint(dest, model, load_tokenizer_of(folder), extra_config=extra,
+                           train_tensors=tensors, train_meta=meta)
