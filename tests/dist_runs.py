@@ -5,7 +5,8 @@ slow part on a 2-core machine). Not a test module itself.
     torchrun --nproc_per_node N tests/dist_runs.py SPEC.json
 
 SPEC.json: {"data": DIR, "runs": [{"out": DIR, "model": {...}, "train": {...},
-"resume": false}, ...]}, run in order by every rank.
+"resume": false, "data": DIR (optional, instead of the top-level one)}, ...]}, run in
+order by every rank.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ def main(spec_path: str) -> int:
     ctx = distributed.init_from_env("cpu")
     try:
         for run in spec["runs"]:
-            train(ModelConfig(**run["model"]), TrainConfig(**run["train"]), spec["data"],
+            train(ModelConfig(**run["model"]), TrainConfig(**run["train"]), run.get("data", spec["data"]),
                   run["out"], resume=run.get("resume", False), progress=False)
     finally:
         distributed.shutdown(ctx)

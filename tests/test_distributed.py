@@ -55,16 +55,19 @@ def _one_thread():
     torch.set_num_threads(before)
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory) -> Path:
+def _prepare(root: Path, chars: int) -> Path:
     from tinylm.corpora import load_corpus
     from tinylm.data import prepare
 
-    root = tmp_path_factory.mktemp("dist-data")
     text = root / "text.txt"
-    text.write_text(load_corpus("python-docs")[:40_000], encoding="utf-8")
+    text.write_text(load_corpus("python-docs")[:chars], encoding="utf-8")
     prepare(root / "prepared", [text], tokenizer="char", context_length=32, progress=False)
     return root / "prepared"
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    return _prepare(tmp_path_factory.mktemp("dist-data"), 40_000)
 
 
 def _single(data_dir: Path, out: Path, **changes) -> Path:
@@ -114,6 +117,7 @@ def two_ranks(data_dir, tmp_path_factory) -> dict[str, Path]:
     """One torchrun of 2 ranks: the memory pair first (peak RSS only grows), then fsdp and
     zero1 with AdamW and Muon, 4 steps each."""
     tmp = tmp_path_factory.mktemp("two-ranks")
+    small = _prepare(tmp_path_factory.mktemp("small-data"), 6_000)  # a short final eval
     runs = {"mem_fsdp": dict(model=BIG, strategy="fsdp"),
             "mem_ddp": dict(model=BIG, strategy="ddp")}
     for strategy in ("fsdp", "zero1"):
@@ -125,6 +129,8 @@ def two_ranks(data_dir, tmp_path_factory) -> dict[str, Path]:
         extra = dict(batch_size=1, grad_accum=1, max_steps=2, warmup_steps=1) if big else {}
         specs.append(_spec(tmp / name, kw.get("model"), strategy=kw["strategy"],
                            optimizer=kw.get("optimizer", "adamw"), **extra))
+        if big:
+            specs[-1]["data"] = str(small)
     _torchrun(data_dir, tmp, specs)
     return {name: tmp / name for name in runs}
 
