@@ -69,6 +69,7 @@ bench: $(STAMP)
 	@test -f runs/demo/latest/config.json || $(MAKE) demo
 	$(PY) benchmarks/quantize.py
 	$(PY) benchmarks/finetune.py --base runs/demo --write
+	$(PY) benchmarks/distributed.py --write
 
 clean:
 	rm -rf $(VENV) build dist .pytest_cache .ruff_cache src/*.egg-info

@@ -25,8 +25,9 @@ def main(spec_path: str) -> int:
     ctx = distributed.init_from_env("cpu")
     try:
         for run in spec["runs"]:
-            train(ModelConfig(**run["model"]), TrainConfig(**run["train"]), run.get("data", spec["data"]),
-                  run["out"], resume=run.get("resume", False), progress=False)
+            train(ModelConfig(**run["model"]), TrainConfig(**run["train"]),
+                  run.get("data", spec["data"]), run["out"], resume=run.get("resume", False),
+                  progress=False)
     finally:
         distributed.shutdown(ctx)
     return 0

@@ -36,6 +36,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -310,8 +312,18 @@ def save_shards(state: dict[str, Tensor], folder: Path, ctx: DistContext) -> Non
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
     folder.mkdir(parents=True, exist_ok=True)
-    dcp.save(state, storage_writer=HuggingFaceStorageWriter(str(folder), save_distributed=True),
-             no_dist=not ctx.enabled)
+    with _single_process_quiet():
+        dcp.save(state, no_dist=not ctx.enabled,
+                 storage_writer=HuggingFaceStorageWriter(str(folder), save_distributed=True))
+
+
+@contextlib.contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """DCP warns that it "assumes the intent is to load in a single process" even when
+    told so (no_dist=True); one process is a supported layout here, not a mistake."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def shard_metadata(folder: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -343,7 +355,7 @@ def load_shards(model: nn.Module, optimizer: torch.optim.Optimizer | None, folde
     state: dict[str, Tensor] = {f"model.{n}": p.detach() for n, p in params.items()}
     wanted = _optimizer_destinations(params, optimizer, meta) if optimizer is not None else {}
     state.update({key: t for key, (_, _, t) in wanted.items()})
-    with torch.no_grad():
+    with torch.no_grad(), _single_process_quiet():
         dcp.load(state, storage_reader=HuggingFaceStorageReader(str(folder)),
                  no_dist=not ctx.enabled)
     if optimizer is not None:
