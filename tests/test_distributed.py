@@ -298,3 +298,43 @@ def test_two_nodes_on_localhost_equal_one_node(two_ranks, data_dir, tmp_path) ->
     two_nodes = _weights(out, tmp_path)
     assert all(torch.equal(one_node[k], two_nodes[k]) for k in one_node)
     assert _losses(out) == _losses(two_ranks["fsdp_adamw"])
+
+
+@pytest.mark.parametrize("point", ["write tokenizer.json", "write config.json",
+                                   "rename tmp to dest", "remove old"])
+def test_a_kill_inside_a_sharded_save_keeps_one_complete_checkpoint(data_dir, tmp_path,
+                                                                    point) -> None:
+    """SIGKILL before a file operation of the step-4 sharded save (its shards already
+    written by then): --resume finds step 2 until config.json is in the new folder, step 4
+    after, and ends like an uninterrupted run (one process, fsdp layout)."""
+    import signal
+
+    import tinylm.checkpoint as ck
+
+    cfg = TrainConfig(**{**TRAIN, "grad_accum": 6, "strategy": "fsdp"})
+    out = tmp_path / "run"
+    pid = os.fork()
+    if pid == 0:  # the child trains and dies before ``point`` of the second latest/ save
+        try:
+            seen = {"latest": 0}
+
+            def die(label: str) -> None:
+                seen["latest"] += label == "mkdir tmp for latest"
+                if seen["latest"] == 2 and label == point:
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+            ck._before_file_op = die
+            train(ModelConfig(**MODEL), cfg, data_dir, out, progress=False)
+        finally:
+            os._exit(3)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, status
+    result = train(ModelConfig(**MODEL), cfg, data_dir, out, resume=True, progress=False)
+    whole = point in ("rename tmp to dest", "remove old")  # config.json was written
+    assert result.resumed_from == (4 if whole else 2), point
+    assert is_sharded(out / "latest")
+    assert not [p.name for p in out.iterdir() if ".tmp-" in p.name or ".old-" in p.name]
+    if not whole:
+        single = _single(data_dir, tmp_path / "single", strategy="fsdp")
+        wa, wb = _weights(single, tmp_path), _weights(out, tmp_path)
+        assert all(torch.equal(wa[k], wb[k]) for k in wa)
