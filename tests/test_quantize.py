@@ -258,3 +258,36 @@ def test_serve_answers_from_the_quantized_checkpoint(setup) -> None:
             "model": "q", "prompt": "the", "max_tokens": 5, "temperature": 0}, timeout=60)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == want
+
+
+def test_a_llama_layout_quantizes_and_every_command_loads_it(setup, tmp_path, capsys) -> None:
+    """Issue 19 on every architecture: a Llama-layout model (RMSNorm, RoPE, SwiGLU's gate,
+    grouped-query attention, untied head) quantizes with every Linear in int8; sample,
+    eval and explain load it, and the dequantized Hugging Face export gives its logits."""
+    transformers = pytest.importorskip("transformers")
+    from tinylm.config import resolve_arch
+    from tinylm.data import load_prepared
+
+    data = load_prepared(setup / "data")
+    torch.manual_seed(1)
+    cfg = ModelConfig(**resolve_arch("llama", dict(vocab_size=data.vocab_size,
+                                                   context_length=16, n_layer=2, n_head=4,
+                                                   n_kv_head=2, n_embd=32)))
+    save_checkpoint(tmp_path / "llama", GPT(cfg), data.tokenizer)
+    q = str(tmp_path / "q")
+    assert main(["quantize", "--model", str(tmp_path / "llama"), "--out", q,
+                 "--include-head", "--data", str(setup / "data"), "--eval-windows", "2"]) == 0
+    model, _ = load_checkpoint(q)
+    layers = structure_of(model)
+    assert "blocks.1.ffn.gate" in layers and "lm_head" in layers and len(layers) == 2 * 5 + 1
+    assert main(["sample", "--model", q, "--prompt", "the", "--max-new-tokens", "5",
+                 "--temperature", "0"]) == 0
+    assert main(["eval", "--model", q, "--data", str(setup / "data")]) == 0
+    assert main(["explain", "--model", q, "--prompt", "the fox", "--json"]) == 0
+    assert main(["convert", "--model", q, "--to-hf", str(tmp_path / "hf"),
+                 "--weights-only"]) == 0
+    hf = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    ids = torch.randint(0, cfg.vocab_size, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, model(ids), rtol=1e-4, atol=1e-4)
+    capsys.readouterr()
