@@ -151,6 +151,10 @@ def test_two_ranks_equal_one_process(two_ranks, data_dir, tmp_path, strategy,
     _assert_same_weights(_weights(single, tmp_path), _weights(run, tmp_path))
     assert _losses(run) == pytest.approx(_losses(single), rel=1e-5)
     assert [r["step"] for r in read_metrics(run) if "train_loss" in r] == [2, 4]
+    # The final evaluation (under fsdp a collective of both ranks on the sharded model)
+    final = [r["val_loss"] for r in read_metrics(run) if r.get("final")]
+    assert final == pytest.approx([r["val_loss"] for r in read_metrics(single)
+                                   if r.get("final")], rel=1e-5)
     # best/ is an ordinary checkpoint, whole, that every command reads.
     model, _ = load_checkpoint(run / "best")
     assert model.num_parameters() == load_checkpoint(single / "best")[0].num_parameters()
@@ -158,12 +162,10 @@ def test_two_ranks_equal_one_process(two_ranks, data_dir, tmp_path, strategy,
 
 def test_fsdp_holds_less_per_rank_than_ddp(two_ranks) -> None:
     """The same 7M-parameter model, 2 ranks: fsdp's weights, gradients and AdamW moments
-    per rank are half of ddp's (computed from the tensors each rank holds), and rank 1's
-    measured peak RSS is lower (asserted loosely: sharding saves ~68 MiB of state here,
-    and the peak differed by 18-47 MiB in runs on a busy machine; torch itself, the
-    allocator, gloo buffers, every rank building the whole initial model and a block's
-    gathered weights add noise). Rank 0 also holds a whole copy of the weights for
-    evaluation, so rank 1 is the one compared."""
+    per rank are half of ddp's (computed from the tensors each rank holds), and each
+    rank's measured peak RSS is lower (asserted loosely: sharding saves ~68 MiB of state
+    here; torch itself, the allocator, gloo buffers, every rank building the whole
+    initial model and a block's gathered weights add noise)."""
     fsdp = load_train_state(two_ranks["mem_fsdp"] / "latest")[1]["memory"]
     ddp = load_train_state(two_ranks["mem_ddp"] / "latest")[1]["memory"]
     for rank in (0, 1):
@@ -171,7 +173,8 @@ def test_fsdp_holds_less_per_rank_than_ddp(two_ranks) -> None:
             assert fsdp[key][rank] == pytest.approx(ddp[key][rank] / 2, rel=0.02), key
     saved = sum(ddp[k][1] - fsdp[k][1] for k in ("weights_mib", "grads_mib", "optimizer_mib"))
     assert saved > 40  # MiB: the model is large enough for the RSS to show it
-    assert fsdp["peak_rss_mib"][1] < ddp["peak_rss_mib"][1], (fsdp, ddp)
+    for rank in (0, 1):
+        assert fsdp["peak_rss_mib"][rank] < ddp["peak_rss_mib"][rank], (fsdp, ddp)
 
 
 def test_elastic_resume_2_to_1_to_3_ranks(two_ranks, data_dir, tmp_path) -> None:
@@ -245,12 +248,13 @@ def test_same_world_resume_is_bitwise_and_export_is_resumable(data_dir,
 def test_sigkilled_rank_restarts_and_ends_like_uninterrupted(data_dir, tmp_path) -> None:
     """fsdp, 2 ranks: rank 1 is SIGKILLed once latest/ holds step 4; torchrun
     --max-restarts 1 restarts both, they resume from the sharded latest/ and end at step
-    8 with the weights of an uninterrupted run."""
+    8 with the weights of an uninterrupted run. Periodic evaluations (steps 3 and 6, a
+    collective of both ranks) write best/ as an ordinary checkpoint."""
     run = tmp_path / "run"
     flags = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--context-length", "32",
              "--dropout", "0", "--batch-size", "2", "--grad-accum", "3", "--lr", "3e-3",
              "--warmup-steps", "3", "--min-lr-ratio", "1", "--max-steps", "8",
-             "--eval-every", "100", "--eval-windows", "4", "--save-every", "2",
+             "--eval-every", "3", "--eval-windows", "4", "--save-every", "2",
              "--log-every", "2", "--seed", "7", "--device", "cpu", "--strategy", "fsdp"]
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
@@ -262,6 +266,9 @@ def test_sigkilled_rank_restarts_and_ends_like_uninterrupted(data_dir, tmp_path)
     assert "(exitcode: -9) local_rank: 1" in proc.stderr, proc.stderr[-3000:]  # SIGKILL
     assert "resuming from step" in proc.stderr, proc.stderr[-3000:]
     assert load_train_state(run / "latest")[1]["step"] == 8
+    estimates = [r["step"] for r in read_metrics(run) if "val_loss_estimate" in r]
+    assert estimates[:2] == [3, 6]
+    assert not is_sharded(run / "best") and load_checkpoint(run / "best")[0] is not None
     single = _single(data_dir, tmp_path / "single", max_steps=8)
     _assert_same_weights(_weights(single, tmp_path), _weights(run, tmp_path))
 

@@ -8,6 +8,7 @@ then run the reference model, slower and otherwise the same.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -55,3 +56,9 @@ def plan(model: nn.Module, device: torch.device | str | None = None):
 def accelerate(model: nn.Module, device: torch.device | str | None = None):
     """Decide and apply the fast paths of ``model`` (see :func:`tinylm.native.accelerate`)."""
     return native.accelerate(model, device) if native is not None else ReferencePlan(model)
+
+
+def disabled() -> contextlib.AbstractContextManager[None]:
+    """Every fast path off within the block (this thread), e.g. for a model whose
+    parameters FSDP has sharded (:func:`tinylm.native.disabled`)."""
+    return native.disabled() if native is not None else contextlib.nullcontext()

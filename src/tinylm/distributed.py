@@ -194,6 +194,22 @@ def gradient_sync(model: nn.Module, ctx: DistContext, sync: bool) -> Any:
     return contextlib.nullcontext()
 
 
+@contextlib.contextmanager
+def root_unsharded(model: nn.Module) -> Iterator[None]:
+    """An fsdp model's root parameters (embeddings, final norm, head) gathered for the
+    block: FSDP2 gathers them in the root's forward hook only, and a use that calls the
+    model's methods instead (evaluation's ``hidden_states``) would see the shards. The
+    blocks gather their own in their forward. A no-op for an unsharded model."""
+    if not hasattr(model, "unshard"):
+        yield
+        return
+    model.unshard()
+    try:
+        yield
+    finally:
+        model.reshard()
+
+
 def full_tensor(t: Tensor) -> Tensor:
     """The whole tensor behind a DTensor (an all-gather of its shards), else ``t``."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t

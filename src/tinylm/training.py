@@ -45,7 +45,6 @@ Choices, and why:
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import logging
 import math
@@ -771,7 +770,6 @@ class _Run:
     n_trainable: int = 0
     strategy: str = "ddp"  # how ranks share the work (single process: layout only)
     sharded: bool = False  # latest/ is a sharded checkpoint (zero1/fsdp)
-    eval_copy: nn.Module | None = None  # fsdp, rank 0: a whole copy to evaluate and save
     train_peak_rss: float | None = None  # bytes, measured when the training steps end
     # -- state (saved in latest/ and restored on resume) --
     step: int = 0
@@ -807,6 +805,11 @@ class _Run:
     @property
     def latest(self) -> Path:
         return self.out / RUN_LATEST
+
+    @property
+    def fsdp(self) -> bool:
+        """Parameters sharded across ranks: evaluation is a collective of every rank."""
+        return self.ctx.enabled and self.strategy == "fsdp"
 
 
 # --- phase 1: restore (build the model, the optimizer, and the saved state) -------------------
@@ -860,7 +863,7 @@ def _setup(model_config: ModelConfig, cfg: TrainConfig, data: TrainData, out: Pa
     accum = _grad_accum(cfg, found, B, C, world)
     amp = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
            else contextlib.nullcontext())
-    model_run, optimizer, eval_copy = _apply_strategy(raw, cfg, ctx, device, data, amp)
+    model_run, optimizer = _apply_strategy(raw, cfg, ctx, device, data, amp)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     if not params:
         raise ConfigError("the model has no parameter with requires_grad=True; nothing to "
@@ -873,7 +876,7 @@ def _setup(model_config: ModelConfig, cfg: TrainConfig, data: TrainData, out: Pa
                 extra=extra, train_mask=_mask_of(data, "train"), val_mask=_mask_of(data, "val"),
                 n_params=n_params, n_trainable=sum(p.numel() for p in params),
                 strategy=cfg.strategy, sharded=cfg.strategy in ("zero1", "fsdp"),
-                eval_copy=eval_copy, interval_loss=torch.zeros((), device=device),
+                interval_loss=torch.zeros((), device=device),
                 gnorm=torch.zeros((), device=device), lr=cfg.lr,
                 total_steps=float(cfg.max_steps))
 
@@ -899,15 +902,14 @@ def _grad_accum(cfg: TrainConfig, found: _Found, B: int, C: int, world: int) -> 
 
 def _apply_strategy(raw: nn.Module, cfg: TrainConfig, ctx: distributed.DistContext,
                     device: torch.device, data: TrainData, amp: Any
-                    ) -> tuple[nn.Module, torch.optim.Optimizer, nn.Module | None]:
-    """(the module to run, the optimizer, fsdp's whole copy for rank 0's evaluations).
+                    ) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """(the module to run, the optimizer) under ``cfg.strategy``.
 
-    The native fast paths (tinylm.native) step aside under fsdp: they would read the
-    DTensor shards as if they were whole weights. Evaluation then runs on rank 0's
-    whole copy, which takes them as any plain model does."""
-    fsdp = ctx.enabled and cfg.strategy == "fsdp"
-    eval_copy = copy.deepcopy(raw).eval() if fsdp and ctx.is_main else None
-    if not fsdp:
+    The native fast paths (tinylm.native) step aside under fsdp: their eligibility
+    would take the FSDP model for a plain GPT (FSDP2's class is a subclass of it) and
+    read the DTensor shards as whole weights. So a sharded model is not accelerated,
+    and its evaluations run with every fast path off (:func:`_fast_paths`)."""
+    if not (ctx.enabled and cfg.strategy == "fsdp"):
         acceleration.accelerate(raw, device)  # the fast paths, decided once (tinylm.native)
     model_run = distributed.wrap_model(raw, ctx, device, cfg.strategy)
     if cfg.compile:
@@ -918,7 +920,7 @@ def _apply_strategy(raw: nn.Module, cfg: TrainConfig, ctx: distributed.DistConte
         optimizer = distributed.zero_optimizer(*optimizer_recipe(raw, cfg, device), ctx)
     else:
         optimizer = build_optimizer(raw, cfg, device)
-    return model_run, optimizer, eval_copy
+    return model_run, optimizer
 
 
 def _restore(run: _Run, found: _Found) -> None:
@@ -1125,23 +1127,32 @@ def _watch_throughput(run: _Run, tok_s: float) -> None:
 
 
 def _eval_model(run: _Run) -> nn.Module | None:
-    """The module rank 0 evaluates and saves as best/ (None on the other ranks): the
-    model itself, or under fsdp its whole copy refreshed from the shards (a collective:
-    every rank calls this at the same steps)."""
-    if run.ctx.enabled and run.strategy == "fsdp":
-        full = distributed.full_model_state(run.raw, run.ctx)
-        if run.eval_copy is not None:
-            run.eval_copy.load_state_dict(full)
-        return run.eval_copy
-    return run.raw if run.ctx.is_main else None
+    """The module this rank evaluates (None: this rank does not): rank 0's model, or
+    under fsdp the sharded model on every rank (a collective forward; each rank gets the
+    same result)."""
+    return run.raw if run.ctx.is_main or run.fsdp else None
+
+
+@contextlib.contextmanager
+def _fast_paths(run: _Run) -> Iterator[None]:
+    """Evaluation under fsdp: every fast path off, the root's parameters gathered."""
+    if not run.fsdp:
+        yield
+        return
+    with acceleration.disabled(), distributed.root_unsharded(run.raw):
+        yield
 
 
 def _estimate(run: _Run, model: nn.Module) -> tuple[float, float]:
     """The periodic validation estimate: the fixed random sample of windows."""
     _check_finite(run)
-    r = estimate_loss(model, run.data.val, run.eval_starts, context_length=run.C,
-                      batch_size=2 * run.B, loss_mask=run.val_mask)
+    with _fast_paths(run):
+        r = estimate_loss(model, run.data.val, run.eval_starts, context_length=run.C,
+                          batch_size=2 * run.B, loss_mask=run.val_mask)
     run.raw.train()
+    if run.fsdp:  # every rank computed it; rank 0's value decides best/ everywhere
+        loss = distributed.broadcast_floats([r.loss], run.ctx)[0]
+        return loss, perplexity(loss)
     return r.loss, r.perplexity
 
 
@@ -1149,9 +1160,13 @@ def _keep_if_best(run: _Run, estimate: float, model: nn.Module) -> None:
     """best/ follows the lowest estimate (always the same sample: like for like)."""
     if estimate < run.best_val:
         run.best_val = estimate
-        save_checkpoint(run.out / RUN_BEST, model, run.data.tokenizer, extra_config={
-            **run.extra, "best": {"step": run.step, "val_loss_estimate": estimate,
-                                  "eval_windows": len(run.eval_starts)}})
+        # under fsdp every rank gathers (a collective), rank 0 gets the whole weights
+        state = distributed.full_model_state(run.raw, run.ctx) if run.fsdp else None
+        if run.ctx.is_main:
+            save_checkpoint(run.out / RUN_BEST, model, run.data.tokenizer, state=state,
+                            extra_config={**run.extra, "best": {
+                                "step": run.step, "val_loss_estimate": estimate,
+                                "eval_windows": len(run.eval_starts)}})
 
 
 def _eval_phase(run: _Run, record: dict[str, Any]) -> None:
@@ -1286,22 +1301,28 @@ def _finish(run: _Run) -> float:
     if model is not None:
         estimate, _ = _estimate(run, model)
         _keep_if_best(run, estimate, model)
-        if run.val_mask is None:
-            r = evaluate(model, run.data.val, context_length=run.C, batch_size=2 * run.B)
-        else:
-            every = sample_windows(len(run.data.val), run.C, None, run.cfg.seed)
-            r = estimate_loss(model, run.data.val, every, context_length=run.C,
-                              batch_size=2 * run.B, loss_mask=run.val_mask)
+        with _fast_paths(run):
+            r = _final_eval(run, model)
         run.raw.train()
         run.final_val, run.final_ppl = r.loss, r.perplexity
         run.metrics.write({"step": run.step, "lr": run.lr, "val_loss": r.loss,
                            "val_ppl": r.perplexity, "val_loss_estimate": estimate,
                            "final": True,
                            "elapsed": run.elapsed0 + time.perf_counter() - run.t_start})
-        _redraw(run)
+        if run.ctx.is_main:
+            _redraw(run)
     _save_latest(run)
     distributed.barrier(run.ctx)
     return pure_time
+
+
+def _final_eval(run: _Run, model: nn.Module) -> Any:
+    """The exact loss over the whole validation split (masked: over every window)."""
+    if run.val_mask is None:
+        return evaluate(model, run.data.val, context_length=run.C, batch_size=2 * run.B)
+    every = sample_windows(len(run.data.val), run.C, None, run.cfg.seed)
+    return estimate_loss(model, run.data.val, every, context_length=run.C,
+                         batch_size=2 * run.B, loss_mask=run.val_mask)
 
 
 def _loop(run: _Run, on_step: Callable[[int], None] | None) -> TrainResult:
@@ -1327,7 +1348,7 @@ def _loop(run: _Run, on_step: Callable[[int], None] | None) -> TrainResult:
                 t0 = time.perf_counter()
                 _save_latest(run)
                 run.eval_time += time.perf_counter() - t0
-        run.train_peak_rss = _peak_rss()  # before the final evaluation's whole copy
+        run.train_peak_rss = _peak_rss()  # before the final evaluation and best/
         pure_time = _finish(run)
     trained = run.step - (run.resumed_from or 0)
     return TrainResult(
