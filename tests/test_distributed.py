@@ -175,6 +175,14 @@ def test_fsdp_holds_less_per_rank_than_ddp(two_ranks) -> None:
     assert saved > 40  # MiB: the model is large enough for the RSS to show it
     for rank in (0, 1):
         assert fsdp["peak_rss_mib"][rank] < ddp["peak_rss_mib"][rank], (fsdp, ddp)
+    # zero1 shards the optimizer state only, by whole tensors (so not exactly halves).
+    zero = load_train_state(two_ranks["zero1_adamw"] / "latest")[1]["memory"]
+    small = load_train_state(two_ranks["fsdp_adamw"] / "latest")[1]["memory"]
+    whole = sum(small["optimizer_mib"])
+    assert sum(zero["optimizer_mib"]) == pytest.approx(whole, rel=0.01)
+    assert max(zero["optimizer_mib"]) < 0.75 * whole
+    assert zero["weights_mib"][0] == zero["weights_mib"][1] == pytest.approx(
+        sum(small["weights_mib"]), rel=0.02)  # zero1 keeps the whole weights
 
 
 def test_elastic_resume_2_to_1_to_3_ranks(two_ranks, data_dir, tmp_path) -> None:
