@@ -14,7 +14,8 @@ ranks on a 2-core machine share the cores, and gloo's collectives run over loopb
 At one rank the strategies compute the same thing (``--strategy`` then only chooses the
 checkpoint layout). With ``--preset gpt2 --device cuda --compile`` (GPT-2 124M shapes,
 bf16 autocast) the table also gets the model FLOPs utilisation, MFU = 6 · parameters ·
-tokens/s / (ranks · ``--peak-tflops``), and goes under a GPU heading.
+tokens/s / (ranks · ``--peak-tflops``), and goes under a GPU heading (``--ranks 1`` on a
+machine with one GPU). The GPU path has not been run yet.
 
 The table is printed and, with ``--write``, put in BENCHMARKS.md between
 ``<!-- bench:distributed -->`` markers (``bench:distributed-gpu`` for a GPU run).
@@ -67,7 +68,7 @@ def _launch(args: argparse.Namespace, data: Path, out: Path, strategy: str,
     preset = dict(PRESETS[args.preset])
     batch = preset.pop("batch")
     model_flags = [f"--{k.replace('_', '-')}={v}" for k, v in preset.items()]
-    per_rank_accum = 2 // ranks  # the same global batch at 1 and 2 ranks
+    per_rank_accum = max(1, 2 // ranks)  # the same global batch at 1 and 2 ranks
     flags = [*model_flags, "--batch-size", str(batch), "--grad-accum", str(per_rank_accum),
              "--max-steps", str(args.steps), "--warmup-steps", "2", "--eval-every",
              str(10**9), "--save-every", str(10**9), "--eval-windows", "2",
@@ -139,13 +140,17 @@ def main() -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--ranks", default="1,2",
+                   help="comma-separated process counts (default: 1,2; on CUDA at most the "
+                   "number of GPUs: nccl needs one GPU per rank)")
     p.add_argument("--peak-tflops", type=float, default=989.0,
                    help="peak bf16 TFLOP/s of one GPU for MFU (default: 989, H100 SXM dense)")
     p.add_argument("--write", action="store_true", help="write the table to BENCHMARKS.md")
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="tinylm-bench-distributed-"))
     data = _prepare(work, PRESETS[args.preset]["context_length"], args.preset == "gpt2")
-    rows = [_launch(args, data, work / f"{s}-{r}", s, r) for r in (1, 2) for s in STRATEGIES]
+    ranks = [int(r) for r in args.ranks.split(",")]
+    rows = [_launch(args, data, work / f"{s}-{r}", s, r) for r in ranks for s in STRATEGIES]
     table = _table(rows, args)
     print(table)
     if args.write:
