@@ -10,9 +10,10 @@
  *     y[m, o] = act(Σ_i x[m, i]·(q[o, i]·s[o, i / G]) + b[o]) (+ res[m, o])
  *
  * The inner loop converts VL int8 weights to floats (sign-extend + convert: AVX-512,
- * AVX2, SSE4.1; lane by lane elsewhere), scales them and adds them times VL floats of up to QR rows of x
- * into QR vector accumulators (few rows: CH independent chains per row instead, to hide
- * the FMA latency); one horizontal sum per output feature and row at the end. Output
+ * AVX2, SSE4.1; lane by lane elsewhere), scales them and adds them times VL floats of x
+ * into vector accumulators: a tile of OT output features × up to QR rows of x, at most
+ * 8 accumulators (with one or two rows, CH independent chains per pair hide the FMA
+ * latency); one horizontal sum per output feature and row at the end. Tiles of output
  * features are split among the threads. y may be res (a residual stream updated in
  * place), never x.
  */
