@@ -215,9 +215,9 @@ def main() -> None:
     ap.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md")
     args = ap.parse_args()
 
-    from tinylm.data import default_workers
+    from tinylm.config import available_cpus
 
-    cores = default_workers()
+    cores = available_cpus()
     counts = [cores if w == "all" else int(w) for w in args.workers.split(",")]
     work = Path(args.workdir or tempfile.mkdtemp(prefix="tinylm-bench-prepare-"))
     work.mkdir(parents=True, exist_ok=True)

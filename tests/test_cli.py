@@ -107,6 +107,63 @@ def test_device_flag_is_the_same_in_every_command() -> None:
     assert default == "auto" and help_text.endswith("(default: auto)")
 
 
+#: Commands that compute on a model: each takes --threads (train and finetune through
+#: TrainConfig.threads, serve for its decoding loop, prepare as its encoding processes).
+COMPUTING = ("prepare", "train", "finetune", "chat", "sample", "eval", "explain", "compress",
+             "quantize", "serve")
+
+
+def test_every_computing_command_takes_threads() -> None:
+    commands = _commands()
+    for name in COMPUTING:
+        flags = {s for a in commands[name]._actions for s in a.option_strings}
+        assert "--threads" in flags, name
+    assert main(["sample", "--model", "m", "--threads", "0"]) == 2
+
+
+@pytest.mark.parametrize("given, want", [(["--threads", "1"], 1), ([], None)])
+def test_threads_apply_to_the_whole_command(run_dir, capsys, monkeypatch, given, want) -> None:
+    import torch
+
+    from tinylm import training
+
+    monkeypatch.setattr(training, "default_threads", lambda: 3)
+    seen: list[int] = []
+    real = torch.set_num_threads
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: (seen.append(n), real(n)))
+    before = torch.get_num_threads()
+    assert main(["sample", "--model", str(run_dir), "--max-new-tokens", "3", "--prompt",
+                 "The", "--device", "cpu", *given]) == 0
+    assert seen[0] == (want or 3)  # --threads, else tinylm.config.default_threads()
+    assert torch.get_num_threads() == before  # restored when the command ends
+    seen.clear()
+    assert main(["eval", "--model", str(run_dir), "--data", str(run_dir.parent / "data"),
+                 "--device", "cpu", *given]) == 0
+    assert seen[0] == (want or 3)
+    capsys.readouterr()
+
+
+def test_sample_allow_special_turns_a_spelled_token_into_its_id(run_dir, capsys,
+                                                                 monkeypatch) -> None:
+    """Issue 11 item 4: a prompt's "<|endoftext|>" is text unless --allow-special."""
+    from tinylm import sampling
+
+    prompts = []
+    real = sampling.generate_stream
+    monkeypatch.setattr(sampling, "generate_stream",
+                        lambda model, batch, *a, **k: (prompts.append(batch[0].tolist()),
+                                                       real(model, batch, *a, **k))[1])
+    tokenizer = load_checkpoint(run_dir)[1]
+    args = ["sample", "--model", str(run_dir), "--prompt", "The<|endoftext|>",
+            "--max-new-tokens", "2", "--device", "cpu"]
+    # as text, its characters are ones this char tokenizer never saw: refused, one line
+    line = one_line(main(args), capsys.readouterr().err, "sample")
+    assert "'<'" in line and "'|'" in line and not prompts
+    assert main([*args, "--allow-special"]) == 0
+    assert prompts == [[*tokenizer.encode("The"), tokenizer.eos_id]]
+    capsys.readouterr()
+
+
 # --- logging --------------------------------------------------------------------------------
 
 

@@ -181,3 +181,29 @@ def test_unknown_replace_is_stored_in_the_tokenizer(text_file, tmp_path) -> None
                  "--context-length", "16", "--out", str(out)]) == 0
     tok = load_prepared(out).tokenizer
     assert tok.decode(tok.encode("fox🦊")) == "fox<unk>"
+
+
+@pytest.mark.parametrize("tokenizer", ["char", "bpe"])
+def test_special_spellings_in_a_corpus_are_text_unless_allow_special(tokenizer, tmp_path,
+                                                                     capsys) -> None:
+    """Issue 11 item 4: a corpus that spells <|endoftext|> gets the special id only with
+    --allow-special (recorded in meta.json and in the dataset's settings)."""
+    text = tmp_path / "t.txt"
+    text.write_text("one document<|endoftext|>another one, and more text. " * 200,
+                    encoding="utf-8")
+    flags = ["--tokenizer", tokenizer, "--vocab-size", "300", "--context-length", "8",
+             "--no-progress"]
+    for allow in (False, True):
+        out = tmp_path / f"{tokenizer}-{allow}"
+        extra = ["--allow-special"] if allow else []
+        assert main(["prepare", "--input", str(text), "--out", str(out), *flags, *extra]) == 0
+        data = load_prepared(out)
+        eos = data.tokenizer.eos_id
+        ids = np.concatenate([np.asarray(data.train), np.asarray(data.val)])
+        # one separator per document boundary is the only special id without the flag
+        assert (int((ids == eos).sum()) > 150) == allow, (tokenizer, allow)
+        assert data.meta["allow_special"] is allow
+    capsys.readouterr()
+    assert main(["prepare", "--input", str(text), "--out", str(tmp_path / f"{tokenizer}-False"),
+                 *flags, "--allow-special"]) == 2  # another dataset: refused without --force
+    assert "allow_special" in capsys.readouterr().err

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -260,6 +261,35 @@ def test_ddp_two_ranks_equal_one_process_and_resume(data_dir, tmp_path) -> None:
     one = [r["train_loss"] for r in read_metrics(single) if "train_loss" in r]
     two = [r["train_loss"] for r in read_metrics(ddp) if "train_loss" in r]
     assert two == pytest.approx(one, rel=1e-5)
+
+
+def test_torchrun_max_restarts_resumes_a_run_started_without_resume(data_dir,
+                                                                    tmp_path) -> None:
+    """Issue 11 item 6: rank 1 dies after the step-4 checkpoint of a run started without
+    --resume; torchrun --max-restarts 1 restarts both workers, which resume from latest/
+    on their own and end at step 12 with the weights of an uninterrupted run. (Each
+    attempt joins with keys of its own: torchrun's store still holds the dead attempt's.)"""
+    model = {**MODEL, "dropout": 0.0}
+    cfg = dict(TRAIN, max_steps=12, eval_every=100, save_every=4, log_every=2)
+    single = tmp_path / "single"
+    train(ModelConfig(**model), TrainConfig(**cfg), data_dir, single, progress=False)
+    ddp = tmp_path / "ddp"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+         "2", "--max-restarts", "1", str(Path(__file__).with_name("torchrun_crash_once.py")),
+         "train", "--data", str(data_dir), "--out", str(ddp), "--n-layer", "2", "--n-head",
+         "2", "--n-embd", "32", "--context-length", "32", "--dropout", "0", "--batch-size",
+         "2", "--grad-accum", "2", "--lr", "3e-3", "--warmup-steps", "3", "--max-steps", "12",
+         "--eval-every", "100", "--eval-windows", "4", "--save-every", "4", "--log-every",
+         "2", "--seed", "7", "--device", "cpu"],
+        capture_output=True, text=True, timeout=240, env={**ENV, "CRASH_AFTER": "4"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "(exitcode: 17) local_rank: 1" in proc.stderr, proc.stderr[-3000:]  # it died
+    assert re.search(r"resum\w* from step (4|8)", proc.stderr), proc.stderr[-3000:]
+    assert load_train_state(ddp / "latest")[1]["step"] == 12
+    a, b = _weights(single), _weights(ddp)
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-5)
 
 
 # --- faults --------------------------------------------------------------------------------

@@ -201,9 +201,11 @@ def _add_prepare(sub: argparse._SubParsersAction) -> None:
                    help="drop exact duplicate documents (by hash), counted in meta.json")
     p.add_argument("--shard-tokens", type=int, default=100_000_000, metavar="N",
                    help="at most N tokens per shard file (default: 100000000)")
-    p.add_argument("--workers", type=int, default=None, metavar="N",
-                   help="encoding processes; the output is the same for any N (default: "
-                   "every core for inputs over 16 MB, else 1)")
+    p.add_argument("--workers", "--threads", type=int, default=None, metavar="N",
+                   dest="workers",
+                   help="CPU cores to use: encoding processes; the output is the same for "
+                   "any N (default: the free cores, as for --threads elsewhere, for inputs "
+                   "over 16 MB, else 1)")
     p.add_argument("--unknown", choices=("error", "replace"), default="error",
                    help="char tokenizer, later text with unseen characters: error, or "
                    "replace them with <unk> (default: error)")
@@ -218,6 +220,9 @@ def _add_prepare(sub: argparse._SubParsersAction) -> None:
                    help="add a special token after the standard ones every char/bpe "
                    "tokenizer gets (<|endoftext|>, <|system|>, <|user|>, <|assistant|>, "
                    "<|end|>) (repeatable)")
+    p.add_argument("--allow-special", action="store_true",
+                   help="a special token spelled in the text (e.g. <|endoftext|>) becomes "
+                   "that token; without it, it is ordinary text like any other")
     p.add_argument("--glob", default="*", metavar="PATTERN",
                    help="files to take from an input folder (default: * = all non-hidden)")
     p.add_argument("--out", required=True, metavar="DIR", help="output folder")
@@ -255,6 +260,7 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
         bpe_train_mb=args.bpe_train_mb, progress=False if args.no_progress else None,
         text_field=args.text_field, skip_bad=args.skip_bad, doc_separator=args.doc_separator,
         dedup=args.dedup, shard_tokens=args.shard_tokens, workers=args.workers,
+        allow_special=args.allow_special,
     )
     seconds = time.perf_counter() - start
     meta = data.meta
@@ -470,8 +476,6 @@ def _add_compress(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--force", action="store_true",
                    help="replace an existing checkpoint in --out (never a run folder or a "
                    "folder with other files)")
-    p.add_argument("--threads", type=int, metavar="N",
-                   help="CPU threads for torch (default: the free cores)")
     _device_flag(p)
     p.set_defaults(func=_cmd_compress)
 
@@ -512,8 +516,6 @@ def _check_compress_flags(args: argparse.Namespace) -> list[str]:
                           f"--data DIR to train on")
     if args.eval_windows is not None and args.eval_windows < 1:
         raise ConfigError(f"--eval-windows must be >= 1, got {args.eval_windows}")
-    if args.threads is not None and args.threads < 1:
-        raise ConfigError(f"--threads must be >= 1, got {args.threads}")
     layers = [name.strip() for name in args.layers.split(",") if name.strip()]
     if not layers:
         raise ConfigError(f"--layers names no layer ({args.layers!r}); e.g. --layers "
@@ -523,13 +525,10 @@ def _check_compress_flags(args: argparse.Namespace) -> list[str]:
 
 def _cmd_compress(args: argparse.Namespace) -> int:
     from tinylm.compression import compress_checkpoint, sweep_checkpoint
-    from tinylm.config import default_threads
     from tinylm.lowrank import format_report, format_sweep
 
     layers = _check_compress_flags(args)
-    threads = args.threads or default_threads()
-    common = {"layers": layers, "eval_windows": args.eval_windows, "device": args.device,
-              "threads": threads}
+    common = {"layers": layers, "eval_windows": args.eval_windows, "device": args.device}
     if args.sweep:
         rows, plot = sweep_checkpoint(args.model, args.data, _parse_fractions(args.fractions),
                                       plot=args.plot, **common)
@@ -592,6 +591,7 @@ def _add_quantize(sub: argparse._SubParsersAction) -> None:
                    "loss and perplexity before and after")
     p.add_argument("--eval-windows", type=int, metavar="N",
                    help="evaluate on at most N windows of the validation split (default: all)")
+    _threads_flag(p)
     p.set_defaults(func=_cmd_quantize)
 
 
@@ -1010,6 +1010,9 @@ def _add_sample(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stop", action="append", default=[], metavar="STRING",
                    help="end a sample before this string (repeatable; escapes like \\n work)")
     p.add_argument("--no-echo", action="store_true", help="print only the continuation")
+    p.add_argument("--allow-special", action="store_true",
+                   help="a special token spelled in the prompt (e.g. <|endoftext|>) becomes "
+                   "that token; without it, it is ordinary text")
     _allow_nonfinite_flag(p)
     _device_flag(p)
     p.set_defaults(func=_cmd_sample)
@@ -1021,9 +1024,19 @@ def _allow_nonfinite_flag(p: argparse.ArgumentParser) -> None:
 
 
 def _device_flag(p: argparse.ArgumentParser) -> None:
-    """--device, with the same default and help in every command that computes."""
+    """--device and --threads, with the same default and help in every command that
+    computes on a model."""
     p.add_argument("--device", default="auto", metavar="DEVICE",
                    help="auto (cuda > mps > cpu), cpu, cuda, cuda:N or mps (default: auto)")
+    _threads_flag(p)
+
+
+def _threads_flag(p: argparse.ArgumentParser) -> None:
+    """--threads N: torch's CPU threads for the whole command, applied by :func:`main`."""
+    p.add_argument("--threads", type=_positive, default=None, metavar="N",
+                   help="CPU threads for torch's kernels (default: the free cores: "
+                   "OMP_NUM_THREADS if set, else the cores the current load leaves idle)")
+    p.set_defaults(apply_threads=True)
 
 
 #: The most prompt text read from --prompt-file (a prompt uses at most its last C - 1
@@ -1093,7 +1106,7 @@ def _cmd_sample(args: argparse.Namespace) -> int:
     pieces = generate_text(model, tokenizer, prompt, args.max_new_tokens,
                            num_samples=args.num_samples, stop=stop,
                            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                           seed=args.seed)
+                           seed=args.seed, allow_special=args.allow_special)
     echo = "" if args.no_echo else prompt
     out = sys.stdout
     if args.num_samples == 1:
@@ -1234,6 +1247,17 @@ def _cached_parser() -> argparse.ArgumentParser:
     return build_parser()
 
 
+def _run_command(args: argparse.Namespace) -> int:
+    """The handler, under ``--threads`` (or the free cores) for commands that compute;
+    train and finetune take it from their config layers, serve for its decoding loop."""
+    if not getattr(args, "apply_threads", False):
+        return int(args.func(args) or 0)
+    from tinylm.training import command_threads
+
+    with command_threads(args.threads):
+        return int(args.func(args) or 0)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _cached_parser()
     try:
@@ -1251,7 +1275,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if hasattr(stream, "reconfigure") and getattr(stream, "errors", "") == "strict":
             stream.reconfigure(errors="backslashreplace")
     try:
-        return int(args.func(args) or 0)
+        return _run_command(args)
     except TinyLMError as exc:
         message = " ".join(str(exc).split())  # one line, whatever a message quoted
         print(f"tinylm {args.command}: error: {message}", file=sys.stderr)

@@ -48,10 +48,11 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
+from tinylm.config import default_threads
 from tinylm.corpora import corpus_names, load_corpus
 from tinylm.errors import DataError
 from tinylm.readers import BadRecords, Source, display_path, iter_documents, resolve_inputs
@@ -294,6 +295,7 @@ class _Options:
     dedup: bool
     shard_tokens: int
     workers: int | None
+    allow_special: bool
     settings: dict[str, Any] = field(default_factory=dict)
 
 
@@ -367,6 +369,7 @@ def _options(out_dir: str | Path, inputs: Sequence[str | Path] | None,
         "errors": o.errors, "text_field": o.text_field, "skip_bad": o.skip_bad,
         "doc_separator": o.doc_separator, "dedup": o.dedup, "shard_tokens": o.shard_tokens,
         "val_files": _describe(o.val_files) if o.val_files else None,
+        **({"allow_special": True} if o.allow_special else {}),
     }
     return o
 
@@ -436,7 +439,8 @@ def _describe_settings(s: dict[str, Any]) -> str:
     tok = s.get("tokenizer", {}) if isinstance(s.get("tokenizer"), dict) else {}
     return (f"source {s.get('source', '?')}, tokenizer {tok.get('kind', '?')}"
             + (f" vocab {tok['vocab_size']}" if tok.get("vocab_size") else "")
-            + f", val fraction {s.get('val_fraction', '?')}")
+            + f", val fraction {s.get('val_fraction', '?')}"
+            + (", allow_special" if s.get("allow_special") else ""))
 
 
 def _progress(total: int, desc: str, enabled: bool | None):
@@ -765,14 +769,25 @@ def _task_stream(o: _Options, sources: Sequence[Source], val_source: Sequence[bo
         yield tasks.take()
 
 
-def _encode_pieces(tok: Tokenizer, sep: np.ndarray, dtype: np.dtype, pieces: list[str],
-                   splits: bytes, seps: bytes) -> tuple[np.ndarray, np.ndarray]:
+class _Encoder(NamedTuple):
+    """What every encoding task needs: the tokenizer, the document separator's ids, the
+    shards' dtype, and whether special-token spellings in the text become special ids."""
+
+    tok: Tokenizer
+    sep: np.ndarray
+    dtype: np.dtype
+    allow_special: bool
+
+
+def _encode_pieces(enc: _Encoder, pieces: list[str], splits: bytes, seps: bytes
+                   ) -> tuple[np.ndarray, np.ndarray]:
     """One task's ids: (train ids, val ids), separators in place, as ``dtype``."""
+    tok, sep, dtype, special = enc
     if isinstance(tok, CharTokenizer):  # one id per code point
-        flat = tok.encode_array(pieces)
+        flat = tok.encode_array(pieces, allow_special=special)
         lengths = [len(p) for p in pieces]
     else:
-        lists = tok.encode_batch(pieces)
+        lists = tok.encode_batch(pieces, allow_special=special)
         lengths = [len(ids) for ids in lists]
         flat = np.fromiter(itertools.chain.from_iterable(lists), dtype=np.uint32,
                            count=sum(lengths))
@@ -787,26 +802,24 @@ def _encode_pieces(tok: Tokenizer, sep: np.ndarray, dtype: np.dtype, pieces: lis
                  else np.zeros(0, dtype=dtype) for p in out)
 
 
-_WORKER: tuple[Tokenizer, np.ndarray, np.dtype] | None = None
+_WORKER: _Encoder | None = None
 
 
-def _init_worker(tok: Tokenizer, sep: np.ndarray, dtype: np.dtype) -> None:
+def _init_worker(enc: _Encoder) -> None:
     global _WORKER
     os.environ[_PARALLELISM] = "false"  # one core per worker: the pool is the parallelism
-    _WORKER = (tok, sep, dtype)
+    _WORKER = enc
 
 
 def _encode_task(task: tuple[list[str], bytes, bytes]) -> tuple[np.ndarray, np.ndarray]:
     assert _WORKER is not None
-    return _encode_pieces(*_WORKER, *task)
+    return _encode_pieces(_WORKER, *task)
 
 
 def default_workers() -> int:
-    """The CPU cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+    """Encoding processes for a large input: the free cores
+    (:func:`tinylm.config.default_threads`)."""
+    return default_threads()
 
 
 class _SerialTokenizers:
@@ -823,20 +836,19 @@ class _SerialTokenizers:
             os.environ[_PARALLELISM] = self.old
 
 
-def _encoded(tok: Tokenizer, sep: np.ndarray, dtype: np.dtype, workers: int,
-             tasks: Iterator[tuple[list[str], bytes, bytes]]
+def _encoded(enc: _Encoder, workers: int, tasks: Iterator[tuple[list[str], bytes, bytes]]
              ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """The tasks' ids in order, encoded in-process (1 worker) or by a process pool with at
     most 2 tasks per worker in flight (memory stays flat)."""
     if workers == 1:
         with _SerialTokenizers():
             for task in tasks:
-                yield _encode_pieces(tok, sep, dtype, *task)
+                yield _encode_pieces(enc, *task)
         return
     methods = multiprocessing.get_all_start_methods()
     ctx = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
     with _SerialTokenizers():  # also silences tokenizers' warning about forking
-        pool = ctx.Pool(workers, _init_worker, (tok, sep, dtype))
+        pool = ctx.Pool(workers, _init_worker, (enc,))
     try:
         pending: deque[Any] = deque()
         for task in tasks:
@@ -879,7 +891,7 @@ def _encode(o: _Options, sources: Sequence[Source], val_source: Sequence[bool], 
     bar = _Bar(total, f"encode {tok.kind}", o.progress)
     try:
         tasks = _task_stream(o, sources, val_source, scan, route, docs, bar)
-        results = _encoded(tok, sep, dtype, workers, tasks)
+        results = _encoded(_Encoder(tok, sep, dtype, o.allow_special), workers, tasks)
         try:
             for pair in results:
                 for writer, ids in zip(writers, pair, strict=True):
@@ -981,6 +993,7 @@ def _meta(o: _Options, sources: Sequence[Source], scan: _Scan, enc: _Encoded) ->
         "context_length": o.context_length,
         "errors": o.errors,
         "workers": enc.workers,
+        "allow_special": o.allow_special,
     }
 
 
@@ -1028,6 +1041,7 @@ def prepare(
     dedup: bool = False,
     shard_tokens: int = SHARD_TOKENS,
     workers: int | None = None,
+    allow_special: bool = False,
 ) -> PreparedData:
     """Tokenize documents into ``out_dir`` (tokenizer.json, shards, meta.json).
 
@@ -1054,8 +1068,10 @@ def prepare(
                     break if it has none), "" = nothing, a special token, or any text
     dedup           drop exact duplicate documents (by hash; memory grows ~100 B per doc)
     shard_tokens    at most this many tokens per shard file
-    workers         encoding processes (None: every core for inputs over 16 MB, else 1);
+    workers         encoding processes (None: the free cores for inputs over 16 MB, else 1);
                     the output is the same for any number
+    allow_special   a special token's spelling in the text (e.g. "<|endoftext|>") becomes
+                    that special id; by default it is ordinary text, as every user text is
 
     Nothing in ``out_dir`` changes unless the whole run succeeds.
     """

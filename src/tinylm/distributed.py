@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -84,10 +85,24 @@ def init_from_env(device_type: str = "cpu") -> DistContext:
         backend = "nccl" if device_type == "cuda" else "gloo"
         if device_type == "cuda":
             torch.cuda.set_device(local_rank)
-        dist.init_process_group(backend=backend)
+        _join(dist, backend)
         owns = True
         log.debug("rank %d/%d joined the %s process group", rank, world, backend)
     return DistContext(dist.get_rank(), dist.get_world_size(), local_rank, owns)
+
+
+def _join(dist: Any, backend: str) -> None:
+    """init_process_group from torchrun's environment. After a torchrun restart the
+    agent's store still holds the previous attempt's keys (each rank's address): a rank
+    that reads one before its peer rewrites it connects to a dead process. Each attempt
+    therefore gets keys of its own (a prefix with TORCHELASTIC_RESTART_COUNT)."""
+    restarts = _env_int("TORCHELASTIC_RESTART_COUNT", 0)
+    if restarts == 0:
+        dist.init_process_group(backend=backend)
+        return
+    store, rank, world = next(dist.rendezvous("env://"))
+    store = dist.PrefixStore(f"tinylm-attempt-{restarts}/", store)
+    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world)
 
 
 def device_for(ctx: DistContext, device: torch.device) -> torch.device:

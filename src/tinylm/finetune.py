@@ -30,7 +30,7 @@ from tinylm.errors import ConfigError, DataError
 from tinylm.lora import DEFAULT_TARGETS, adapter_parameters, apply_lora, merge_lora
 from tinylm.model import GPT
 from tinylm.tokenizers import STANDARD_SPECIALS, Tokenizer
-from tinylm.training import TrainResult, train
+from tinylm.training import TrainResult, command_threads, train
 
 #: Fine-tuning defaults where they differ from pretraining's (flags override them).
 FULL_DEFAULTS = {"lr": 1e-4, "warmup_steps": 20, "max_steps": 300, "eval_every": 50,
@@ -129,8 +129,9 @@ def finetune(model_dir: str | os.PathLike, data_dir: str | os.PathLike | ChatDat
                               "grown": model.config.vocab_size > base_vocab}
     info["trainable"] = (adapter_parameters(model) if lora else
                          sum(p.numel() for p in model.parameters() if p.requires_grad))
-    result = train(model.config, cfg, data, out_dir, model=model, resume=resume,
-                   progress=progress, extra_config=extra)
+    with command_threads(cfg.threads):
+        result = train(model.config, cfg, data, out_dir, model=model, resume=resume,
+                       progress=progress, extra_config=extra)
     if merge_to and result.rank == 0 and not result.interrupted:
         info["merged"] = merge(result.checkpoint, Path(out_dir) / "merged", force=True)
     return result, info

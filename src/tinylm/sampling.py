@@ -449,15 +449,16 @@ class TextStream:
         return piece
 
 
-def encode_prompt(tokenizer: Any, text: str) -> list[int]:
-    """Prompt ids for ``text``; an empty prompt starts from the end-of-text token.
+def encode_prompt(tokenizer: Any, text: str, *, allow_special: bool = False) -> list[int]:
+    """Prompt ids for ``text``; an empty prompt starts from the end-of-text token. A
+    special token's spelling in the text is ordinary text unless ``allow_special``.
 
     A char tokenizer raises its DataError naming characters it never saw. An empty
     prompt with a tokenizer that has no end-of-text token has nothing to condition on,
     which is a DataError too.
     """
     if text:
-        return list(tokenizer.encode(text))
+        return list(tokenizer.encode(text, allow_special=allow_special))
     eos = tokenizer.eos_id
     if eos is None:
         raise DataError(f"the prompt is empty and this {tokenizer.kind} tokenizer has no "
@@ -477,6 +478,7 @@ def generate_text(
     top_k: int | None = None,
     top_p: float | None = None,
     seed: int | None = None,
+    allow_special: bool = False,
 ) -> Iterator[tuple[int, str]]:
     """Yield (sample index, text piece) as text becomes printable; text in, text out.
 
@@ -485,10 +487,11 @@ def generate_text(
     ``stop`` strings; a sample also ends at the tokenizer's end-of-text token (not
     printed). Generation ends when every sample has ended or after ``max_new_tokens``.
     Joining the pieces of sample i gives its full continuation (without the prompt).
+    ``allow_special``: special tokens spelled in the prompt become their ids.
     """
     if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
         raise ConfigError(f"num_samples must be an integer >= 1, got {num_samples!r}")
-    ids = encode_prompt(tokenizer, prompt)
+    ids = encode_prompt(tokenizer, prompt, allow_special=allow_special)
     eos = tokenizer.eos_id
     V = model.config.vocab_size
     if tokenizer.vocab_size > V:

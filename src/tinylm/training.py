@@ -1277,6 +1277,12 @@ def using_threads(n: int | None) -> Iterator[None]:
             torch.set_num_threads(before)
 
 
+def command_threads(n: int | None) -> contextlib.AbstractContextManager[None]:
+    """What a ``tinylm`` command runs under: ``n`` threads, or
+    :func:`tinylm.config.default_threads` (the free cores) when ``n`` is None."""
+    return using_threads(n if n is not None else default_threads())
+
+
 def layer_configs(out_dir: str | os.PathLike, *, config_file: str | os.PathLike | None = None,
                   overrides: dict[str, Any] | None = None,
                   resume: bool | str | None = False, arch: str | None = None
@@ -1322,9 +1328,6 @@ def train_run(data_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     defaulting to :func:`tinylm.config.default_threads` when no layer sets it."""
     model_config, train_config = layer_configs(out_dir, config_file=config_file,
                                                overrides=overrides, resume=resume, arch=arch)
-    if train_config.threads is None:
-        with using_threads(default_threads()):
-            return train(model_config, train_config, data_dir, out_dir, resume=resume,
-                         progress=progress)
-    return train(model_config, train_config, data_dir, out_dir, resume=resume,
-                 progress=progress)
+    with command_threads(train_config.threads):
+        return train(model_config, train_config, data_dir, out_dir, resume=resume,
+                     progress=progress)

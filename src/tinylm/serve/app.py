@@ -35,6 +35,7 @@ from starlette.responses import (
 )
 from starlette.routing import Route
 
+from tinylm.chat import render_chat, stop_ids
 from tinylm.errors import TinyLMError
 from tinylm.explorer import explorer_data, render_explorer
 from tinylm.inspection import explain
@@ -246,26 +247,21 @@ def _chat_ids(server: Server, req: ChatRequest) -> tuple[list[int], list[int]]:
     """The rendered conversation and the ids that end a reply, or a 400 when the
     model's tokenizer has no chat template."""
     tok = server.tokenizer
-    try:
-        from tinylm import chat
-    except ImportError:
-        chat = None
-    if chat is None or getattr(tok, "chat_template", None) is None:
+    if getattr(tok, "chat_template", None) is None:
         raise RequestError("this model has no chat template, so /v1/chat/completions cannot "
                            "render messages; use /v1/completions with a plain prompt instead "
                            "(it works with every model)", param="messages",
                            code="no_chat_template")
-    ids = list(chat.render_chat(tok, list(req.messages), add_generation_prompt=True))
+    ids = render_chat(tok, list(req.messages), add_generation_prompt=True)
     check_prompt(ids, server.limits.context_length, server.model.config.vocab_size)
-    ends = getattr(chat, "stop_ids", None)  # the end-of-turn token(s) of the chat format
-    return ids, sorted(set(ends(tok) if ends else ()) | set(_eos(server)))
+    return ids, sorted(set(stop_ids(tok)) | set(_eos(server)))  # <|end|>, end-of-text
 
 
 async def chat_completions(server: Server, request: Request) -> Response:
     req = parse_chat(await _body(server, request), server.limits)
     _check_model(server, req.model)
-    ids, stop_ids = _chat_ids(server, req)
-    run = Run(server.engine, server.tokenizer, [ids], req.gen, stop_ids,
+    ids, ends = _chat_ids(server, req)
+    run = Run(server.engine, server.tokenizer, [ids], req.gen, ends,
               server.settings.timeout)
     if req.gen.stream:
         return _sse(_chat_chunks(server, run, req), run)
