@@ -65,6 +65,10 @@ bench: $(STAMP)
 	$(PY) benchmarks/prepare.py
 	$(PY) benchmarks/train.py
 	$(PY) benchmarks/sample.py
+	$(PY) benchmarks/serve.py
+	@test -f runs/demo/latest/config.json || $(MAKE) demo
+	$(PY) benchmarks/quantize.py
+	$(PY) benchmarks/finetune.py --base runs/demo --write
 
 clean:
 	rm -rf $(VENV) build dist .pytest_cache .ruff_cache src/*.egg-info

@@ -203,11 +203,13 @@ def test_sdpa_explicit_sum_form_and_cache_agree(name) -> None:
         steps += [model(ids[:, t:t + 1], cache) for t in range(13, 24)]
         torch.testing.assert_close(torch.cat(steps, 1), logits, atol=1e-5, rtol=0)
         decision = plan(model)
-        if not cfg.gpt2_layout:  # the native paths implement GPT-2's layout only
-            assert decision.paths == frozenset()
+        if not cfg.gpt2_layout:  # training's native paths implement GPT-2's layout only;
+            # decoding has a fused step for every variant
+            assert decision.paths == (frozenset({"decode"}) if decision.eligibility.native
+                                      else frozenset())
         with decision.decoder(2) as decoder:
-            if not cfg.gpt2_layout:
-                assert decoder.path != "fused"
+            if decision.eligibility.native:
+                assert decoder.path == ("fused" if cfg.gpt2_layout else "fused-variant")
             out = [decoder.prefill(ids[:, :5])]
             out += [decoder.step(ids[:, t]) for t in range(5, 24)]
         torch.testing.assert_close(torch.stack(out, 1), logits[:, 4:], atol=1e-5, rtol=0)
@@ -274,6 +276,30 @@ def test_explain_and_eval_run_on_a_variant() -> None:
     with torch.no_grad():
         expected = model.loss(ids[:, :-1], ids[:, 1:]).item()
     assert abs(evaluate_text(model, tok, window).loss - expected) < 1e-5
+
+
+@pytest.mark.parametrize("name", ["llama-gqa2", "modern-mqa", "swiglu-learned-qknorm"])
+def test_variant_decoding_step_runs_quantized_layers_and_greedy_equals_full_forwards(
+        name) -> None:
+    """The variants' fused decoding step (int8 Linear layers included) gives the greedy
+    tokens of repeated full forwards of the same (quantized) model."""
+    from tinylm.quantize import quantize
+    from tinylm.sampling import generate
+
+    model = build(name)
+    quantize(model, include_head=not model.config.tie_embeddings)
+    decision = plan(model)
+    if decision.eligibility.native:
+        with decision.decoder(1) as decoder:
+            assert decoder.path == "fused-variant"
+    ids = torch.randint(0, 53, (2, 5))
+    want = ids
+    with torch.no_grad():
+        for _ in range(20):  # the reference: a whole forward per token, no cache
+            nxt = model(want)[:, -1].argmax(-1, keepdim=True)
+            want = torch.cat([want, nxt], 1)
+    got = generate(model, ids, 20, temperature=0)
+    assert torch.equal(got, want)
 
 
 def test_run_toml_written_before_the_variants_still_reads(tmp_path) -> None:

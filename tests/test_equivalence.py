@@ -240,7 +240,7 @@ def test_lowrank_layers_make_the_paths_step_aside() -> None:
 
 @dataclasses.dataclass(frozen=True)
 class _VariantConfig(_Config):
-    norm: str = "layernorm"  # a field added by an architecture variant
+    alibi: bool = False  # a field a later architecture variant might add
 
 
 @pytest.mark.skipif(not NATIVE, reason="TINYLM_NATIVE=0: no fast path to step aside")
@@ -248,8 +248,13 @@ def test_an_unknown_config_field_makes_every_path_step_aside() -> None:
     base = dict(vocab_size=50, context_length=16, n_layer=1, n_head=1, n_embd=16)
     assert native.plan(GPT(_VariantConfig(**base)), "cpu").paths == {
         "block", "attention", "ffn", "decode"}
-    odd = native.plan(GPT(_VariantConfig(**base, norm="rmsnorm")), "cpu")
-    assert odd.paths == set() and any("norm" in r for r in odd.eligibility.reasons)
+    odd = native.plan(GPT(_VariantConfig(**base, alibi=True)), "cpu")
+    assert odd.paths == set() and any("alibi" in r for r in odd.eligibility.reasons)
+    # a known variant (RMSNorm) keeps the variants' decoding step, unless a field is new
+    rms = native.plan(GPT(_VariantConfig(**base, norm="rmsnorm")), "cpu")
+    assert rms.paths == {"decode"} and rms.decoder(1).path == "fused-variant"
+    both = native.plan(GPT(_VariantConfig(**base, norm="rmsnorm", alibi=True)), "cpu")
+    assert both.paths == set() and any("alibi" in r for r in both.eligibility.reasons)
 
 
 # --- one switch --------------------------------------------------------------------------

@@ -70,6 +70,22 @@ def test_sliding_window_equals_manual_computation(model: GPT) -> None:
     assert result.loss != pytest.approx(evaluate(model, tokens).loss, rel=1e-9)
 
 
+def test_sharded_split_is_read_in_place_and_scores_like_one_array(model: GPT,
+                                                                    monkeypatch) -> None:
+    """A split of several memory-mapped shards (issue 17): evaluate reads its windows
+    from the shards (never the whole split as one array) and gives the loss of the same
+    tokens as one array, with windows that straddle shard boundaries."""
+    from tinylm.shards import TokenShards
+
+    ids = np.random.default_rng(0).integers(0, 37, 301).astype(np.uint16)
+    shards = TokenShards([ids[:100], ids[100:170], ids[170:]])
+    want = evaluate(model, ids, batch_size=3, stride=5)
+    monkeypatch.setattr(TokenShards, "__array__", lambda *a, **k: pytest.fail("copied"))
+    got = evaluate(model, shards, batch_size=3, stride=5)
+    assert got.tokens == want.tokens == 300
+    assert got.loss == pytest.approx(want.loss, rel=1e-6)
+
+
 def test_short_sequence_is_one_window(model: GPT) -> None:
     tokens = torch.randint(0, 37, (6,))
     expected = lm_loss(model(tokens[:-1][None]), tokens[1:][None]).item()

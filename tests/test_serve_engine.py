@@ -24,11 +24,17 @@ from tinylm.sampling import generate_text
 from tinylm.serve.engine import End, Engine, QueueFull, Request, Token
 
 
-@pytest.fixture(scope="module")
-def model():
+@pytest.fixture(scope="module", params=["gpt2", "llama-gqa"])
+def model(request):
+    """GPT-2's layout, and Llama's (RMSNorm, RoPE: each row's own positions rotate its
+    queries and keys; SwiGLU; 4 query heads sharing 2 key/value heads)."""
+    from tinylm.config import ARCH_PRESETS
+
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=50, n_layer=2, n_head=2, n_embd=32, context_length=24,
-                      tie_embeddings=False)
+    arch = dict(ARCH_PRESETS["llama"], n_head=4, n_kv_head=2) \
+        if request.param == "llama-gqa" else {"n_head": 2}
+    cfg = ModelConfig(**{"vocab_size": 50, "n_layer": 2, "n_embd": 32, "context_length": 24,
+                         "tie_embeddings": False, **arch})
     m = GPT(cfg).eval()
     with torch.no_grad():
         m.lm_head.weight.mul_(30.0)  # far-apart logits: no greedy near-ties

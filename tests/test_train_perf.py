@@ -68,6 +68,21 @@ def test_ffn_recomputed_gelu_matches_plain_autograd() -> None:
     torch.autograd.gradcheck(lambda h: ffn.drop(ffn(h)), (x[:1, :2].detach().requires_grad_(),))
 
 
+def test_muon_leaves_an_untied_head_to_adamw() -> None:
+    """Muon orthogonalises the blocks' weight matrices only; an untied LM head (a
+    classifier over the vocabulary) is decayed by AdamW, as the embedding is."""
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(vocab_size=17, context_length=16, n_layer=1, n_head=2,
+                            n_embd=16, tie_embeddings=False))
+    opt = build_optimizer(model, TrainConfig(optimizer="muon", lr=3e-3), torch.device("cpu"))
+    muon = {id(p) for g in opt.param_groups if g["muon"] for p in g["params"]}
+    blocks = {id(p) for p in model.blocks.parameters() if p.dim() == 2}
+    assert muon == blocks
+    head = next(g for g in opt.param_groups if any(p is model.lm_head.weight
+                                                    for p in g["params"]))
+    assert not head["muon"] and head["weight_decay"] == TrainConfig().weight_decay > 0
+
+
 def test_train_with_muon_saves_and_resumes_exactly(tmp_path) -> None:
     from tinylm.corpora import load_corpus
     from tinylm.data import prepare

@@ -97,11 +97,17 @@ def rope_angles(start: int, C: int, head_dim: int, theta: float,
     by the angle m·ω_i at position m, with ω_i = θ^(-2i/D): fast pairs see local
     order, slow pairs far context. Both halves of a row repeat the C × D/2 angles.
     """
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device,
+    return rope_angles_at(torch.arange(start, start + C, device=device), head_dim, theta)
+
+
+def rope_angles_at(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
+    """cos and sin (..., D) of the rotary angles at any integer ``positions`` (...,),
+    e.g. each row's own position in a batch: :func:`rope_angles` is the case
+    ``positions = start .. start + C - 1``."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device,
                                                dtype=torch.int64).float() / head_dim))
-    pos = torch.arange(start, start + C, device=device, dtype=torch.float32)  # (C,)
-    angles = torch.outer(pos, inv_freq)  # (C, D/2): m·ω_i
-    angles = torch.cat((angles, angles), dim=-1)  # (C, D)
+    angles = positions.float()[..., None] * inv_freq  # (..., D/2): m·ω_i
+    angles = torch.cat((angles, angles), dim=-1)  # (..., D)
     return angles.cos(), angles.sin()
 
 
@@ -285,8 +291,8 @@ class RaggedKVCache(KVCache):
         raise ValueError("RaggedKVCache only attends one token per row (attend)")
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """q, k, v (rows, H, 1, D): write row b's k, v at lengths[b], attend over its keys
-        j <= lengths[b]; -> (rows, H, 1, D)."""
+        """q (rows, H, 1, D), k, v (rows, H_kv, 1, D): write row b's k, v at lengths[b],
+        attend over its keys j <= lengths[b]; -> (rows, H, 1, D)."""
         n = q.shape[0]
         assert n == self.rows, f"a step must feed every row in use ({self.rows}), got {n}"
         pos = self.lengths[:n]  # (rows,)
@@ -297,7 +303,8 @@ class RaggedKVCache(KVCache):
         keys = torch.arange(T, device=pos.device)  # (T,)
         mask = (keys[None, :] <= pos[:, None])[:, None, None, :]  # (rows, 1, 1, T)
         return F.scaled_dot_product_attention(q, self.k[layer, :n, :, :T],
-                                              self.v[layer, :n, :, :T], attn_mask=mask)
+                                              self.v[layer, :n, :, :T], attn_mask=mask,
+                                              enable_gqa=k.shape[1] != q.shape[1])
 
     def advance(self, n: int) -> None:
         self.lengths[:self.rows] += n
@@ -365,8 +372,10 @@ class MultiHeadAttention(nn.Module):
         """GPT-2's attention: every head its own keys, no rotation, no QK-norm."""
         return self.n_kv_head == self.n_head and self.rope_theta is None and self.q_norm is None
 
-    def _heads(self, x: Tensor, start: int = 0) -> tuple[Tensor, Tensor, Tensor]:
-        """q (B, H, C, D), k and v (B, H_kv, C, D) of x (B, C, E) at positions start..,
+    def _heads(self, x: Tensor, positions: Tensor | None = None
+                ) -> tuple[Tensor, Tensor, Tensor]:
+        """q (B, H, C, D), k and v (B, H_kv, C, D) of x (B, C, E) at ``positions`` ((C,),
+        or (B, C) when rows have their own, as in a RaggedKVCache; default 0..C-1),
         QK-normed and rotated where the layout says so (keys are cached rotated)."""
         B, C, _ = x.shape
         H, Hkv, D = self.n_head, self.n_kv_head, self.head_dim
@@ -377,7 +386,10 @@ class MultiHeadAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope_theta is not None:
-            cos, sin = rope_angles(start, C, D, self.rope_theta, device=x.device)
+            pos = positions if positions is not None else torch.arange(C, device=x.device)
+            cos, sin = rope_angles_at(pos, D, self.rope_theta)  # (C, D) or (B, C, D)
+            if cos.dim() == 3:  # per row: broadcast over the heads
+                cos, sin = cos[:, None], sin[:, None]
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         return q, k, v
 
@@ -396,12 +408,8 @@ class MultiHeadAttention(nn.Module):
         into it (the caller advances it after the last layer).
         """
         B, C, _ = x.shape
-        start = cache.length if cache is not None else 0
-        if cache is not None and (self.rope_theta is not None or self.n_kv_head != self.n_head) \
-                and cache.positions(C).dim() != 1:
-            raise ValueError("a cache whose rows have their own positions (RaggedKVCache) "
-                             "is not supported for RoPE or grouped-query attention yet")
-        q, k, v = self._heads(x, start)  # (B, H, C, D), 2 × (B, H_kv, C, D)
+        positions = cache.positions(C, x.device) if cache is not None else None
+        q, k, v = self._heads(x, positions)  # (B, H, C, D), 2 × (B, H_kv, C, D)
         gqa = self.n_kv_head != self.n_head
         if cache is not None and C == 1 and not return_weights \
                 and not (self.training and self.dropout > 0):

@@ -179,12 +179,6 @@ def _add_prepare(sub: argparse._SubParsersAction) -> None:
                    help="skip records whose text field is missing, null or not a string "
                    "(counted and reported) instead of refusing the input; with --chat: bad "
                    "conversation records, named by file and line")
-    p.add_argument("--tokenizer", default="char", metavar="char|bpe|PATH",
-                   help="char (one token per character), bpe (byte-level BPE trained on "
-                   "the input), or an existing tokenizer.json / folder with vocab.json + "
-                   "merges.txt (default: char)")
-    p.add_argument("--vocab-size", type=int, default=4096, metavar="N",
-                   help="BPE vocabulary size, at least 256 + special tokens (default: 4096)")
     p.add_argument("--val-fraction", type=float, default=0.1, metavar="F",
                    help="fraction of the documents held out for validation, whole and "
                    "spread evenly; a single document splits by tokens (default: 0.1)")
@@ -206,12 +200,30 @@ def _add_prepare(sub: argparse._SubParsersAction) -> None:
                    help="CPU cores to use: encoding processes; the output is the same for "
                    "any N (default: the free cores, as for --threads elsewhere, for inputs "
                    "over 16 MB, else 1)")
-    p.add_argument("--unknown", choices=("error", "replace"), default="error",
-                   help="char tokenizer, later text with unseen characters: error, or "
-                   "replace them with <unk> (default: error)")
     p.add_argument("--errors", choices=("strict", "replace"), default="strict",
                    help="invalid UTF-8 or binary input: stop (strict), or replace bad bytes "
                    "with U+FFFD and go on (default: strict)")
+    p.add_argument("--glob", default="*", metavar="PATTERN",
+                   help="files to take from an input folder (default: * = all non-hidden)")
+    p.add_argument("--out", required=True, metavar="DIR", help="output folder")
+    p.add_argument("--force", action="store_true",
+                   help="overwrite an output folder that holds a different dataset")
+    p.add_argument("--no-progress", action="store_true", help="never show a progress bar")
+    _tokenizer_flags(p)
+    p.set_defaults(func=_cmd_prepare)
+
+
+def _tokenizer_flags(p: argparse.ArgumentParser) -> None:
+    """prepare's flags for the tokenizer: which, its size, its special tokens."""
+    p.add_argument("--tokenizer", default="char", metavar="char|bpe|PATH",
+                   help="char (one token per character), bpe (byte-level BPE trained on "
+                   "the input), or an existing tokenizer.json / folder with vocab.json + "
+                   "merges.txt (default: char)")
+    p.add_argument("--vocab-size", type=int, default=4096, metavar="N",
+                   help="BPE vocabulary size, at least 256 + special tokens (default: 4096)")
+    p.add_argument("--unknown", choices=("error", "replace"), default="error",
+                   help="char tokenizer, later text with unseen characters: error, or "
+                   "replace them with <unk> (default: error)")
     p.add_argument("--bpe-train-mb", type=_mb_or_all, default=32.0, metavar="MB|all",
                    help="train BPE on at most this many MB taken evenly along the input, "
                    "or all of it; bounds time and memory on huge corpora (default: 32)")
@@ -223,13 +235,6 @@ def _add_prepare(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--allow-special", action="store_true",
                    help="a special token spelled in the text (e.g. <|endoftext|>) becomes "
                    "that token; without it, it is ordinary text like any other")
-    p.add_argument("--glob", default="*", metavar="PATTERN",
-                   help="files to take from an input folder (default: * = all non-hidden)")
-    p.add_argument("--out", required=True, metavar="DIR", help="output folder")
-    p.add_argument("--force", action="store_true",
-                   help="overwrite an output folder that holds a different dataset")
-    p.add_argument("--no-progress", action="store_true", help="never show a progress bar")
-    p.set_defaults(func=_cmd_prepare)
 
 
 def _mb_or_all(value: str) -> float | None:

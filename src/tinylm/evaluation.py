@@ -37,6 +37,7 @@ from tinylm import acceleration
 from tinylm.checkpoint import unwrap_model
 from tinylm.data import iter_windows
 from tinylm.errors import ConfigError, DataError
+from tinylm.shards import TokenShards
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +80,11 @@ def bits_per_byte(loss: float, tokens: int, num_bytes: int) -> float:
     return loss * tokens / (math.log(2) * num_bytes)
 
 
-def _as_numpy(tokens: Any) -> np.ndarray:
+def _as_numpy(tokens: Any) -> np.ndarray | TokenShards:
+    """A 1-D integer array of ``tokens``; memory-mapped shards stay as they are (windows
+    are read from them batch by batch, never the whole split into memory)."""
+    if isinstance(tokens, TokenShards):
+        return tokens
     if isinstance(tokens, torch.Tensor):
         tokens = tokens.detach().to("cpu").numpy()
     arr = tokens if isinstance(tokens, np.ndarray) else np.asarray(tokens)

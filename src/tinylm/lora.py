@@ -102,11 +102,6 @@ class LoRALinear(nn.Module):
                 f"rank={self.rank}, alpha={self.alpha:g}, bias={self.bias is not None}")
 
 
-def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    setattr(parent, child, module)
-
 
 def parse_targets(targets: str | Sequence[str]) -> tuple[str, ...]:
     """``"qkv,out"`` or ``["qkv", "out"]`` -> a checked tuple of short target names."""
@@ -147,7 +142,7 @@ def apply_lora(model: nn.Module, rank: int, alpha: float | None = None,
                 raise ConfigError(f"LoRA rank {rank} exceeds {name}'s smaller side "
                                   f"{min(layer.in_features, layer.out_features)}; use a "
                                   f"smaller --lora-rank")
-            _set_submodule(model, name, LoRALinear.from_linear(layer, rank, alpha))
+            model.set_submodule(name, LoRALinear.from_linear(layer, rank, alpha))
     return model
 
 
@@ -183,7 +178,7 @@ def apply_lora_structure(model: nn.Module, structure: Any) -> nn.Module:
             _check_rank(rank, alpha)
         except ConfigError as exc:
             raise CheckpointError(f"config.json's \"lora\" entry for {name!r}: {exc}") from exc
-        _set_submodule(model, name, LoRALinear(
+        model.set_submodule(name, LoRALinear(
             layer.in_features, layer.out_features, rank, alpha, bias=layer.bias is not None,
             device=layer.weight.device, dtype=layer.weight.dtype))
     return model
@@ -199,7 +194,7 @@ def merge_lora(model: nn.Module) -> nn.Module:
     ``nn.Linear`` layers again, every parameter trainable, as a fresh model."""
     for name, module in list(model.named_modules()):
         if isinstance(module, LoRALinear):
-            _set_submodule(model, name, module.merged())
+            model.set_submodule(name, module.merged())
     for p in model.parameters():
         p.requires_grad_(True)
     return model

@@ -279,11 +279,6 @@ def structure_of(model: nn.Module) -> dict[str, int]:
     return {name: m.rank for name, m in model.named_modules() if isinstance(m, LowRankLinear)}
 
 
-def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    setattr(parent, child, module)
-
 
 def apply_structure(model: nn.Module, ranks: dict[str, int]) -> nn.Module:
     """Replace the named Linear layers of ``model`` by uninitialised LowRankLinear ones.
@@ -308,7 +303,7 @@ def apply_structure(model: nn.Module, ranks: dict[str, int]) -> nn.Module:
             raise CheckpointError(f"config.json gives {name!r} rank {rank!r}, outside "
                                   f"[1, {full}]; the checkpoint is corrupt")
         ref = layer.W1 if isinstance(layer, LowRankLinear) else layer.weight
-        _set_submodule(model, name, LowRankLinear(
+        model.set_submodule(name, LowRankLinear(
             layer.in_features, layer.out_features, rank, bias=layer.bias is not None,
             device=ref.device, dtype=ref.dtype))
     return model
@@ -502,7 +497,7 @@ def _factorise(model: nn.Module, chosen: list[tuple[str, nn.Module]],
         if r is None:
             rows.append(LayerReport(name, E, Fo, None, full, before, before, 0.0, note))
             continue
-        _set_submodule(model, name, LowRankLinear.from_linear(layer, r))
+        model.set_submodule(name, LowRankLinear.from_linear(layer, r))
         rows.append(LayerReport(name, E, Fo, r, full, before, lowrank_params(E, Fo, r, False)
                                 + bias, truncation_error(spec.sigma, r)))
         log.debug("factorised %s (%d->%d) at rank %d", name, E, Fo, r)

@@ -160,11 +160,6 @@ class QuantizedLinear(nn.Module):
 # --- model structure (used by checkpoint.py and hf.py) ------------------------------------
 
 
-def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    setattr(parent, child, module)
-
 
 def structure_of(model: nn.Module) -> dict[str, dict[str, Any]]:
     """{module name: {"bits": b, "group_size": G or None}} of every QuantizedLinear."""
@@ -193,7 +188,7 @@ def apply_structure(model: nn.Module, layers: Any) -> nn.Module:
         except ConfigError as exc:
             raise CheckpointError(f"config.json's quantization of {name!r} is invalid "
                                   f"({exc}); the checkpoint is corrupt") from exc
-        _set_submodule(model, name, new)
+        model.set_submodule(name, new)
     return model
 
 
@@ -202,7 +197,7 @@ def dequantized(model: nn.Module) -> nn.Module:
     place). The model computes the same function."""
     for name, m in list(model.named_modules()):
         if isinstance(m, QuantizedLinear):
-            _set_submodule(model, name, m.to_linear())
+            model.set_submodule(name, m.to_linear())
     return model
 
 
@@ -312,7 +307,7 @@ def quantize(model: nn.Module, bits: int = 8, group_size: int | None = None,
             float(err.mean()) / mean if mean > 0 else 0.0,
             W.numel() * layer.weight.element_size(),
             new.qweight.numel() + new.scale.numel() * new.scale.element_size()))
-        _set_submodule(model, name, new)
+        model.set_submodule(name, new)
         log.debug("quantized %s (%d->%d) to int%d", name, layer.in_features,
                   layer.out_features, bits)
     return QuantizeReport(bits, group_size, tuple(rows), before, model_bytes(model))

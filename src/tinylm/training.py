@@ -159,8 +159,10 @@ def build_optimizer(model: nn.Module, config: TrainConfig,
 
     "adamw": torch AdamW (fused kernel where the device supports it) on
     :func:`decay_groups`. "muon": :class:`MuonAdamW`, Muon on the decayed weight
-    matrices and AdamW on the rest (reaches a given loss in ~3× fewer steps on tiny
-    Shakespeare; see BENCHMARKS.md). Add new choices here and to config.OPTIMIZERS.
+    matrices of the blocks and AdamW on the rest: embeddings, norms, biases and an
+    untied LM head (a classifier over the vocabulary, not a hidden transform; Muon's
+    authors keep it on AdamW too). Fewer steps to a given loss on tiny Shakespeare (see
+    BENCHMARKS.md). Add new choices here and to config.OPTIMIZERS.
     """
     groups = decay_groups(model, config.weight_decay)
     fused = device.type in ("cuda", "cpu")
@@ -168,9 +170,16 @@ def build_optimizer(model: nn.Module, config: TrainConfig,
         return torch.optim.AdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2),
                                  fused=fused)
     if config.optimizer == "muon":
-        groups[0]["muon"] = True  # the decayed 2-D weight matrices
-        return MuonAdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2),
-                         fused=fused)
+        head = getattr(model, "lm_head", None)
+        heads = {id(head.weight)} if isinstance(head, nn.Module) and \
+            isinstance(getattr(head, "weight", None), Tensor) else set()
+        decay = groups[0]["params"]
+        groups = [{"params": [p for p in decay if id(p) not in heads], "muon": True,
+                   "weight_decay": config.weight_decay},
+                  {"params": [p for p in decay if id(p) in heads],
+                   "weight_decay": config.weight_decay}, groups[1]]
+        return MuonAdamW([g for g in groups if g["params"]], lr=config.lr,
+                         betas=(config.beta1, config.beta2), fused=fused)
     raise ConfigError(f"unknown optimizer {config.optimizer!r}")  # config validates first
 
 

@@ -10,6 +10,13 @@ are read once per step from packed copies (kept across calls while the weights a
 unchanged); the model itself is never modified. A :class:`tinylm.quantize.QuantizedLinear`
 is read as it is stored, int8 integers and float32 scales (``Library.linear_q8``).
 
+:class:`VariantDecoder` (path ``"fused-variant"``) is the same for the architecture
+variants of ``ModelConfig`` (:func:`tinylm.native.plan.eligibility` decides which):
+the same native linear and cached-attention calls, with RMSNorm, RoPE, QK-norm and the
+SwiGLU/ReLU² MLPs computed by the reference model's own functions and modules on the
+step's (B, ·) rows, and grouped-query attention as one attention call per row in which
+each group of H / H_kv query heads reads its one cached key/value head.
+
 :class:`NativeCacheDecoder` (path ``"cache"``) is for a model the fused step does not
 know (e.g. one with tinylm.lowrank's layers): the model's own forward, with a
 :class:`NativeKVCache` whose one-token attention is one native pass.
@@ -24,10 +31,12 @@ import math
 import weakref
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tinylm.attention import KVCache
+from tinylm.attention import KVCache, apply_rope, rope_angles
 from tinylm.decoding import Decoder
+from tinylm.model import FeedForward, GatedFeedForward
 from tinylm.native.ops import Library, check
 from tinylm.quantize import QuantizedLinear
 
@@ -212,4 +221,126 @@ class _FusedStep:
         self._ln(x, self.final_norm, h)
         logits = torch.empty(B, self.V)
         self._mm(h, self.head, logits)  # logits = h·W_headᵀ (tied: the token embedding)
+        return logits
+
+
+class VariantDecoder(FusedDecoder):
+    """:class:`FusedDecoder` for the architecture variants: each step is a
+    :class:`_VariantStep`."""
+
+    path = "fused-variant"
+
+    def __init__(self, model: nn.Module, batch_size: int, lib: Library) -> None:
+        self.lib = lib
+        _NativeArgmax.__init__(self, model, batch_size,
+                               NativeKVCache.for_model(model, batch_size, lib=lib))
+        self._fused = _VariantStep(model, self.cache, lib)
+
+
+class _VariantStep(_FusedStep):
+    """:class:`_FusedStep` for any layout of ``ModelConfig``: norms (LayerNorm natively,
+    RMSNorm by its module), learned or rotary positions, QK-norm, GELU/ReLU² or SwiGLU,
+    and H_kv <= H key/value heads in the cache."""
+
+    def __init__(self, model: nn.Module, cache: NativeKVCache, lib: Library) -> None:
+        cfg = model.config
+        self.lib, self.checked, self.cache, self.keep = lib.raw, lib, cache, []
+        B = self.B = cache.k.shape[1]
+        self.E, self.H, self.Hkv, self.D = cfg.n_embd, cfg.n_head, cfg.n_kv_head, cfg.head_dim
+        self.V, self.scale = cfg.vocab_size, 1.0 / math.sqrt(cfg.head_dim)
+        self.threads = torch.get_num_threads()
+        self.x, self.h = torch.empty(B, cfg.n_embd), torch.empty(B, cfg.n_embd)
+        self.qkv = torch.empty(B, cfg.inner_dim + 2 * cfg.kv_dim)  # [q | k | v]
+        self.r = torch.empty(B, cfg.inner_dim)
+        self.g, self.u = torch.empty(B, cfg.ffn_dim), torch.empty(B, cfg.ffn_dim)
+        self.stats = torch.empty(2, B)
+        self.scratch = torch.empty(cfg.n_head * cache.max_len)  # one row's H query heads
+        self.tok_w = model.tok_emb.weight.detach()
+        self.pos_w = model.pos_emb.weight.detach() if model.pos_emb is not None else None
+        self.rope = (rope_angles(0, cfg.context_length, cfg.head_dim, cfg.rope_theta)
+                     if cfg.position == "rope" else None)  # row m: the angles at position m
+        self.blocks = [(b.ln1, self._linear(b.attn.qkv), self._linear(b.attn.out), b.ln2,
+                        self._linear(b.ffn.gate) if isinstance(b.ffn, GatedFeedForward)
+                        else None, self._linear(b.ffn.up), self._linear(b.ffn.down),
+                        b.attn.q_norm, b.attn.k_norm,
+                        isinstance(b.ffn, FeedForward) and isinstance(b.ffn.act, nn.GELU))
+                       for b in model.blocks]
+        self.final, self.head = model.final_norm, self._linear(model.lm_head)
+        self.ln = {id(m): self._norm(m) for m in model.modules() if type(m) is nn.LayerNorm}
+
+    def _norm_rows(self, norm: nn.Module, x: Tensor, y: Tensor) -> None:
+        """y = Norm(x): the native LayerNorm, or the RMSNorm module's own formula."""
+        if id(norm) in self.ln:
+            mean, rstd = self.stats
+            w, b = self.ln[id(norm)]
+            self.lib.tl_ln_fwd(x.data_ptr(), w, b, y.data_ptr(), mean.data_ptr(),
+                               rstd.data_ptr(), self.B, self.E, norm.eps, 1)
+        else:
+            y.copy_(norm(x))
+
+    def _attend(self, layer: int, pos: int) -> None:
+        """r = softmax(q·Kᵀ/√D)·V over the cache, the new k and v written into it."""
+        lib, B, H, Hkv, D = self.lib, self.B, self.H, self.Hkv, self.D
+        W = self.qkv.shape[1]
+        q_ptr = self.qkv.data_ptr()  # float32 rows of W: [q (H·D) | k (H_kv·D) | v]
+        k_ptr, v_ptr = q_ptr + 4 * H * D, q_ptr + 4 * (H + Hkv) * D
+        kc, vc = self.cache.k[layer], self.cache.v[layer]  # (B, H_kv, max_len, D)
+        if Hkv == H:
+            lib.tl_attend_one(q_ptr, W, D, k_ptr, W, D, v_ptr, W, D, kc.data_ptr(),
+                              vc.data_ptr(), kc.stride(0), kc.stride(1), B, H, D, pos,
+                              self.scale, self.r.data_ptr(), self.cache.scratch.data_ptr(),
+                              self.threads)
+            return
+        rep = H // Hkv  # per row: H_kv groups ("batch") of rep query heads ("heads") that
+        for b in range(B):  # read one key/value head (stride 0 within the group)
+            off = 4 * b * W
+            lib.tl_attend_one(q_ptr + off, rep * D, D, k_ptr + off, D, 0, v_ptr + off, D, 0,
+                              kc[b].data_ptr(), vc[b].data_ptr(), kc.stride(1), 0, Hkv, rep,
+                              D, pos, self.scale, self.r[b].data_ptr(),
+                              self.scratch.data_ptr(), self.threads)
+
+    def _ffn(self, h: Tensor, w_gate: tuple | None, w_up: tuple, gelu: bool) -> None:
+        """u = the MLP's hidden activations of h."""
+        g, u = self.g, self.u
+        if w_gate is not None:  # SwiGLU: u = SiLU(h·W_gateᵀ) ⊙ (h·W_upᵀ)
+            self._mm(h, w_gate, g)
+            self._mm(h, w_up, u)
+            u.mul_(F.silu(g, inplace=True))
+        elif gelu:
+            self._mm(h, w_up, u, act=1)  # u = GELU(h·W_upᵀ + b)
+        else:  # ReLU²
+            self._mm(h, w_up, u)
+            u.relu_().square_()
+
+    def __call__(self, ids: Tensor) -> Tensor:
+        B, H, Hkv, D = self.B, self.H, self.Hkv, self.D
+        pos = self.cache.length
+        if int(ids.min()) < 0 or int(ids.max()) >= self.V:
+            raise ValueError(f"token ids must be in [0, {self.V}), got {ids.tolist()}")
+        x, h, qkv = self.x, self.h, self.qkv
+        torch.index_select(self.tok_w, 0, ids, out=x)
+        if self.pos_w is not None:
+            x += self.pos_w[pos]
+        q = qkv[:, :H * D].view(B, H, D)
+        k = qkv[:, H * D:(H + Hkv) * D].view(B, Hkv, D)
+        for layer, (ln1, w_qkv, w_out, ln2, w_gate, w_up, w_down, q_norm, k_norm,
+                    gelu) in enumerate(self.blocks):
+            self._norm_rows(ln1, x, h)  # h = Norm1(x)
+            self._mm(h, w_qkv, qkv)  # [q | k | v] = h·W_qkvᵀ + b
+            if q_norm is not None:
+                q.copy_(q_norm(q))
+                k.copy_(k_norm(k))
+            if self.rope is not None:  # keys are cached rotated, as in the reference
+                cos, sin = self.rope[0][pos], self.rope[1][pos]
+                q.copy_(apply_rope(q, cos, sin))
+                k.copy_(apply_rope(k, cos, sin))
+            self._attend(layer, pos)
+            self._mm(self.r, w_out, x, res=x)  # x = x + r·W_outᵀ + b
+            self._norm_rows(ln2, x, h)  # h = Norm2(x)
+            self._ffn(h, w_gate, w_up, gelu)
+            self._mm(self.u, w_down, x, res=x)  # x = x + u·W_downᵀ + b
+        self.cache.advance(1)
+        self._norm_rows(self.final, x, h)
+        logits = torch.empty(B, self.V)
+        self._mm(h, self.head, logits)
         return logits

@@ -16,7 +16,12 @@ modules' declared types and the config, never hooks or private registries:
   :class:`~tinylm.model.GPT` whose every block is eligible for **block** (any head size)
   with plain embeddings, final norm and LM head -- except that here each Linear layer
   (the LM head too) may also be a :class:`tinylm.quantize.QuantizedLinear`, which the
-  step runs with the int8 kernel of ``csrc/quant.c``.
+  step runs with the int8 kernel of ``csrc/quant.c``;
+- **decode_variant** (the fused step for the architecture variants, path
+  ``"fused-variant"``): a :class:`~tinylm.model.GPT` of any layout ``ModelConfig``
+  offers -- LayerNorm or RMSNorm, learned or rotary positions, GELU/ReLU² or SwiGLU MLPs,
+  grouped-query attention, QK-norm -- whose pieces are the reference modules with plain
+  (or quantized) Linear layers; GPT-2's own layout takes **decode** instead.
 
 A replaced part (tinylm.lowrank's LowRankLinear, a LoRA or quantized Linear, another
 activation or norm) makes the paths that contain it step aside, as does any config
@@ -44,10 +49,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from tinylm.attention import KVCache, MultiHeadAttention
+from tinylm.attention import KVCache, MultiHeadAttention, RMSNorm
 from tinylm.config import ModelConfig
 from tinylm.decoding import Decoder
-from tinylm.model import GPT, Block, FeedForward
+from tinylm.model import GPT, Block, FeedForward, GatedFeedForward, ReLUSquared
 from tinylm.native import decoding, ops
 from tinylm.native.functions import BlockFn, CausalAttentionFn, FeedForwardFn
 from tinylm.quantize import QuantizedLinear
@@ -82,6 +87,7 @@ class Eligibility:
     blocks: tuple[BlockPaths, ...]
     decode: bool
     reasons: tuple[str, ...]
+    decode_variant: bool = False
 
 
 # --- the declared types ---------------------------------------------------------------------
@@ -147,6 +153,11 @@ def _config_reason(config: ModelConfig) -> str | None:
         return (f"the config is not GPT-2's layout (norm={config.norm}, position="
                 f"{config.position}, mlp={config.mlp}, n_kv_head={config.n_kv_head}/"
                 f"{config.n_head}, qk_norm={config.qk_norm}, qkv_bias={config.qkv_bias})")
+    return _unknown_field_reason(config)
+
+
+def _unknown_field_reason(config: ModelConfig) -> str | None:
+    """A config field no fast path knows, with a value other than its default."""
     for field in dataclasses.fields(config):
         if field.name in KNOWN_FIELDS or field.name in LAYOUT_FIELDS:
             continue
@@ -156,6 +167,49 @@ def _config_reason(config: ModelConfig) -> str | None:
         if getattr(config, field.name) != default:
             return f"config.{field.name} = {getattr(config, field.name)!r} is not known here"
     return None
+
+
+def _variant_block_reason(block: nn.Module) -> str | None:
+    """Why the variants' fused decoding step cannot run ``block`` (None: it can)."""
+    if declared(block) is not Block or declared(block.attn) is not MultiHeadAttention:
+        return f"the block is a {type(block).__name__}"
+    ffn, attn = block.ffn, block.attn
+    linears = {"attn.qkv": attn.qkv, "attn.out": attn.out, "ffn.up": ffn.up,
+               "ffn.down": ffn.down, **({"ffn.gate": ffn.gate}
+                                        if declared(ffn) is GatedFeedForward else {})}
+    for name, layer in linears.items():
+        reason = _linear_reason(name, layer, DECODE_LINEAR)
+        if reason:
+            return reason
+    for name in ("ln1", "ln2"):
+        if type(getattr(block, name)) not in (nn.LayerNorm, RMSNorm):
+            return f"{name} is a {type(getattr(block, name)).__name__}"
+    if declared(ffn) is FeedForward:
+        act = ffn.act
+        if not (type(act) is ReLUSquared
+                or (type(act) is nn.GELU and act.approximate == "tanh")):
+            return f"ffn.act is {act!r}"
+    elif declared(ffn) is not GatedFeedForward:
+        return f"the FFN is a {type(ffn).__name__}"
+    if attn.q_norm is not None and not (type(attn.q_norm) is RMSNorm
+                                        and type(attn.k_norm) is RMSNorm):
+        return "the QK-norm is not an RMSNorm"
+    return None
+
+
+def _variant_reason(model: GPT) -> str | None:
+    """Why the variants' fused decoding step cannot run ``model`` (None: it can)."""
+    unknown = _unknown_field_reason(model.config)
+    if unknown:
+        return unknown
+    if type(model.tok_emb) is not nn.Embedding or (
+            model.pos_emb is not None and type(model.pos_emb) is not nn.Embedding):
+        return "the embeddings are not nn.Embedding"
+    if type(model.final_norm) not in (nn.LayerNorm, RMSNorm):
+        return f"final_norm is a {type(model.final_norm).__name__}"
+    return _linear_reason("lm_head", model.lm_head, DECODE_LINEAR) or next(
+        (f"block {i}: {r}" for i, b in enumerate(model.blocks)
+         if (r := _variant_block_reason(b))), None)
 
 
 def _model_reason(model: nn.Module) -> str | None:
@@ -210,7 +264,12 @@ def eligibility(model: nn.Module, device: torch.device | str | None = None,
         reasons.append(model_reason + "; the fused decoding step steps aside")
     decode = (native and config_reason is None and model_reason is None
               and all(_block_reason(b, DECODE_LINEAR) is None for b in model.blocks))
-    return Eligibility(str(device), native, tuple(blocks), decode, tuple(reasons))
+    variant = None if model.config.gpt2_layout else _variant_reason(model)
+    if variant:
+        reasons.append(variant + "; the variants' fused decoding step steps aside")
+    return Eligibility(str(device), native, tuple(blocks), decode, tuple(reasons),
+                       decode_variant=native and not model.config.gpt2_layout
+                       and variant is None)
 
 
 # --- the accelerated modules ----------------------------------------------------------------
@@ -321,7 +380,7 @@ class Plan:
         e = self.eligibility
         names = {name for b in e.blocks for name in ("block", "attention", "ffn")
                  if getattr(b, name)}
-        return frozenset(names | ({"decode"} if e.decode else set()))
+        return frozenset(names | ({"decode"} if e.decode or e.decode_variant else set()))
 
     def _swap(self, module: nn.Module, cls: type) -> None:
         parts = cls._parts(module)
@@ -356,6 +415,8 @@ class Plan:
         decision allows, else the model's own forward through a (native, on CPU) cache."""
         if self.eligibility.decode and ops.enabled() and self.lib is not None:
             return decoding.FusedDecoder(self.model, batch_size, self.lib)
+        if self.eligibility.decode_variant and ops.enabled() and self.lib is not None:
+            return decoding.VariantDecoder(self.model, batch_size, self.lib)
         if self.eligibility.native and ops.enabled() and self.lib is not None:
             return decoding.NativeCacheDecoder(self.model, batch_size, self.lib)
         return Decoder(self.model, batch_size)
