@@ -312,3 +312,49 @@ def test_without_a_compiler_everything_falls_back(tmp_path) -> None:
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "torch.Size([1, 5])"
+
+
+# The kernels are written for the target's vector width (tinylm.h: VL = 16 floats with
+# AVX-512, 8 with AVX/AVX2, 4 otherwise). -march=native builds one width; these build the
+# others this CPU can run (4 floats: plain SSE2 and SSE4.1) and hold them to the same
+# self-check and to SDPA / F.linear at the training and decoding shapes' edge cases.
+NARROW_TARGETS = ["x86-64", "x86-64-v2"] if os.uname().machine == "x86_64" else []
+
+
+@pytest.mark.parametrize("march", NARROW_TARGETS)
+def test_every_vector_width_this_cpu_runs_computes_the_same(tmp_path, monkeypatch,
+                                                           march) -> None:
+    from tinylm.native import selfcheck
+
+    monkeypatch.setattr(build, "FLAGS", [f"-march={march}" if f == "-march=native" else f
+                                         for f in build.FLAGS])
+    narrow = ops.Library(build.load_library(
+        build.SOURCES, tmp_path / "kernels", lambda cdll: selfcheck.run(ops.Library(cdll)),
+        name="narrow"))
+    g = torch.Generator().manual_seed(3)
+    for B, C, H, D in ((2, 37, 3, 48), (1, 70, 2, 32)):  # row blocks across 16-boundaries
+        qkv = torch.randn(B, C, 3 * H * D, generator=g, requires_grad=True)
+        q, k, v = qkv.view(B, C, 3, H, D).permute(2, 0, 3, 1, 4).unbind(0)
+        want = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+        grad = torch.randn(B, C, H * D, generator=g)
+        (want_grad,) = torch.autograd.grad(want.reshape(B, C, H * D), qkv, grad)
+        out, lse = narrow.causal_attention(qkv.detach().clone(), H)
+        got_grad, _ = narrow.causal_attention_backward(grad, qkv.detach(), out, lse, H)
+        torch.testing.assert_close(out, want.reshape(B, C, H * D), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(got_grad, want_grad, rtol=1e-4, atol=1e-4)
+    for M in (1, 3, 7, 8, 16):  # every row blocking of the packed linear
+        W, b, x = torch.randn(45, 129, generator=g), torch.randn(45), torch.randn(M, 129)
+        torch.testing.assert_close(narrow.linear(x, narrow.pack(W), b, 45),
+                                   F.linear(x, W, b), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="an x86 target")
+def test_the_avx512_build_compiles_cleanly(tmp_path) -> None:
+    """Compile only (this CPU may not run it): the 16-float build has no warnings."""
+    compiler = build.find_compiler()
+    for src in sorted(build.SOURCES.glob("*.c")):
+        done = subprocess.run([compiler, "-O3", "-march=skylake-avx512", "-fopenmp",
+                               "-std=gnu11", "-Wall", "-Wextra", "-Werror", "-c", str(src),
+                               "-o", str(tmp_path / (src.stem + ".o"))],
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]

@@ -80,7 +80,12 @@ def bind(cdll: ctypes.CDLL, header: Path = HEADER) -> ctypes.CDLL:
 def check(name: str, t: Tensor, shape: tuple[int, ...] | None = None, *,
           dtype: torch.dtype = torch.float32, contiguous: bool = True) -> int:
     """Raise OpError unless ``t`` is a CPU tensor of ``dtype`` (contiguous, of ``shape``
-    where given; -1 matches any size); returns its data pointer."""
+    where given; -1 matches any size); returns its data pointer. The common case (all
+    fine) is tested first, in few attribute reads: a decoding step calls this per op."""
+    if isinstance(t, Tensor) and t.is_cpu and t.dtype == dtype \
+            and (not contiguous or t.is_contiguous()) \
+            and (shape is None or _shape_fits(t.shape, shape)):
+        return t.data_ptr()
     if not isinstance(t, Tensor):
         raise OpError(f"{name} must be a tensor, got {type(t).__name__}")
     if t.device.type != "cpu":
@@ -93,6 +98,15 @@ def check(name: str, t: Tensor, shape: tuple[int, ...] | None = None, *,
             want not in (-1, got) for want, got in zip(shape, t.shape, strict=True))):
         raise OpError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
     return t.data_ptr()
+
+
+def _shape_fits(got: tuple[int, ...], want: tuple[int, ...]) -> bool:
+    if len(got) != len(want):
+        return False
+    for w, g in zip(want, got, strict=True):
+        if w != -1 and w != g:
+            return False
+    return True
 
 
 def _opt(name: str, t: Tensor | None, shape: tuple[int, ...]) -> int | None:

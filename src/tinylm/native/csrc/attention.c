@@ -11,80 +11,104 @@
  * Threads take whole (batch row, head) pairs. A head's scores P (C, Cp) live in a
  * per-thread buffer (Cp = C rounded up to 16), so the context is kept short (the
  * caller uses torch's SDPA beyond a limit). Every product is one register-blocked
- * micro-kernel (mk): 4 output rows × up to 64 columns of accumulators, one broadcast
- * coefficient times 16-float vectors per FMA -- no horizontal sums. */
+ * micro-kernel (mk): MK_R output rows × MK_C vectors of VL columns of accumulators, one
+ * broadcast coefficient times a VL-float vector per FMA -- no horizontal sums. */
 
 #include "tinylm.h"
 
+/* The register blocking: MK_R·MK_C accumulators, MK_C loaded vectors and a broadcast must
+ * fit the vector registers (32 zmm with AVX-512: 4 × 4; 16 ymm/xmm otherwise: 6 × 2, the
+ * classic 6 × 16 AVX2 GEMM kernel); widths are multiples of VL (of 16, in fact). */
+#if VL == 16
 #define MK_R 4   /* rows per micro-kernel call */
-#define MK_C 4   /* 16-float column vectors per call (64 columns) */
+#define MK_C 4   /* column vectors per call (64 columns) */
+#else
+#define MK_R 6
+#define MK_C 2   /* 16 columns with AVX2, 8 with 4-float vectors */
+#endif
 
-/* y[r][0 : 16·NC) = alpha · Σ_{k0 <= k < k1} a[r·sr + k·sk] · x[k·ldx + 0 : 16·NC), r < R */
+/* y[r][0 : VL·NC) = alpha · Σ_{k0 <= k < k1} a[r·sr + k·sk] · x[k·ldx + 0 : VL·NC), r < R */
 static inline __attribute__((always_inline)) void mk(
         const float *a, long sr, long sk, const float *x, long ldx, long k0, long k1,
         float *y, long ldy, float alpha, const int R, const int NC) {
-    v16 acc[MK_R][MK_C];
+    vf acc[MK_R][MK_C];
     for (int r = 0; r < R; r++)
-        for (int c = 0; c < NC; c++) acc[r][c] = (v16){0};
+        for (int c = 0; c < NC; c++) acc[r][c] = (vf){0};
     for (long k = k0; k < k1; k++) {
         const float *xr = x + k * ldx;
-        v16 xv[MK_C];
-        for (int c = 0; c < NC; c++) xv[c] = load16(xr + 16 * c);
+        vf xv[MK_C];
+        for (int c = 0; c < NC; c++) xv[c] = loadv(xr + VL * c);
         for (int r = 0; r < R; r++) {
             float av = a[r * sr + k * sk];
             for (int c = 0; c < NC; c++) acc[r][c] += xv[c] * av;
         }
     }
     for (int r = 0; r < R; r++)
-        for (int c = 0; c < NC; c++) store16(y + r * ldy + 16 * c, acc[r][c] * alpha);
+        for (int c = 0; c < NC; c++) storev(y + r * ldy + VL * c, acc[r][c] * alpha);
 }
 
 #define MK_CASE(R, NC) \
     case (R) * 8 + (NC): mk(a, sr, sk, xc, ldx, k0, k1, yc, ldy, alpha, R, NC); break;
+#if MK_C == 4
 #define MK_ROW(R) MK_CASE(R, 1) MK_CASE(R, 2) MK_CASE(R, 3) MK_CASE(R, 4)
+#else
+#define MK_ROW(R) MK_CASE(R, 1) MK_CASE(R, 2)
+#endif
+#if MK_R == 4
+#define MK_ROWS MK_ROW(1) MK_ROW(2) MK_ROW(3) MK_ROW(4)
+#else
+#define MK_ROWS MK_ROW(1) MK_ROW(2) MK_ROW(3) MK_ROW(4) MK_ROW(5) MK_ROW(6)
+#endif
 
-/* mk for any R <= 4 and any width that is a multiple of 16 (in groups of 64 columns). */
+/* mk for any R <= MK_R and any width that is a multiple of VL (in groups of VL·MK_C
+ * columns). */
 static void mk_any(const float *a, long sr, long sk, const float *x, long ldx, long k0,
                    long k1, float *y, long ldy, float alpha, int R, long width) {
-    for (long c0 = 0; c0 < width; c0 += 16 * MK_C) {
-        int nc = (int)((width - c0) / 16 < MK_C ? (width - c0) / 16 : MK_C);
+    for (long c0 = 0; c0 < width; c0 += VL * MK_C) {
+        int nc = (int)((width - c0) / VL < MK_C ? (width - c0) / VL : MK_C);
         const float *xc = x + c0;
         float *yc = y + c0;
         switch (R * 8 + nc) {
-            MK_ROW(1) MK_ROW(2) MK_ROW(3) MK_ROW(4)
+            MK_ROWS
             default: break;
         }
     }
 }
 
-/* A 16×16 block transposed in registers: four rounds of interleaving row i with row
- * i + 8 (a perfect shuffle of the index bits; after four, rows and columns swap). */
-static inline void transpose16(v16 r[16]) {
-    for (int round = 0; round < 4; round++) {
-        v16 n[16];
-        for (int i = 0; i < 8; i++) {
-            n[2 * i] = __builtin_shufflevector(r[i], r[i + 8], 0, 16, 1, 17, 2, 18, 3, 19,
-                                               4, 20, 5, 21, 6, 22, 7, 23);
-            n[2 * i + 1] = __builtin_shufflevector(r[i], r[i + 8], 8, 24, 9, 25, 10, 26, 11,
-                                                   27, 12, 28, 13, 29, 14, 30, 15, 31);
+/* The rows of the block starting at row i0: MK_R, or fewer at the end and so that no block
+ * crosses a multiple of 16 -- the products past the diagonal are zero (or never read)
+ * only up to round16(i + 1) in row i, and a block's products reach its last row. */
+static inline long block_rows(long i0, long C) {
+    long r = C - i0 < MK_R ? C - i0 : MK_R, left = 16 - i0 % 16;
+    return r < left ? r : left;
+}
+
+/* A VL×VL block transposed in registers: log2(VL) rounds of interleaving row i with row
+ * i + VL/2 (a perfect shuffle of the index bits; after log2(VL), rows and columns swap). */
+static inline void transpose_block(vf r[VL]) {
+    for (int round = 1; round < VL; round *= 2) {
+        vf n[VL];
+        for (int i = 0; i < VL / 2; i++) {
+            n[2 * i] = ILO(r[i], r[i + VL / 2]);
+            n[2 * i + 1] = IHI(r[i], r[i + VL / 2]);
         }
-        for (int i = 0; i < 16; i++) r[i] = n[i];
+        for (int i = 0; i < VL; i++) r[i] = n[i];
     }
 }
 
 /* t (D, Cp) = first C rows of m (row stride ld) transposed; columns C..Cp zero. D is a
- * multiple of 16: whole 16×16 blocks go through registers, the last C % 16 rows one
- * float at a time. */
+ * multiple of 16 (so of VL): whole VL×VL blocks go through registers, the last C % VL
+ * rows one float at a time. */
 static void transpose_head(const float *m, long ld, long C, long D, long Cp, float *t) {
-    long C16 = C / 16 * 16;
-    for (long j0 = 0; j0 < C16; j0 += 16)
-        for (long d0 = 0; d0 < D; d0 += 16) {
-            v16 r[16];
-            for (int i = 0; i < 16; i++) r[i] = load16(m + (j0 + i) * ld + d0);
-            transpose16(r);
-            for (int i = 0; i < 16; i++) store16(t + (d0 + i) * Cp + j0, r[i]);
+    long CV = C / VL * VL;
+    for (long j0 = 0; j0 < CV; j0 += VL)
+        for (long d0 = 0; d0 < D; d0 += VL) {
+            vf r[VL];
+            for (int i = 0; i < VL; i++) r[i] = loadv(m + (j0 + i) * ld + d0);
+            transpose_block(r);
+            for (int i = 0; i < VL; i++) storev(t + (d0 + i) * Cp + j0, r[i]);
         }
-    for (long j = C16; j < C; j++) {
+    for (long j = CV; j < C; j++) {
         const float *row = m + j * ld;
         for (long d = 0; d < D; d++) t[d * Cp + j] = row[d];
     }
@@ -97,8 +121,8 @@ static void transpose_head(const float *m, long ld, long C, long D, long Cp, flo
  * A is (C, D) with row stride lda; T is (D, Cp), the other operand transposed. */
 static void causal_products(const float *A, long lda, const float *T, long C, long D,
                             long Cp, float alpha, float *s) {
-    for (long i0 = 0; i0 < C; i0 += MK_R) {
-        int R = (int)(C - i0 < MK_R ? C - i0 : MK_R);
+    for (long i0 = 0, R; i0 < C; i0 += R) {
+        R = block_rows(i0, C);
         mk_any(A + i0 * lda, lda, 1, T, Cp, 0, D, s + i0 * Cp, Cp, alpha, R,
                round16(i0 + R));
     }
@@ -109,28 +133,26 @@ static void causal_products(const float *A, long lda, const float *T, long C, lo
  * by causal_products). With normalise, the weights are divided by their sum and the
  * row's log-sum-exp is returned; without, lse is returned. */
 static float causal_exp_row(float *s, long i, float lse, int normalise) {
-    const v16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    const v16 neg_inf = (v16){0} - __builtin_inff();
+    const vf lane = lane_index(), neg_inf = splat(-__builtin_inff());
     long n = i + 1, end = round16(n);
     float m = lse;
     if (normalise) {
-        v16 mx = neg_inf;
-        for (long j = 0; j < end; j += 16) {
-            v16 x = vsel(lane + (float)j < (float)n, load16(s + j), neg_inf);
+        vf mx = neg_inf;
+        for (long j = 0; j < end; j += VL) {
+            vf x = vsel(lane + (float)j < (float)n, loadv(s + j), neg_inf);
             mx = vsel(x > mx, x, mx);
         }
-        m = mx[0];
-        for (int t = 1; t < 16; t++) m = mx[t] > m ? mx[t] : m;
+        m = hmax(mx);
     }
-    v16 acc = {0};
-    for (long j = 0; j < end; j += 16) {
-        v16 e = vsel(lane + (float)j < (float)n, vexp(load16(s + j) - m), (v16){0});
+    vf acc = {0};
+    for (long j = 0; j < end; j += VL) {
+        vf e = vsel(lane + (float)j < (float)n, vexp(loadv(s + j) - m), (vf){0});
         acc += e;
-        store16(s + j, e);
+        storev(s + j, e);
     }
     if (!normalise) return lse;
-    float sum = hsum16(acc), inv = 1.0f / sum;
-    for (long j = 0; j < end; j += 16) store16(s + j, load16(s + j) * inv);
+    float sum = hsum(acc), inv = 1.0f / sum;
+    for (long j = 0; j < end; j += VL) storev(s + j, loadv(s + j) * inv);
     return m + logf(sum);
 }
 
@@ -158,15 +180,15 @@ int tl_attn_fwd(float *qkv, const float *bias, float *out, float *lse, long B, l
             if (bias)  /* this head's slices of the q, k, v bias, added row by row */
                 for (long t = 0; t < C; t++)
                     for (int part = 0; part < 3; part++)
-                        for (long d = 0; d < D; d += 16) {
+                        for (long d = 0; d < D; d += VL) {
                             float *e = q + t * ld + part * HD + d;
-                            store16(e, load16(e) + load16(bias + part * HD + h * D + d));
+                            storev(e, loadv(e) + loadv(bias + part * HD + h * D + d));
                         }
             transpose_head(k, ld, C, D, Cp, kt);
             causal_products(q, ld, kt, C, D, Cp, scale, p);  /* scores */
             for (long i = 0; i < C; i++) l[i] = causal_exp_row(p + i * Cp, i, 0.0f, 1);
-            for (long i0 = 0; i0 < C; i0 += MK_R) {  /* O = P·V over keys j < i0 + R */
-                int R = (int)(C - i0 < MK_R ? C - i0 : MK_R);
+            for (long i0 = 0, R; i0 < C; i0 += R) {  /* O = P·V over keys j < i0 + R */
+                R = block_rows(i0, C);
                 mk_any(p + i0 * Cp, Cp, 1, v, ld, 0, i0 + R, o + i0 * HD, HD, 1.0f, R, D);
             }
         }
@@ -213,13 +235,13 @@ int tl_attn_bwd(const float *qkv, const float *out, const float *dout, const flo
                 di[i] = dot(go + i * HD, o + i * HD, D);
                 float *dsr = ds + i * Cp, *pr = p + i * Cp;
                 long j = 0, n = i + 1;
-                for (; j + 16 <= n; j += 16)
-                    store16(dsr + j, load16(pr + j) * (load16(dsr + j) - di[i]));
+                for (; j + VL <= n; j += VL)
+                    storev(dsr + j, loadv(pr + j) * (loadv(dsr + j) - di[i]));
                 for (; j < n; j++) dsr[j] = pr[j] * (dsr[j] - di[i]);
                 for (; j < round16(n); j++) dsr[j] = 0.0f;
             }
-            for (long j0 = 0; j0 < C; j0 += MK_R) {
-                int R = (int)(C - j0 < MK_R ? C - j0 : MK_R);
+            for (long j0 = 0, R; j0 < C; j0 += R) {
+                R = block_rows(j0, C);
                 /* dV = Pᵀ·dO and dK = scale · dSᵀ·Q, over queries i >= j0 */
                 mk_any(p + j0, 1, Cp, go, HD, j0, C, dv + j0 * ld, ld, 1.0f, R, D);
                 mk_any(ds + j0, 1, Cp, q, ld, j0, C, dk + j0 * ld, ld, scale, R, D);
@@ -229,9 +251,9 @@ int tl_attn_bwd(const float *qkv, const float *out, const float *dout, const flo
             if (db)  /* this head's columns of dq, dk, dv, summed over its C rows */
                 for (long t = 0; t < C; t++)
                     for (int part = 0; part < 3; part++)
-                        for (long d = 0; d < D; d += 16) {
+                        for (long d = 0; d < D; d += VL) {
                             float *acc = db + part * HD + h * D + d;
-                            store16(acc, load16(acc) + load16(dq + t * ld + part * HD + d));
+                            storev(acc, loadv(acc) + loadv(dq + t * ld + part * HD + d));
                         }
         }
         free(kt);

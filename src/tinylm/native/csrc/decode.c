@@ -21,18 +21,18 @@ int tl_embed(const long *ids, const float *tok, const float *pos, long position,
 static long row_argmax(const float *x, long V) {
     long i = 0;
     float best;
-    if (V >= 16) {
-        v16 m = load16(x);
-        i16 nan = m != m;
-        for (i = 16; i + 16 <= V; i += 16) {
-            v16 v = load16(x + i);
-            i16 gt = v > m;
+    if (V >= VL) {
+        vf m = loadv(x);
+        vi nan = m != m;
+        for (i = VL; i + VL <= V; i += VL) {
+            vf v = loadv(x + i);
+            vi gt = v > m;
             nan |= v != v;
-            m = (v16)(((i16)v & gt) | ((i16)m & ~gt));
+            m = (vf)(((vi)v & gt) | ((vi)m & ~gt));
         }
         best = m[0];
         int any_nan = 0;
-        for (int j = 0; j < 16; j++) {
+        for (int j = 0; j < VL; j++) {
             best = m[j] > best ? m[j] : best;
             any_nan |= nan[j];
         }

@@ -8,14 +8,14 @@
 static inline void gelu_backward_row(const float *x, float *grad, float *y, float *colsum,
                                      long n) {
     long i = 0;
-    for (; i + 16 <= n; i += 16) {
-        v16 v = load16(x + i), t = vtanh_inner(v), right = 1.0f + t;
-        v16 d = 0.5f * right
+    for (; i + VL <= n; i += VL) {
+        vf v = loadv(x + i), t = vtanh_inner(v), right = 1.0f + t;
+        vf d = 0.5f * right
               + 0.5f * v * (1.0f - t * t) * (GELU_C * (1.0f + 3.0f * GELU_K * v * v));
-        v16 gx = load16(grad + i) * d;
-        if (y) store16(y + i, 0.5f * v * right);
-        store16(grad + i, gx);
-        if (colsum) store16(colsum + i, load16(colsum + i) + gx);
+        vf gx = loadv(grad + i) * d;
+        if (y) storev(y + i, 0.5f * v * right);
+        storev(grad + i, gx);
+        if (colsum) storev(colsum + i, loadv(colsum + i) + gx);
     }
     for (; i < n; i++) {
         float v = x[i], t = tanh_inner(v), right = 1.0f + t;
@@ -56,10 +56,10 @@ void tl_bias_gelu(float *a, const float *b, float *g, long M, long N, int thread
     for (long m = 0; m < M; m++) {
         float *h = a + m * N, *y = g + m * N;
         long i = 0;
-        for (; i + 16 <= N; i += 16) {
-            v16 v = load16(h + i);
-            if (b) { v += load16(b + i); store16(h + i, v); }
-            store16(y + i, 0.5f * v * (1.0f + vtanh_inner(v)));
+        for (; i + VL <= N; i += VL) {
+            vf v = loadv(h + i);
+            if (b) { v += loadv(b + i); storev(h + i, v); }
+            storev(y + i, 0.5f * v * (1.0f + vtanh_inner(v)));
         }
         for (; i < N; i++) {
             float v = h[i] + (b ? b[i] : 0.0f);

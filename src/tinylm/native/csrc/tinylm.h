@@ -1,7 +1,7 @@
 /* tinylm's native CPU kernels: the one header every source file includes.
  *
- * It holds the shared vector helpers (GCC vector extensions: they compile to AVX-512,
- * AVX2 or NEON depending on -march=native) and, marked TL_API, the declaration of every
+ * It holds the shared vector helpers (GCC vector extensions of the target's own width,
+ * VL floats: AVX-512, AVX2 or NEON/SSE depending on -march=native) and, marked TL_API, the declaration of every
  * exported function. tinylm/native/ops.py reads its ctypes signatures from these
  * declarations, so a signature is written once, here.
  *
@@ -20,27 +20,78 @@
 #define TL_API __attribute__((visibility("default")))
 #define TL_NOMEM 1
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v4 __attribute__((vector_size(16)));
-typedef int i16 __attribute__((vector_size(64)));
+/* The native vector: VL floats, the widest the target computes in one register (GCC
+ * vector extensions of any other width are split or spilled). Every vector loop steps by
+ * VL; the sizes the kernels pad to (round16, head sizes that are multiples of 16, panels
+ * of 32 output features) stay multiples of VL. */
+#if defined(__AVX512F__)
+#define VL 16
+#elif defined(__AVX__)
+#define VL 8
+#else  /* SSE, NEON, AltiVec, ...: 16-byte registers (scalar code where there are none) */
+#define VL 4
+#endif
 
-static inline v16 load16(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
-static inline void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
+typedef float vf __attribute__((vector_size(VL * 4)));
+typedef int vi __attribute__((vector_size(VL * 4)));
+
+static inline vf loadv(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
+static inline void storev(float *p, vf v) { memcpy(p, &v, sizeof v); }
+static inline vf splat(float x) { return (vf){0} + x; }
 static inline long round16(long n) { return (n + 15) / 16 * 16; }
 
-static inline float hsum16(v16 a) {  /* a tree of halvings: 4 dependent adds, not 15 */
+/* The lanes' indices {0, 1, ..., VL - 1} (constant-folded). */
+static inline vf lane_index(void) {
+    vf l;
+    for (int i = 0; i < VL; i++) l[i] = (float)i;
+    return l;
+}
+
+/* Interleave the low (ILO) or high (IHI) halves of a and b lane by lane: a0 b0 a1 b1 ... */
+#if VL == 16
+#define ILO(a, b) __builtin_shufflevector(a, b, 0, 16, 1, 17, 2, 18, 3, 19, \
+                                          4, 20, 5, 21, 6, 22, 7, 23)
+#define IHI(a, b) __builtin_shufflevector(a, b, 8, 24, 9, 25, 10, 26, 11, 27, \
+                                          12, 28, 13, 29, 14, 30, 15, 31)
+#elif VL == 8
+#define ILO(a, b) __builtin_shufflevector(a, b, 0, 8, 1, 9, 2, 10, 3, 11)
+#define IHI(a, b) __builtin_shufflevector(a, b, 4, 12, 5, 13, 6, 14, 7, 15)
+#else
+#define ILO(a, b) __builtin_shufflevector(a, b, 0, 4, 1, 5)
+#define IHI(a, b) __builtin_shufflevector(a, b, 2, 6, 3, 7)
+#endif
+
+typedef float v4 __attribute__((vector_size(16)));
+
+static inline v4 low4(vf a) {  /* the sum of a's VL / 4 quarters: a tree of halvings */
+#if VL == 16
+    typedef float v8 __attribute__((vector_size(32)));
     v8 b = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7)
          + __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
-    v4 c = __builtin_shufflevector(b, b, 0, 1, 2, 3) + __builtin_shufflevector(b, b, 4, 5, 6, 7);
+    return __builtin_shufflevector(b, b, 0, 1, 2, 3) + __builtin_shufflevector(b, b, 4, 5, 6, 7);
+#elif VL == 8
+    return __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+#else
+    return a;
+#endif
+}
+
+static inline float hsum(vf a) {  /* log2(VL) dependent adds, not VL - 1 */
+    v4 c = low4(a);
     return (c[0] + c[2]) + (c[1] + c[3]);
 }
 
+static inline float hmax(vf a) {  /* the largest lane (no NaN handling) */
+    float m = a[0];
+    for (int t = 1; t < VL; t++) m = a[t] > m ? a[t] : m;
+    return m;
+}
+
 static inline float dot(const float *a, const float *b, long D) {
-    v16 acc = {0};
+    vf acc = {0};
     long i = 0;
-    for (; i + 16 <= D; i += 16) acc += load16(a + i) * load16(b + i);
-    float s = hsum16(acc);
+    for (; i + VL <= D; i += VL) acc += loadv(a + i) * loadv(b + i);
+    float s = hsum(acc);
     for (; i < D; i++) s += a[i] * b[i];
     return s;
 }
@@ -48,38 +99,38 @@ static inline float dot(const float *a, const float *b, long D) {
 /* o[0:D] += p · x[0:D] */
 static inline void axpy(float *o, float p, const float *x, long D) {
     long i = 0;
-    for (; i + 16 <= D; i += 16) store16(o + i, load16(o + i) + load16(x + i) * p);
+    for (; i + VL <= D; i += VL) storev(o + i, loadv(o + i) + loadv(x + i) * p);
     for (; i < D; i++) o[i] += p * x[i];
 }
 
-static inline v16 vsel(i16 mask, v16 a, v16 b) {  /* mask ? a : b, lane by lane */
-    return (v16)(((i16)a & mask) | ((i16)b & ~mask));
+static inline vf vsel(vi mask, vf a, vf b) {  /* mask ? a : b, lane by lane */
+    return (vf)(((vi)a & mask) | ((vi)b & ~mask));
 }
 
 /* exp(x), Cephes' single-precision polynomial after reduction by ln 2 (~1 ulp). */
-static inline v16 vexp(v16 x) {
-    const v16 hi = (v16){0} + 88.0f, lo = (v16){0} - 87.0f;
+static inline vf vexp(vf x) {
+    const vf hi = splat(88.0f), lo = splat(-87.0f);
     x = vsel(x > hi, hi, x);
     x = vsel(x < lo, lo, x);
-    v16 t = x * 1.44269504088896341f + 12582912.0f;  /* round(x / ln 2) in the low bits */
-    v16 n = t - 12582912.0f;
-    i16 ni = (i16)t - 0x4B400000;
-    v16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    v16 p = (v16){0} + 1.9875691500e-4f;
+    vf t = x * 1.44269504088896341f + 12582912.0f;  /* round(x / ln 2) in the low bits */
+    vf n = t - 12582912.0f;
+    vi ni = (vi)t - 0x4B400000;
+    vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    vf p = splat(1.9875691500e-4f);
     p = p * r + 1.3981999507e-3f;
     p = p * r + 8.3334519073e-3f;
     p = p * r + 4.1665795894e-2f;
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
-    return (v16)((i16)p + (ni << 23));  /* times 2^n */
+    return (vf)((vi)p + (ni << 23));  /* times 2^n */
 }
 
 #define GELU_C 0.7978845608028654f  /* sqrt(2 / pi) */
 #define GELU_K 0.044715f
 
-static inline v16 vtanh_inner(v16 x) {  /* tanh(sqrt(2/pi)·(x + 0.044715·x³)) */
-    v16 u = GELU_C * (x + GELU_K * x * x * x);
+static inline vf vtanh_inner(vf x) {  /* tanh(sqrt(2/pi)·(x + 0.044715·x³)) */
+    vf u = GELU_C * (x + GELU_K * x * x * x);
     return 1.0f - 2.0f / (vexp(2.0f * u) + 1.0f);
 }
 
