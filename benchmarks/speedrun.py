@@ -161,8 +161,9 @@ def render(runs: list[dict], target: float, args: argparse.Namespace, vocab: int
         ratio = f"{base / med:.2f}×" if med and base else "–"
         lines.append(f"| {a} | " + (f"**{med:.1f} s**" if med is not None
                                     else "**not reached**") + f" | {ratio} |")
-    lines += ["", "(baseline: nanoGPT's 4×128 shakespeare_char config, 2000 steps at batch "
-              "12, ~130 s here.)", "",
+    lines += ["", "(For scale: nanoGPT's shakespeare_char config trains a model of this "
+              "kind for 2000 steps at batch 12; the steps column above is what each preset "
+              "needed here.)", "",
               "![speedrun loss curves](benchmarks/speedrun.png)", "",
               f"Command: `python benchmarks/speedrun.py --input "
               f"data/tinyshakespeare/input.txt --arch {','.join(archs)} --target {target} "

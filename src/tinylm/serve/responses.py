@@ -10,8 +10,10 @@ renders as one JSON body or as server-sent-event chunks.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +21,46 @@ from typing import Any
 from tinylm.sampling import TextStream
 from tinylm.serve.engine import End, Engine, Request, Token
 from tinylm.serve.schemas import Generation, RequestError
+
+
+class Mailbox:
+    """Engine events handed to one event loop, with at most one wake-up in flight: the
+    engine thread appends; the first post after a drain schedules :meth:`_drain` with
+    ``call_soon_threadsafe``, later ones ride along. A batched step that emits a token
+    for each of 16 requests then wakes the loop once, not 16 times (each wake-up is a
+    write to the loop's self-pipe and a turn of the loop under the GIL)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._items: list[tuple[asyncio.Queue, Any]] = []
+        self._lock = threading.Lock()
+        self._scheduled = False
+
+    def post(self, queue: asyncio.Queue, item: Any) -> None:
+        with self._lock:
+            self._items.append((queue, item))
+            if self._scheduled:
+                return
+            self._scheduled = True
+        self.loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        with self._lock:
+            items, self._items, self._scheduled = self._items, [], False
+        for queue, item in items:
+            queue.put_nowait(item)
+
+
+_mailboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Mailbox] = \
+    weakref.WeakKeyDictionary()
+
+
+def mailbox(loop: asyncio.AbstractEventLoop) -> Mailbox:
+    """The one :class:`Mailbox` of ``loop`` (made on the loop's thread, at a request)."""
+    box = _mailboxes.get(loop)
+    if box is None:
+        box = _mailboxes[loop] = Mailbox(loop)
+    return box
 
 
 @dataclass
@@ -57,7 +99,7 @@ class Run:
         self.created = int(time.time())
         self.tokenizer, self.gen = tokenizer, gen
         self.stop_ids = tuple(stop_ids)
-        self.loop = asyncio.get_running_loop()
+        self.mailbox = mailbox(asyncio.get_running_loop())
         self.events: asyncio.Queue[tuple[int, Token | End]] = asyncio.Queue()
         deadline = time.monotonic() + timeout
         self.choices: list[Choice] = []
@@ -74,7 +116,7 @@ class Run:
 
     def _emitter(self, i: int):
         def emit(event: Token | End) -> None:  # called from the engine thread
-            self.loop.call_soon_threadsafe(self.events.put_nowait, (i, event))
+            self.mailbox.post(self.events, (i, event))
         return emit
 
     def cancel(self) -> None:

@@ -10,7 +10,8 @@
  *     y[m, o] = act(Σ_i x[m, i]·(q[o, i]·s[o, i / G]) + b[o]) (+ res[m, o])
  *
  * The inner loop converts VL int8 weights to floats (sign-extend + convert: AVX-512,
- * AVX2, SSE4.1; lane by lane elsewhere), scales them and adds them times VL floats of x
+ * AVX2, SSE4.1; lane by lane elsewhere), scales them (per-channel scales: once, on the
+ * finished dot product) and adds them times VL floats of x
  * into vector accumulators: a tile of OT output features × up to QR rows of x, at most
  * 8 accumulators (with one or two rows, CH independent chains per pair hide the FMA
  * latency); one horizontal sum per output feature and row at the end. Tiles of output
@@ -61,6 +62,35 @@ static inline __attribute__((always_inline)) void q8_dots(
             tail[o][m] = 0.0f;
             for (int h = 0; h < CH; h++) acc[o][m][h] = (vf){0};
         }
+    /* One group per row (per-channel scales, the default): Σ_i x_i·q_i·s = s·Σ_i x_i·q_i,
+     * so the scale multiplies the finished dot product instead of every weight vector
+     * (one multiply fewer per VL weights; the rounding differs from the reference's
+     * dequantize-then-multiply by a few ulps). */
+    if (groups == 1) {
+        long i = 0;
+        for (; i + CH * VL <= I; i += CH * VL)
+            for (int h = 0; h < CH; h++)
+                for (int o = 0; o < OT; o++) {
+                    vf w = load_q(q + o * I + i + h * VL);
+                    for (int m = 0; m < MR; m++)
+                        acc[o][m][h] += w * loadv(x + m * ldx + i + h * VL);
+                }
+        for (; i + VL <= I; i += VL)
+            for (int o = 0; o < OT; o++) {
+                vf w = load_q(q + o * I + i);
+                for (int m = 0; m < MR; m++) acc[o][m][0] += w * loadv(x + m * ldx + i);
+            }
+        for (; i < I; i++)
+            for (int o = 0; o < OT; o++)
+                for (int m = 0; m < MR; m++) tail[o][m] += (float)q[o * I + i] * x[m * ldx + i];
+        for (int o = 0; o < OT; o++)
+            for (int m = 0; m < MR; m++) {
+                vf sum = acc[o][m][0];
+                for (int h = 1; h < CH; h++) sum += acc[o][m][h];
+                dots[o][m] = (hsum(sum) + tail[o][m]) * s[o];
+            }
+        return;
+    }
     for (long i0 = 0, g = 0; i0 < I; i0 += G, g++) {
         long i1 = i0 + G < I ? i0 + G : I, i = i0;
         vf sg[4];
