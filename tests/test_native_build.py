@@ -166,7 +166,7 @@ def test_no_shared_fallback_without_a_private_cache(tmp_path) -> None:
     code = ("import logging, torch\nlogging.basicConfig(level=logging.WARNING)\n"
             "from tinylm.native import ops\nprint(ops.load() is None)\n")
     env = dict(os.environ, PYTHONPATH=SRC_DIR, XDG_CACHE_HOME=str(tmp_path / "file"),
-               TMPDIR=str(tmp_path))
+               TMPDIR=str(tmp_path), TINYLM_NATIVE="1")  # also under TINYLM_NATIVE=0 make test
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -223,7 +223,7 @@ def test_a_library_planted_by_another_user_never_runs(tmp_path) -> None:
             plant_as_another_user(evil, planted)
             assert os.stat(planted).st_uid == 12345
             env = dict(os.environ, PYTHONPATH=SRC_DIR, XDG_CACHE_HOME=str(xdg),
-                       TMPDIR=str(shared), CC=compiler)
+                       TMPDIR=str(shared), CC=compiler, TINYLM_NATIVE="1")
             out = subprocess.run([sys.executable, "-c", victim], env=env, capture_output=True,
                                  text=True, timeout=300)
             assert out.returncode == 0, out.stderr
