@@ -408,7 +408,8 @@ class MultiHeadAttention(nn.Module):
         into it (the caller advances it after the last layer).
         """
         B, C, _ = x.shape
-        positions = cache.positions(C, x.device) if cache is not None else None
+        rotate = cache is not None and self.rope_theta is not None
+        positions = cache.positions(C, x.device) if rotate else None  # only RoPE needs them
         q, k, v = self._heads(x, positions)  # (B, H, C, D), 2 × (B, H_kv, C, D)
         gqa = self.n_kv_head != self.n_head
         if cache is not None and C == 1 and not return_weights \

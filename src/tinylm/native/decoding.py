@@ -108,7 +108,11 @@ class FusedDecoder(_NativeArgmax):
     def __init__(self, model: nn.Module, batch_size: int, lib: Library) -> None:
         self.lib = lib
         super().__init__(model, batch_size, NativeKVCache.for_model(model, batch_size, lib=lib))
-        self._fused = _FusedStep(model, self.cache, lib)
+        self._fused = self._step_class()(model, self.cache, lib)
+
+    @staticmethod
+    def _step_class() -> type:
+        return _FusedStep
 
     def step(self, ids: Tensor) -> Tensor:
         self.cache.check_room(1)
@@ -230,11 +234,9 @@ class VariantDecoder(FusedDecoder):
 
     path = "fused-variant"
 
-    def __init__(self, model: nn.Module, batch_size: int, lib: Library) -> None:
-        self.lib = lib
-        _NativeArgmax.__init__(self, model, batch_size,
-                               NativeKVCache.for_model(model, batch_size, lib=lib))
-        self._fused = _VariantStep(model, self.cache, lib)
+    @staticmethod
+    def _step_class() -> type:
+        return _VariantStep
 
 
 class _VariantStep(_FusedStep):
