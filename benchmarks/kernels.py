@@ -105,7 +105,7 @@ def decode_ops(lib: ops.Library, repeats: int) -> list[tuple[str, float, float]]
         q = torch.randint(-127, 128, (4 * E, E), dtype=torch.int8, generator=g)
         s = torch.rand(4 * E, E // 64, generator=g) * 0.01
         rows.append(compare(f"linear_q8 {4 * E}x{E} M={M} (vs fp32)",
-                            partial(lib.linear_q8, x, q, s, 64, None),
+                            partial(lib.linear_q8_packed, x, lib.pack_q8(q, s, 64), None),
                             partial(F.linear, x, W), repeats))
         kc, vc = torch.randn(M, H, 256, D, generator=g), torch.randn(M, H, 256, D, generator=g)
         qv, scratch = torch.randn(M, H, 1, D, generator=g), torch.empty(M * H * 256)

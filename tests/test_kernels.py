@@ -35,7 +35,7 @@ def test_the_kernel_builds_and_loads_here(lib) -> None:
 
 def test_signatures_come_from_the_header_and_cover_every_export(lib) -> None:
     sigs = ops.parse_header(ops.HEADER.read_text())
-    assert len(sigs) == 13  # 12 + tl_linear_q8 (quant.c)
+    assert len(sigs) == 16  # 12 + quant.c: tl_q8_packed_size, _scales_size, _pack, tl_linear_q8
     assert sigs["tl_linear"][1][:2] == [ctypes.c_void_p, ctypes.c_long]
     assert sigs["tl_attn_fwd"][0] is ctypes.c_int  # allocates: reports out of memory
     out = subprocess.run(["nm", "-D", "--defined-only", lib.raw._name], capture_output=True,
@@ -346,6 +346,14 @@ def test_every_vector_width_this_cpu_runs_computes_the_same(tmp_path, monkeypatc
         W, b, x = torch.randn(45, 129, generator=g), torch.randn(45), torch.randn(M, 129)
         torch.testing.assert_close(narrow.linear(x, narrow.pack(W), b, 45),
                                    F.linear(x, W, b), rtol=1e-4, atol=1e-4)
+    for G in (300, 7):  # the int8 kernel: every row block, two input blocks of 256
+        q = torch.randint(-127, 128, (45, 300), generator=g, dtype=torch.int8)
+        s = torch.rand(45, -(-300 // G), generator=g) / 100
+        W = q.float() * s.repeat_interleave(G, dim=1)[:, :300]
+        for M in (1, 2, 3, 4, 5, 16):
+            x = torch.randn(M, 300, generator=g)
+            torch.testing.assert_close(narrow.linear_q8(x, q, s, G, b), F.linear(x, W, b),
+                                       rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.skipif(os.uname().machine != "x86_64", reason="an x86 target")

@@ -15,6 +15,7 @@ from tinylm import GPT, ModelConfig, acceleration, native
 from tinylm.checkpoint import load_checkpoint, save_checkpoint
 from tinylm.cli import main
 from tinylm.data import prepare
+from tinylm.decoding import Decoder
 from tinylm.errors import ConfigError
 from tinylm.quantize import (
     QuantizedLinear,
@@ -147,8 +148,12 @@ NATIVE_LIB = native.load() if os.environ.get("TINYLM_NATIVE") != "0" else None
 
 @pytest.mark.skipif(NATIVE_LIB is None, reason="TINYLM_NATIVE=0 or no C compiler: no kernel")
 @pytest.mark.parametrize("O, I, G", [(1, 1, None), (13, 7, None), (37, 19, 5), (65, 33, 8),
-                                     (17, 129, 32), (100, 45, 45)])
+                                     (17, 129, 32), (100, 45, 45), (70, 300, None),
+                                     (33, 521, 100), (9, 300, 7)])
 def test_int8_kernel_equals_the_reference_layer_at_odd_shapes(O, I, G) -> None:
+    """Rows 1-16 (the kernel's row blocks of 4 and their remainders), outputs that do not
+    fill the last panel of 32, inputs past one block of 256 (and groups that straddle
+    blocks), per channel and per group."""
     ql = QuantizedLinear.from_linear(nn.Linear(I, O), 8, G)
     res = torch.randn(16, O)
     for M in range(1, 17):
@@ -164,6 +169,46 @@ def test_int8_kernel_equals_the_reference_layer_at_odd_shapes(O, I, G) -> None:
 
 
 @pytest.mark.skipif(NATIVE_LIB is None, reason="TINYLM_NATIVE=0 or no C compiler: no kernel")
+def test_int8_packing_is_panels_of_32_output_features() -> None:
+    """The packed layout the kernel streams: qp[p][i][j] = q[32p + j][i], scales
+    sp[p][g][j] = s[32p + j][g], zero past the last output feature."""
+    O, I, G = 40, 11, 4
+    ql = QuantizedLinear.from_linear(nn.Linear(I, O), 8, G)
+    packed = NATIVE_LIB.pack_q8(ql.qweight, ql.scale, G)
+    q = torch.zeros(64, I, dtype=torch.int8)
+    q[:O] = ql.qweight
+    s = torch.zeros(64, 3)
+    s[:O] = ql.scale
+    assert torch.equal(packed.qweight.view(2, I, 32), q.view(2, 32, I).transpose(1, 2))
+    assert torch.equal(packed.scale.view(2, 3, 32), s.view(2, 32, 3).transpose(1, 2))
+    assert (packed.group_size, packed.out_features, packed.in_features) == (G, O, I)
+
+
+@pytest.mark.skipif(NATIVE_LIB is None, reason="TINYLM_NATIVE=0 or no C compiler: no kernel")
+def test_the_decoder_repacks_int8_weights_changed_in_place() -> None:
+    """The fused step packs each QuantizedLinear once per weight; a later decoder of the
+    same model must see integers or scales changed in place since."""
+    model = tiny(tie_embeddings=False)
+    quantize(model, include_head=True)
+    prompt = torch.randint(0, 40, (2, 4))
+    generate(model, prompt, 4, temperature=0)  # packs
+    with torch.no_grad():
+        model.lm_head.qweight.mul_(-1)  # in place: the version counters move
+        model.lm_head.scale.mul_(3)
+        model.blocks[0].ffn.up.qweight[:, :3] = 0
+    with torch.inference_mode():
+        plan = native.plan(model, "cpu")
+        with plan.decoder(2) as dec:
+            assert dec.path == "fused"
+            dec.prefill(prompt)
+            got = dec.step(prompt[:, -1])
+        ref = Decoder(model, 2)  # the model's own forward
+        ref.prefill(prompt)
+        want = ref.step(prompt[:, -1])
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(NATIVE_LIB is None, reason="TINYLM_NATIVE=0 or no C compiler: no kernel")
 def test_int8_kernel_checks_its_arguments() -> None:
     ql = QuantizedLinear.from_linear(nn.Linear(10, 4), 8, 4)
     x = torch.randn(2, 10)
@@ -173,6 +218,11 @@ def test_int8_kernel_checks_its_arguments() -> None:
         NATIVE_LIB.linear_q8(x, ql.qweight, ql.scale, 5, None)  # 2 groups, scale has 3
     with pytest.raises(native.OpError, match="group size"):
         NATIVE_LIB.linear_q8(x, ql.qweight, ql.scale, 0, None)
+    packed = NATIVE_LIB.pack_q8(ql.qweight, ql.scale, 4)
+    with pytest.raises(native.OpError, match="shape"):
+        NATIVE_LIB.linear_q8_packed(torch.randn(2, 9), packed, None)  # I is 10
+    with pytest.raises(native.OpError, match="shape"):
+        NATIVE_LIB.linear_q8_packed(x, packed._replace(out_features=40), None)
 
 
 # --- the command ----------------------------------------------------------------------------

@@ -8,7 +8,8 @@ the down-projection with its residual add. It computes exactly the math of
 ``GPT.forward`` (tests/test_equivalence.py holds it to repeated full forwards). Weights
 are read once per step from packed copies (kept across calls while the weights are
 unchanged); the model itself is never modified. A :class:`tinylm.quantize.QuantizedLinear`
-is read as it is stored, int8 integers and float32 scales (``Library.linear_q8``).
+is read as int8 integers and float32 scales, packed once into panels (``Library.pack_q8``;
+the model keeps them as stored).
 
 :class:`VariantDecoder` (path ``"fused-variant"``) is the same for the architecture
 variants of ``ModelConfig`` (:func:`tinylm.native.plan.eligibility` decides which):
@@ -37,7 +38,7 @@ from torch import Tensor, nn
 from tinylm.attention import KVCache, apply_rope, rope_angles
 from tinylm.decoding import Decoder
 from tinylm.model import FeedForward, GatedFeedForward
-from tinylm.native.ops import Library, check
+from tinylm.native.ops import Library, PackedQ8, check
 from tinylm.quantize import QuantizedLinear
 
 
@@ -64,6 +65,7 @@ class NativeKVCache(KVCache):
 # entry is dropped when the weight is freed, and rebuilt when the weight was changed
 # in place (its version counter moved) or replaced.
 _packed: dict[int, tuple[weakref.ref, int, int, Tensor]] = {}
+_packed_q8: dict[int, tuple[weakref.ref, tuple, PackedQ8]] = {}
 
 
 def packed_weight(lib: Library, weight: Tensor) -> Tensor:
@@ -77,6 +79,23 @@ def packed_weight(lib: Library, weight: Tensor) -> Tensor:
     packed = lib.pack(weight)
     _packed[key] = (weakref.ref(weight, lambda _r, k=key: _packed.pop(k, None)),
                     weight._version, weight.data_ptr(), packed)
+    return packed
+
+
+def packed_q8(lib: Library, lin: QuantizedLinear) -> PackedQ8:
+    """The panel-packed copy of a QuantizedLinear's integers and scales (csrc/quant.c),
+    cached while both are unchanged (keyed by the integers, as :func:`packed_weight`)."""
+    q, s = lin.qweight, lin.scale
+    key = id(q)
+    entry = _packed_q8.get(key)
+    stamp = (q._version, q.data_ptr(), id(s), s._version, s.data_ptr(), lin.group_size)
+    if entry is not None:
+        ref, version, packed = entry
+        if ref() is q and version == stamp:
+            return packed
+    G = lin.in_features if lin.group_size is None else min(lin.group_size, lin.in_features)
+    packed = lib.pack_q8(q.detach().contiguous(), s.detach().contiguous(), G)
+    _packed_q8[key] = (weakref.ref(q, lambda _r, k=key: _packed_q8.pop(k, None)), stamp, packed)
     return packed
 
 
@@ -168,13 +187,11 @@ class _FusedStep:
         """(weight pointers, bias, I, O): a packed fp32 weight, or for a QuantizedLinear
         its int8 integers, scales and group size (the int8 kernel of csrc/quant.c)."""
         if isinstance(lin, QuantizedLinear):
-            q = lin.qweight.detach().contiguous()
-            check("qweight", q, (lin.out_features, lin.in_features), dtype=torch.int8)
-            G = lin.in_features if lin.group_size is None else min(lin.group_size,
-                                                                   lin.in_features)
-            check("scale", lin.scale, (lin.out_features, -(-lin.in_features // G)))
-            self.keep.append(q)
-            weights = (q.data_ptr(), self._ptr(lin.scale), G)
+            check("qweight", lin.qweight, (lin.out_features, lin.in_features),
+                  dtype=torch.int8, contiguous=False)
+            p = packed_q8(self.checked, lin)
+            self.keep.append(p)
+            weights = (p.qweight.data_ptr(), p.scale.data_ptr(), p.group_size)
         else:
             packed = packed_weight(self.checked, lin.weight)
             self.keep.append(packed)

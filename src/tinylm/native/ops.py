@@ -27,6 +27,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -39,6 +40,17 @@ HEADER = build.SOURCES / "tinylm.h"
 ATTENTION_MAX_CONTEXT = 256  # the training attention holds a head's (C, C) map per thread
 MAX_ROWS = 16  # the packed linear serves at most this many rows (a decoding step)
 _NOMEM = 1
+
+
+class PackedQ8(NamedTuple):
+    """An int8 weight packed by :meth:`Library.pack_q8`: integers, scales, the group size
+    and the (O, I) shape they came from."""
+
+    qweight: Tensor
+    scale: Tensor
+    group_size: int
+    out_features: int
+    in_features: int
 
 
 class OpError(ValueError):
@@ -149,24 +161,44 @@ class Library:
                            out_features, _threads(), 0, None)
         return y
 
-    def linear_q8(self, x: Tensor, qweight: Tensor, scale: Tensor, group_size: int,
-                  bias: Tensor | None, act: int = 0, res: Tensor | None = None) -> Tensor:
-        """x (M, I) -> act(x·(q·s)ᵀ + b) (+ res), (M, O), from int8 q (O, I) and float32
-        scales s (O, ceil(I / G)), each over G = ``group_size`` input features."""
-        M, I = x.shape if x.dim() == 2 else (0, 0)
-        check("x", x, (-1, -1))
-        check("qweight", qweight, (-1, I), dtype=torch.int8)
-        O = qweight.shape[0]
+    def pack_q8(self, qweight: Tensor, scale: Tensor, group_size: int) -> PackedQ8:
+        """The panel-packed copy of int8 q (O, I) and float32 scales s (O, ceil(I / G)),
+        each scale over G = ``group_size`` input features, for :meth:`linear_q8_packed`."""
+        check("qweight", qweight, (-1, -1), dtype=torch.int8)
+        O, I = qweight.shape
         if not 1 <= group_size <= max(I, 1):
             raise OpError(f"group size must be in [1, {max(I, 1)}], got {group_size}")
         check("scale", scale, (O, -(-I // group_size)))
+        qp = torch.empty(self.raw.tl_q8_packed_size(O, I), dtype=torch.int8)
+        sp = torch.empty(self.raw.tl_q8_scales_size(O, I, group_size))
+        self.raw.tl_q8_pack(qweight.data_ptr(), scale.data_ptr(), group_size, qp.data_ptr(),
+                            sp.data_ptr(), O, I, _threads())
+        return PackedQ8(qp, sp, group_size, O, I)
+
+    def linear_q8_packed(self, x: Tensor, packed: PackedQ8, bias: Tensor | None,
+                         act: int = 0, res: Tensor | None = None) -> Tensor:
+        """x (M, I) -> act(x·(q·s)ᵀ + b) (+ res), (M, O), q and s given by :meth:`pack_q8`."""
+        qp, sp, G, O, I = packed
+        check("x", x, (-1, I))
+        check("qpacked", qp, (self.raw.tl_q8_packed_size(O, I),), dtype=torch.int8)
+        check("spacked", sp, (self.raw.tl_q8_scales_size(O, I, G),))
+        M = x.shape[0]
         b = _opt("bias", bias, (O,))
         r = _opt("res", res, (M, O))
         y = torch.empty(M, O)
-        self.raw.tl_linear_q8(x.data_ptr(), I, qweight.data_ptr(), scale.data_ptr(),
-                              group_size, b, y.data_ptr(), M, I, O, _threads(),
-                              int(bool(act)), r)
+        self.raw.tl_linear_q8(x.data_ptr(), I, qp.data_ptr(), sp.data_ptr(), G, b,
+                              y.data_ptr(), M, I, O, _threads(), int(bool(act)), r)
         return y
+
+    def linear_q8(self, x: Tensor, qweight: Tensor, scale: Tensor, group_size: int,
+                  bias: Tensor | None, act: int = 0, res: Tensor | None = None) -> Tensor:
+        """x (M, I) -> act(x·(q·s)ᵀ + b) (+ res), (M, O), from int8 q (O, I) and float32
+        scales s (O, ceil(I / G)), each over G = ``group_size`` input features (packed
+        for this one call: a decoder packs once, :meth:`pack_q8`)."""
+        check("x", x, (-1, -1))
+        check("qweight", qweight, (-1, x.shape[1]), dtype=torch.int8)
+        return self.linear_q8_packed(x, self.pack_q8(qweight, scale, group_size), bias, act,
+                                     res)
 
     def argmax(self, x: Tensor) -> Tensor:
         """x (B, V), unit stride along V -> the first index of each row's maximum (B,)."""

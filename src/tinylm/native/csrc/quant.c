@@ -2,25 +2,32 @@
  *
  * q (O, I) int8 and s (O, ceil(I / G)) float32 are tinylm.quantize's QuantizedLinear:
  * row o's input features are cut into consecutive groups of G (the last may be shorter)
- * and W[o, i] = q[o, i]·s[o, i / G]. A decoding step reads each
- * int8 row once from memory (a quarter of the fp32 bytes) and reuses it from L1 for all
- * M <= 16 rows of x; each group's scale multiplies the converted weights once, as the
- * reference dequantizes them, and serves every row:
+ * and W[o, i] = q[o, i]·s[o, i / G]. Activations stay float32:
  *
- *     y[m, o] = act(Σ_i x[m, i]·(q[o, i]·s[o, i / G]) + b[o]) (+ res[m, o])
+ *     y[m, o] = act(Σ_g s[o, g]·Σ_{i in g} x[m, i]·q[o, i] + b[o]) (+ res[m, o])
  *
- * The inner loop converts VL int8 weights to floats (sign-extend + convert: AVX-512,
- * AVX2, SSE4.1; lane by lane elsewhere), scales them (per-channel scales: once, on the
- * finished dot product) and adds them times VL floats of x
- * into vector accumulators: a tile of OT output features × up to QR rows of x, at most
- * 8 accumulators (with one or two rows, CH independent chains per pair hide the FMA
- * latency); one horizontal sum per output feature and row at the end. Tiles of output
- * features are split among the threads. y may be res (a residual stream updated in
- * place), never x.
+ * The integers are packed once (tl_q8_pack, when a decoder is built; the checkpoint keeps
+ * q and s as they are) into panels of QPW = 32 output features, as linear.c packs fp32:
+ *     qp[p][i][j] = q[p·QPW + j][i]        sp[p][g][j] = s[p·QPW + j][g]
+ * (zero past O), so a panel is one contiguous (I, QPW) block of bytes that a step streams
+ * once, front to back. For each input feature i the kernel converts VL consecutive bytes
+ * to floats (one sign-extending 64-bit load + convert with AVX2) and adds them times the
+ * broadcast x[m, i] into VL accumulators of output features, for every row m of a block
+ * of up to QMB = 4 rows: each converted weight vector serves all those rows, each
+ * broadcast all the vectors of the column group, and there are no horizontal sums (a
+ * block of QKB input features is reread from L1 by the other column groups and row
+ * blocks, and read from memory once, with software prefetch ahead). The integer sums of a
+ * group are scaled once per group with a vector of its QPW scales (per-channel scales:
+ * once, at the end). Panels are split among the threads. y may be res (a residual stream
+ * updated in place), never x.
  */
 #include "tinylm.h"
 
-#define QR 4 /* at most this many rows of x accumulated together */
+#define QPW 32              /* output features per panel */
+#define QPV (QPW / VL)      /* vectors per panel row: 2 (AVX-512), 4 (AVX2), 8 */
+#define QKB 256             /* input features per block: QKB·QPW bytes (8 KiB) stay in L1 */
+#define QMB 4               /* rows of x per pass over a panel block */
+#define QPF 4096            /* prefetch distance, bytes: 128 panel rows ahead */
 
 /* VL int8 -> VL floats. GCC lowers a vector-extension conversion from chars lane by lane,
  * so the sign-extending loads are spelled out where the target has them. */
@@ -49,124 +56,131 @@ static inline vf load_q(const signed char *p) {
 }
 #endif
 
-/* dots[o][m] = Σ_i x[m·ldx + i]·q[o·I + i]·s[o·groups + i / G] for o < OT, m < MR: OT
- * consecutive output features (their int8 rows q and scales s), MR rows of x, CH chains
- * per pair (OT·MR·CH <= 8 accumulators). */
-static inline __attribute__((always_inline)) void q8_dots(
-        const float *x, long ldx, const signed char *q, const float *s, long groups, long G,
-        long I, float dots[4][QR], const int OT, const int MR, const int CH) {
-    vf acc[4][QR][2];
-    float tail[4][QR];
-    for (int o = 0; o < OT; o++)
-        for (int m = 0; m < MR; m++) {
-            tail[o][m] = 0.0f;
-            for (int h = 0; h < CH; h++) acc[o][m][h] = (vf){0};
-        }
-    /* One group per row (per-channel scales, the default): Σ_i x_i·q_i·s = s·Σ_i x_i·q_i,
-     * so the scale multiplies the finished dot product instead of every weight vector
-     * (one multiply fewer per VL weights; the rounding differs from the reference's
-     * dequantize-then-multiply by a few ulps). */
-    if (groups == 1) {
-        long i = 0;
-        for (; i + CH * VL <= I; i += CH * VL)
-            for (int h = 0; h < CH; h++)
-                for (int o = 0; o < OT; o++) {
-                    vf w = load_q(q + o * I + i + h * VL);
-                    for (int m = 0; m < MR; m++)
-                        acc[o][m][h] += w * loadv(x + m * ldx + i + h * VL);
-                }
-        for (; i + VL <= I; i += VL)
-            for (int o = 0; o < OT; o++) {
-                vf w = load_q(q + o * I + i);
-                for (int m = 0; m < MR; m++) acc[o][m][0] += w * loadv(x + m * ldx + i);
-            }
-        for (; i < I; i++)
-            for (int o = 0; o < OT; o++)
-                for (int m = 0; m < MR; m++) tail[o][m] += (float)q[o * I + i] * x[m * ldx + i];
-        for (int o = 0; o < OT; o++)
-            for (int m = 0; m < MR; m++) {
-                vf sum = acc[o][m][0];
-                for (int h = 1; h < CH; h++) sum += acc[o][m][h];
-                dots[o][m] = (hsum(sum) + tail[o][m]) * s[o];
-            }
-        return;
-    }
-    for (long i0 = 0, g = 0; i0 < I; i0 += G, g++) {
-        long i1 = i0 + G < I ? i0 + G : I, i = i0;
-        vf sg[4];
-        for (int o = 0; o < OT; o++) sg[o] = splat(s[o * groups + g]);
-        for (; i + CH * VL <= i1; i += CH * VL)
-            for (int h = 0; h < CH; h++)
-                for (int o = 0; o < OT; o++) {
-                    vf w = load_q(q + o * I + i + h * VL) * sg[o];
-                    for (int m = 0; m < MR; m++)
-                        acc[o][m][h] += w * loadv(x + m * ldx + i + h * VL);
-                }
-        for (; i + VL <= i1; i += VL)
-            for (int o = 0; o < OT; o++) {
-                vf w = load_q(q + o * I + i) * sg[o];
-                for (int m = 0; m < MR; m++) acc[o][m][0] += w * loadv(x + m * ldx + i);
-            }
-        for (; i < i1; i++)
-            for (int o = 0; o < OT; o++) {
-                float w = (float)q[o * I + i] * s[o * groups + g];
-                for (int m = 0; m < MR; m++) tail[o][m] += w * x[m * ldx + i];
-            }
-    }
-    for (int o = 0; o < OT; o++)
-        for (int m = 0; m < MR; m++) {
-            vf sum = acc[o][m][0];
-            for (int h = 1; h < CH; h++) sum += acc[o][m][h];
-            dots[o][m] = hsum(sum) + tail[o][m];
-        }
+long tl_q8_packed_size(long O, long I) { return (O + QPW - 1) / QPW * I * QPW; }
+
+long tl_q8_scales_size(long O, long I, long G) {
+    return (O + QPW - 1) / QPW * ((I + G - 1) / G) * QPW;
 }
 
-/* dots[o][m] for the OT (1, 2 or 4) output features from q times the mr <= RB(OT) rows
- * of x: each blocking keeps <= 8 accumulators. */
-static void q8_tile(const float *x, long ldx, const signed char *q, const float *scale,
-                    long groups, long G, long I, float dots[4][QR], long mr, int OT) {
-#define Q8(OT_, MR_, CH_) q8_dots(x, ldx, q, scale, groups, G, I, dots, OT_, MR_, CH_)
-    switch (OT * 16 + (int)mr) {
-        case 4 * 16 + 1: Q8(4, 1, 2); break;
-        case 4 * 16 + 2: Q8(4, 2, 1); break;
-        case 2 * 16 + 1: Q8(2, 1, 2); break;
-        case 2 * 16 + 2: Q8(2, 2, 2); break;
-        case 2 * 16 + 3: Q8(2, 3, 1); break;
-        case 2 * 16 + 4: Q8(2, 4, 1); break;
-        case 1 * 16 + 1: Q8(1, 1, 2); break;
-        case 1 * 16 + 2: Q8(1, 2, 2); break;
-        case 1 * 16 + 3: Q8(1, 3, 2); break;
-        default: Q8(1, 4, 2); break;
-    }
-#undef Q8
-}
-
-/* Output features in tiles of OT and rows of x in blocks of RB: OT = 4 for one or two
- * rows (one x vector then serves four weight rows), else 2 × blocks of 4 rows (each
- * converted weight vector serves 4 rows, each x vector 2 weight rows); a last partial
- * tile goes one feature at a time. */
-void tl_linear_q8(const float *x, long ldx, const signed char *q, const float *scale,
-                  long G, const float *b, float *y, long M, long I, long O,
-                  int threads, int act, const float *res) {
-    long groups = (I + G - 1) / G;
-    int OT = M <= 2 ? 4 : 2;
-    long RB = M <= 2 ? 2 : 4, tiles = (O + OT - 1) / OT;
+/* q (O, I), s (O, groups) -> qp (panels, I, QPW) bytes, sp (panels, groups, QPW) floats. */
+void tl_q8_pack(const signed char *q, const float *s, long G, signed char *qp, float *sp,
+                long O, long I, int threads) {
+    long panels = (O + QPW - 1) / QPW, groups = (I + G - 1) / G;
     #pragma omp parallel for num_threads(threads) schedule(static)
-    for (long t = 0; t < tiles; t++) {
-        long o0 = t * OT, ot = O - o0 < OT ? O - o0 : OT;
-        for (long m0 = 0; m0 < M; m0 += RB) {
-            long mr = M - m0 < RB ? M - m0 : RB;
-            float dots[4][QR];
-            for (long o = 0; o < ot; o += (ot == OT ? OT : 1))
-                q8_tile(x + m0 * ldx, ldx, q + (o0 + o) * I, scale + (o0 + o) * groups,
-                        groups, G, I, dots + o, mr, ot == OT ? OT : 1);
-            for (long o = 0; o < ot; o++)
-                for (long m = 0; m < mr; m++) {
-                    float v = dots[o][m] + (b ? b[o0 + o] : 0.0f);
-                    if (act) v = gelu_tanh(v);
-                    if (res) v += res[(m0 + m) * O + o0 + o];
-                    y[(m0 + m) * O + o0 + o] = v;
-                }
+    for (long p = 0; p < panels; p++) {
+        signed char *panel = qp + p * I * QPW;
+        float *sc = sp + p * groups * QPW;
+        for (long j = 0; j < QPW; j++) {
+            long o = p * QPW + j;
+            for (long i = 0; i < I; i++) panel[i * QPW + j] = o < O ? q[o * I + i] : 0;
+            for (long g = 0; g < groups; g++) sc[g * QPW + j] = o < O ? s[o * groups + g] : 0.0f;
+        }
+    }
+}
+
+/* t[m][c·VL .. (c + NV)·VL) (+)= Σ_{i < n} x[m·ldx + i]·w[i·QPW + c·VL ..] for m < MR:
+ * NV vectors of one column group, CH independent chains over consecutive i (MR·NV·CH
+ * accumulators hide the FMA latency; add: start from t, else from zero). */
+static inline __attribute__((always_inline)) void q8_cols(
+        const float *x, long ldx, const signed char *w, long n, float *t, int add,
+        const int MR, const int NV, const int CH) {
+    vf acc[2][QMB][4];
+    for (int h = 0; h < CH; h++)
+        for (int m = 0; m < MR; m++)
+            for (int v = 0; v < NV; v++)
+                acc[h][m][v] = add && !h ? loadv(t + m * QPW + v * VL) : (vf){0};
+    long i = 0;
+    for (; i + CH <= n; i += CH)
+        for (int h = 0; h < CH; h++) {
+            const signed char *wi = w + (i + h) * QPW;
+            if (((i + h) & 1) == 0) __builtin_prefetch(wi + QPF);  /* a line per 2 i */
+            vf wv[4];
+            for (int v = 0; v < NV; v++) wv[v] = load_q(wi + v * VL);
+            for (int m = 0; m < MR; m++) {
+                float xv = x[m * ldx + i + h];
+                for (int v = 0; v < NV; v++) acc[h][m][v] += wv[v] * xv;
+            }
+        }
+    for (; i < n; i++) {
+        vf wv[4];
+        for (int v = 0; v < NV; v++) wv[v] = load_q(w + i * QPW + v * VL);
+        for (int m = 0; m < MR; m++) {
+            float xv = x[m * ldx + i];
+            for (int v = 0; v < NV; v++) acc[0][m][v] += wv[v] * xv;
+        }
+    }
+    for (int m = 0; m < MR; m++)
+        for (int v = 0; v < NV; v++) {
+            vf sum = acc[0][m][v];
+            for (int h = 1; h < CH; h++) sum += acc[h][m][v];
+            storev(t + m * QPW + v * VL, sum);
+        }
+}
+
+/* The whole panel row block (QPV vectors) for MR rows, NV vectors at a time. */
+static inline __attribute__((always_inline)) void q8_block_rows(
+        const float *x, long ldx, const signed char *w, long n, float *t, int add,
+        const int MR, const int NV, const int CH) {
+    for (int c = 0; c < QPV; c += NV) q8_cols(x, ldx, w + c * VL, n, t + c * VL, add, MR, NV, CH);
+}
+
+/* The register blocking of mr <= QMB rows: (rows, vectors per column group, chains), at
+ * most 12 accumulators plus the weight vectors and a broadcast in 16 registers. (Eight
+ * rows in one pass, 8 × 1 vectors, measured slower on Zen 3 than two passes of 4 × 2:
+ * a broadcast per FMA.) */
+#define NVC(n) ((n) < QPV ? (n) : QPV)
+static void q8_block(const float *x, long ldx, const signed char *w, long n, float *t,
+                     int add, long mr) {
+#define QB(MR_, NV_, CH_) q8_block_rows(x, ldx, w, n, t, add, MR_, NVC(NV_), CH_)
+    switch (mr) {
+        case 1: QB(1, 4, 2); break;
+        case 2: QB(2, 4, 1); break;
+        case 3: QB(3, 2, 2); break;
+        default: QB(4, 2, 1); break;
+    }
+#undef QB
+}
+
+/* One panel (nc <= QPW output features) for mr <= QMB rows of x. */
+static void q8_panel(const float *x, long ldx, const signed char *qp, const float *sp,
+                     long G, long I, long mr, float *y, long ldy, long nc, const float *b,
+                     int act, const float *res) {
+    float part[QMB][QPW], tot[QMB][QPW];
+    for (long i0 = 0, g = 0; i0 < I; i0 += G, g++) {
+        long i1 = i0 + G < I ? i0 + G : I;
+        for (long k = i0; k < i1; k += QKB)
+            q8_block(x + k, ldx, qp + k * QPW, (i1 - k < QKB ? i1 - k : QKB), part[0], k > i0,
+                     mr);
+        vf s[QPV];
+        for (int c = 0; c < QPV; c++) s[c] = loadv(sp + g * QPW + c * VL);
+        for (long m = 0; m < mr; m++)
+            for (int c = 0; c < QPV; c++) {
+                vf v = loadv(part[m] + c * VL) * s[c];
+                storev(tot[m] + c * VL, g ? loadv(tot[m] + c * VL) + v : v);
+            }
+    }
+    for (long m = 0; m < mr; m++)
+        for (long j = 0; j < nc; j++) {
+            float v = tot[m][j] + (b ? b[j] : 0.0f);
+            if (act) v = gelu_tanh(v);
+            if (res) v += res[m * ldy + j];
+            y[m * ldy + j] = v;
+        }
+}
+
+/* y (M, O) = act(x (M, I; row stride ldx)·(q·s)ᵀ + b) (+ res), q and s packed by
+ * tl_q8_pack with the same G; b and res may be NULL, res may be y. */
+void tl_linear_q8(const float *x, long ldx, const signed char *qp, const float *sp, long G,
+                  const float *b, float *y, long M, long I, long O, int threads, int act,
+                  const float *res) {
+    long panels = (O + QPW - 1) / QPW, groups = (I + G - 1) / G;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (long p = 0; p < panels; p++) {
+        long o0 = p * QPW, nc = O - o0 < QPW ? O - o0 : QPW;
+        for (long m0 = 0; m0 < M; m0 += QMB) {
+            long mr = M - m0 < QMB ? M - m0 : QMB;
+            q8_panel(x + m0 * ldx, ldx, qp + p * I * QPW, sp + p * groups * QPW, G, I, mr,
+                     y + m0 * O + o0, O, nc, b ? b + o0 : 0, act, res ? res + m0 * O + o0 : 0);
         }
     }
 }

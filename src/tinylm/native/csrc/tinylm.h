@@ -172,8 +172,13 @@ TL_API void tl_linear(const float *x, long ldx, const float *packed, const float
                       float *y, long M, long I, long O, int threads, int act,
                       const float *res);
 
-/* quant.c: y = x·(q·s)ᵀ + b for a decoding step, q int8 (O, I), s (O, ceil(I/G)) fp32. */
-TL_API void tl_linear_q8(const float *x, long ldx, const signed char *q, const float *scale,
+/* quant.c: y = x·(q·s)ᵀ + b for a decoding step, q int8 (O, I), s (O, ceil(I/G)) fp32,
+ * both packed once into panels by tl_q8_pack. */
+TL_API long tl_q8_packed_size(long O, long I);
+TL_API long tl_q8_scales_size(long O, long I, long G);
+TL_API void tl_q8_pack(const signed char *q, const float *s, long G, signed char *qp,
+                       float *sp, long O, long I, int threads);
+TL_API void tl_linear_q8(const float *x, long ldx, const signed char *qp, const float *sp,
                          long G, const float *b, float *y, long M, long I, long O,
                          int threads, int act, const float *res);
 
