@@ -17,6 +17,7 @@ from tinylm.cli import main
 from tinylm.data import prepare
 from tinylm.decoding import Decoder
 from tinylm.errors import ConfigError
+from tinylm.native.decoding import INT8_PREFILL_ROWS
 from tinylm.quantize import (
     QuantizedLinear,
     dequantize_weight,
@@ -206,6 +207,32 @@ def test_the_decoder_repacks_int8_weights_changed_in_place() -> None:
         ref.prefill(prompt)
         want = ref.step(prompt[:, -1])
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(NATIVE_LIB is None, reason="TINYLM_NATIVE=0 or no C compiler: no kernel")
+def test_int8_prefill_of_a_short_prompt_runs_the_fused_step_and_equals_the_forward(
+        monkeypatch) -> None:
+    """A short prompt (B·T <= INT8_PREFILL_ROWS) goes through the fused step position by
+    position, a long one through the model's forward; both give the reference logits and
+    the same following step."""
+    model = tiny(context_length=80, tie_embeddings=False)
+    quantize(model, group_size=8, include_head=True)
+    forwards = []
+    real = model.hidden_states
+    monkeypatch.setattr(model, "hidden_states", lambda *a: forwards.append(1) or real(*a))
+    for B, T, via_forward in ((1, 5, False), (2, 64, False), (2, 65, True), (3, 1, False)):
+        prompt = torch.randint(0, 40, (B, T))
+        forwards.clear()
+        with torch.inference_mode():
+            with native.plan(model, "cpu").decoder(B) as dec:
+                got = dec.prefill(prompt)
+                assert bool(forwards) == via_forward == (B * T > INT8_PREFILL_ROWS)
+                got_next = dec.step(prompt[:, 0])
+            ref = Decoder(model, B)
+            want = ref.prefill(prompt)
+            want_next = ref.step(prompt[:, 0])
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got_next, want_next, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.skipif(NATIVE_LIB is None, reason="TINYLM_NATIVE=0 or no C compiler: no kernel")

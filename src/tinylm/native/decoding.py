@@ -22,8 +22,10 @@ each group of H / H_kv query heads reads its one cached key/value head.
 know (e.g. one with tinylm.lowrank's layers): the model's own forward, with a
 :class:`NativeKVCache` whose one-token attention is one native pass.
 
-The prompt pass always runs the model's own forward (large products, where BLAS is
-right). Both plans take the greedy argmax natively.
+The prompt pass runs the model's own forward (large products, where BLAS is right),
+except that the fused plans put a short prompt of a model with int8 layers through their
+step, position by position (the forward would dequantize every weight first). Both plans
+take the greedy argmax natively.
 """
 
 from __future__ import annotations
@@ -119,6 +121,11 @@ class NativeCacheDecoder(_NativeArgmax):
         super().__init__(model, batch_size, NativeKVCache.for_model(model, batch_size, lib=lib))
 
 
+# A prompt of at most this many tokens (all rows together) of a model with int8 layers is
+# prefilled by the fused step, position by position (FusedDecoder.prefill).
+INT8_PREFILL_ROWS = 128
+
+
 class FusedDecoder(_NativeArgmax):
     """Prefill through the model's forward, then each step as :class:`_FusedStep`."""
 
@@ -128,10 +135,25 @@ class FusedDecoder(_NativeArgmax):
         self.lib = lib
         super().__init__(model, batch_size, NativeKVCache.for_model(model, batch_size, lib=lib))
         self._fused = self._step_class()(model, self.cache, lib)
+        self._int8 = any(isinstance(m, QuantizedLinear) for m in model.modules())
 
     @staticmethod
     def _step_class() -> type:
         return _FusedStep
+
+    def prefill(self, ids: Tensor) -> Tensor:
+        """The model's forward over the prompt (large products: BLAS), except for a model
+        with int8 layers and a short prompt: its forward would dequantize every weight, so
+        the prompt goes through the fused step one position at a time instead (the int8
+        kernel; the LM head at the last position only)."""
+        B, T = ids.shape if ids.dim() == 2 else (0, 0)
+        if not self._int8 or B != self._fused.B or not 0 < T * B <= INT8_PREFILL_ROWS \
+                or T > self.cache.max_len:
+            return super().prefill(ids)
+        self.cache.reset()
+        for t in range(T - 1):
+            self._fused(ids[:, t], head=False)
+        return self._fused(ids[:, T - 1])
 
     def step(self, ids: Tensor) -> Tensor:
         self.cache.check_room(1)
@@ -214,7 +236,8 @@ class _FusedStep:
         self.lib.tl_ln_fwd(x.data_ptr(), norm[0], norm[1], y.data_ptr(), mean.data_ptr(),
                            rstd.data_ptr(), self.B, self.E, self.eps, 1)
 
-    def __call__(self, ids: Tensor) -> Tensor:
+    def __call__(self, ids: Tensor, head: bool = True) -> Tensor | None:
+        """One token per row -> logits (B, V); without ``head``, only the cache advances."""
         cache, lib = self.cache, self.lib
         pos = cache.length  # FusedDecoder.step checked that it is < max_len
         B, H, D = self.B, self.H, self.D
@@ -239,6 +262,8 @@ class _FusedStep:
             self._mm(h, w_up, u, act=1)  # u = GELU(h·W_upᵀ + b)
             self._mm(u, w_down, x, res=x)  # x = x + u·W_downᵀ + b
         cache.advance(1)
+        if not head:
+            return None
         self._ln(x, self.final_norm, h)
         logits = torch.empty(B, self.V)
         self._mm(h, self.head, logits)  # logits = h·W_headᵀ (tied: the token embedding)
@@ -331,7 +356,7 @@ class _VariantStep(_FusedStep):
             self._mm(h, w_up, u)
             u.relu_().square_()
 
-    def __call__(self, ids: Tensor) -> Tensor:
+    def __call__(self, ids: Tensor, head: bool = True) -> Tensor | None:
         B, H, Hkv, D = self.B, self.H, self.Hkv, self.D
         pos = self.cache.length
         if int(ids.min()) < 0 or int(ids.max()) >= self.V:
@@ -359,6 +384,8 @@ class _VariantStep(_FusedStep):
             self._ffn(h, w_gate, w_up, gelu)
             self._mm(self.u, w_down, x, res=x)  # x = x + u·W_downᵀ + b
         self.cache.advance(1)
+        if not head:
+            return None
         self._norm_rows(self.final, x, h)
         logits = torch.empty(B, self.V)
         self._mm(h, self.head, logits)
