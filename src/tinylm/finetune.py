@@ -37,6 +37,10 @@ FULL_DEFAULTS = {"lr": 1e-4, "warmup_steps": 20, "max_steps": 300, "eval_every":
                  "save_every": 100, "log_every": 10, "weight_decay": 0.0, "batch_size": 16,
                  "optimizer": "adamw"}
 LORA_DEFAULTS = {**FULL_DEFAULTS, "lr": 2e-3}
+#: Fine-tuning runs without dropout unless asked (``--dropout``), as LitGPT, torchtune
+#: and nanochat fine-tune: the base's pretraining dropout is not carried over. With
+#: dropout 0 the fused native training block runs (it steps aside for dropout).
+FINETUNE_DROPOUT = 0.0
 
 
 def _same_tokens(base: Tokenizer, data: Tokenizer) -> bool:
@@ -63,9 +67,22 @@ def grow_vocab(model: GPT, vocab_size: int) -> GPT:
     return grown.train(model.training)
 
 
-def base_model(model_dir: str | os.PathLike, data: ChatData) -> GPT:
-    """The base checkpoint, checked against the data's tokenizer and grown to fit it."""
+def with_dropout(model: GPT, dropout: float) -> GPT:
+    """``model`` with dropout probability ``dropout`` (the same weights; a new model only
+    when it differs from the model's own)."""
+    if dropout == model.config.dropout:
+        return model
+    new = GPT(model.config.replace(dropout=dropout))
+    new.load_state_dict(model.state_dict())
+    return new.train(model.training)
+
+
+def base_model(model_dir: str | os.PathLike, data: ChatData,
+               dropout: float = FINETUNE_DROPOUT) -> GPT:
+    """The base checkpoint, checked against the data's tokenizer, grown to fit it, with
+    ``dropout`` for the fine-tuning run."""
     model, tok = load_checkpoint(model_dir)
+    model = with_dropout(model, dropout)
     if tok is None:
         raise DataError(f"{model_dir} has no tokenizer.json, so its tokens cannot be matched "
                         f"to the chat data; fine-tune a checkpoint that has one")
@@ -103,10 +120,11 @@ def finetune(model_dir: str | os.PathLike, data_dir: str | os.PathLike | ChatDat
              out_dir: str | os.PathLike, *, lora_rank: int | None = None,
              lora_alpha: float | None = None, lora_targets: Any = DEFAULT_TARGETS,
              overrides: dict[str, Any] | None = None, resume: bool | str | None = False,
-             progress: bool | None = None, merge_to: bool = False
-             ) -> tuple[TrainResult, dict[str, Any]]:
+             progress: bool | None = None, merge_to: bool = False,
+             dropout: float | None = None) -> tuple[TrainResult, dict[str, Any]]:
     """Fine-tune ``model_dir`` on chat data into ``out_dir``; LoRA when ``lora_rank``.
-    ``merge_to``: a LoRA run also writes ``out_dir/merged`` (:func:`merge`).
+    ``merge_to``: a LoRA run also writes ``out_dir/merged`` (:func:`merge`). ``dropout``
+    (default :data:`FINETUNE_DROPOUT`) is the model's dropout while fine-tuning.
 
     Returns the training result and a summary (mode, parameter counts, merged path)."""
     data = data_dir if isinstance(data_dir, ChatData) else load_chat_data(data_dir)
@@ -115,7 +133,7 @@ def finetune(model_dir: str | os.PathLike, data_dir: str | os.PathLike | ChatDat
         raise ConfigError("--merge needs --lora-rank (full fine-tuning has nothing to merge)")
     cfg = train_config(overrides, lora)
     torch.manual_seed(cfg.seed)  # the new embedding rows and adapters are seeded
-    model = base_model(model_dir, data)
+    model = base_model(model_dir, data, FINETUNE_DROPOUT if dropout is None else dropout)
     base_vocab = load_checkpoint(model_dir)[0].config.vocab_size
     info: dict[str, Any] = {"mode": "lora" if lora else "full", "base": str(Path(model_dir)),
                             "parameters": sum(p.numel() for p in model.parameters())}
@@ -152,5 +170,5 @@ def merge(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
                            extra_config={"merged_from": str(Path(model_dir).resolve())})
 
 
-__all__ = ["FULL_DEFAULTS", "LORA_DEFAULTS", "base_model", "finetune", "grow_vocab", "merge",
-           "train_config"]
+__all__ = ["FINETUNE_DROPOUT", "FULL_DEFAULTS", "LORA_DEFAULTS", "base_model", "finetune",
+           "grow_vocab", "merge", "train_config", "with_dropout"]
