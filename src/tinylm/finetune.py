@@ -24,9 +24,15 @@ import torch
 from torch import nn
 
 from tinylm.chatdata import ChatData, load_chat_data
-from tinylm.checkpoint import load_checkpoint, resolve_checkpoint_dir, save_checkpoint
+from tinylm.checkpoint import (
+    WEIGHTS_FILE,
+    load_checkpoint,
+    resolve_checkpoint_dir,
+    save_checkpoint,
+)
 from tinylm.config import TrainConfig
 from tinylm.errors import ConfigError, DataError
+from tinylm.files import sha256_file
 from tinylm.lora import DEFAULT_TARGETS, adapter_parameters, apply_lora, merge_lora
 from tinylm.model import GPT
 from tinylm.tokenizers import STANDARD_SPECIALS, Tokenizer
@@ -95,16 +101,6 @@ def base_model(model_dir: str | os.PathLike, data: ChatData,
     return grow_vocab(model, data.tokenizer.vocab_size)
 
 
-def _weights_sha256(model_dir: str | os.PathLike) -> str:
-    import hashlib
-
-    digest = hashlib.sha256()
-    with open(resolve_checkpoint_dir(model_dir) / "model.safetensors", "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def train_config(overrides: dict[str, Any] | None, lora: bool) -> TrainConfig:
     """The fine-tuning TrainConfig: :data:`FULL_DEFAULTS` / :data:`LORA_DEFAULTS` with
     ``overrides`` (TrainConfig field -> value) on top."""
@@ -143,7 +139,8 @@ def finetune(model_dir: str | os.PathLike, data_dir: str | os.PathLike | ChatDat
     if lora:
         apply_lora(model, lora_rank, lora_alpha, lora_targets)
         extra["lora_base"] = {"path": str(Path(model_dir).resolve()),
-                              "sha256": _weights_sha256(model_dir),
+                              "sha256": sha256_file(resolve_checkpoint_dir(model_dir)
+                                                    / WEIGHTS_FILE),
                               "grown": model.config.vocab_size > base_vocab}
     info["trainable"] = (adapter_parameters(model) if lora else
                          sum(p.numel() for p in model.parameters() if p.requires_grad))
