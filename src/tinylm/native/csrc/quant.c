@@ -14,9 +14,10 @@
  * to floats (one sign-extending 64-bit load + convert with AVX2) and adds them times the
  * broadcast x[m, i] into VL accumulators of output features, for every row m of a block
  * of up to QMB = 4 rows: each converted weight vector serves all those rows, each
- * broadcast all the vectors of the column group, and there are no horizontal sums (a
- * block of QKB input features is reread from L1 by the other column groups and row
- * blocks, and read from memory once, with software prefetch ahead). The integer sums of a
+ * broadcast all the vectors of the column group, and there are no horizontal sums. A
+ * block of QKB input features is read from memory once (software prefetch ahead) and
+ * reread from L1 by the other column groups; a batch past 4 rows rereads the panel
+ * (I·QPW bytes) from cache per further block of 4. The integer sums of a
  * group are scaled once per group with a vector of its QPW scales (per-channel scales:
  * once, at the end). Panels are split among the threads. y may be res (a residual stream
  * updated in place), never x.
@@ -73,7 +74,8 @@ void tl_q8_pack(const signed char *q, const float *s, long G, signed char *qp, f
         for (long j = 0; j < QPW; j++) {
             long o = p * QPW + j;
             for (long i = 0; i < I; i++) panel[i * QPW + j] = o < O ? q[o * I + i] : 0;
-            for (long g = 0; g < groups; g++) sc[g * QPW + j] = o < O ? s[o * groups + g] : 0.0f;
+            for (long g = 0; g < groups; g++)
+                sc[g * QPW + j] = o < O ? s[o * groups + g] : 0.0f;
         }
     }
 }
@@ -121,7 +123,8 @@ static inline __attribute__((always_inline)) void q8_cols(
 static inline __attribute__((always_inline)) void q8_block_rows(
         const float *x, long ldx, const signed char *w, long n, float *t, int add,
         const int MR, const int NV, const int CH) {
-    for (int c = 0; c < QPV; c += NV) q8_cols(x, ldx, w + c * VL, n, t + c * VL, add, MR, NV, CH);
+    for (int c = 0; c < QPV; c += NV)
+        q8_cols(x, ldx, w + c * VL, n, t + c * VL, add, MR, NV, CH);
 }
 
 /* The register blocking of mr <= QMB rows: (rows, vectors per column group, chains), at
