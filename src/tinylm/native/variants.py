@@ -60,9 +60,8 @@ def norm_forward(lib: Library, kind: str, x: Tensor, w: Tensor | None, b: Tensor
     if kind == "layernorm":
         y, mean, rstd = lib.layer_norm(x, w, b, eps)
         return y, (mean, rstd)
-    rs = x.square().mean(-1, keepdim=True).add_(eps).rsqrt_()  # 1 / RMS(x), (N, 1)
-    y = x * rs
-    return (y.mul_(w) if w is not None else y), (rs,)
+    y, rs = rms_forward(x, w, eps)
+    return y, (rs,)
 
 
 def norm_backward(lib: Library, kind: str, grad_y: Tensor, x: Tensor, w: Tensor | None,
@@ -76,43 +75,53 @@ def norm_backward(lib: Library, kind: str, grad_y: Tensor, x: Tensor, w: Tensor 
     return rms_backward(grad_y, x, w, stats[0], need_w) + (None,)
 
 
+def rms_forward(x: Tensor, w: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
+    """(x·rs·w, rs) with rs = (mean(x²) + ε)^(-1/2) over the last dim; ``w`` broadcasts
+    over x's leading dims ((E,), or (2H, D) for the q and k heads)."""
+    ss = torch.linalg.vecdot(x, x, dim=-1).unsqueeze(-1)  # Σ x², (…, 1)
+    rs = ss.div_(x.shape[-1]).add_(eps).rsqrt_()
+    y = x * rs
+    return (y.mul_(w) if w is not None else y), rs
+
+
 def rms_backward(grad_y: Tensor, x: Tensor, w: Tensor | None, rs: Tensor, need_w: bool
                  ) -> tuple[Tensor, Tensor | None]:
-    """y = x̂·w, x̂ = x·rs, rs = (mean(x²) + ε)^(-1/2) over the last dim:
-    dL/dx = rs·(ĝ − x̂·mean(ĝ·x̂)) with ĝ = dL/dy·w, and dL/dw = Σ dL/dy·x̂ (over every
-    dim but the last)."""
-    x_hat = x * rs
-    grad_w = (grad_y * x_hat).reshape(-1, x.shape[-1]).sum(0) if need_w and w is not None \
-        else None
+    """The backward of :func:`rms_forward`: with g = dL/dy·w and x̂ = x·rs,
+    dL/dx = rs·(g − x̂·mean(g·x̂)) = rs·g − x·(rs³·mean(g·x)), and
+    dL/dw = Σ dL/dy·x̂ over x's leading dims."""
+    grad_w = None
+    if need_w and w is not None:
+        lead = tuple(range(x.dim() - w.dim()))
+        grad_w = (grad_y * x).mul_(rs).sum(lead)
     g = grad_y * w if w is not None else grad_y.clone()
-    dot = (g * x_hat).mean(-1, keepdim=True)
-    return g.sub_(x_hat.mul_(dot)).mul_(rs), grad_w
+    c = torch.linalg.vecdot(g, x, dim=-1).unsqueeze(-1)  # Σ g·x, (…, 1)
+    c.mul_(rs.pow(3)).div_(x.shape[-1])
+    return g.mul_(rs).addcmul_(x, c, value=-1), grad_w
 
 
 # --- QK-norm and the rotation, on the q and k parts of qkv -----------------------------------
+#
+# RoPE's y = x·cos + R(x)·sin with R(x₁, x₂) = (−x₂, x₁) (attention.apply_rope). The two
+# halves of cos and sin are equal (rope_angles repeats the D/2 angles), so R(x)·sin =
+# S(x)·sin± with S the swap of halves (x₂, x₁) and sin± = (−sin₁, sin₂): one roll and one
+# multiply-add. Its transpose gives dL/dx = dL/dy·cos − S(dL/dy)·sin±.
 
 
-def rotate_half(x: Tensor) -> Tensor:
-    """(x₁, x₂) -> (−x₂, x₁) on the last dim: the 90° turn inside RoPE (attention.apply_rope)."""
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def rotate_half_t(g: Tensor) -> Tensor:
-    """The transpose of :func:`rotate_half`: (g₁, g₂) -> (g₂, −g₁)."""
-    half = g.shape[-1] // 2
-    return torch.cat((g[..., half:], -g[..., :half]), dim=-1)
+def signed_sin(sin: Tensor) -> Tensor:
+    """sin± = (−sin₁, sin₂) of a sin table (…, D) whose halves are equal."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
 
 def qk_forward(qk: Tensor, qk_w: Tensor | None, eps: float, cos: Tensor | None,
                sin: Tensor | None) -> tuple[Tensor, Tensor | None]:
-    """q and k as one (B, C, 2H, D) tensor -> RoPE(QKNorm(·)) and QK-norm's 1/RMS (or None)."""
+    """q and k as one (B, C, 2H, D) tensor -> RoPE(QKNorm(·)) and QK-norm's 1/RMS (or
+    None); ``cos`` (C, 1, D) and ``sin`` as :func:`signed_sin` gives it."""
     rs = None
     if qk_w is not None:
-        rs = qk.square().mean(-1, keepdim=True).add_(eps).rsqrt_()  # (B, C, 2H, 1)
-        qk = (qk * rs).mul_(qk_w)  # (2H, D) gains: the q heads' then the k heads'
+        qk, rs = rms_forward(qk, qk_w, eps)  # (2H, D) gains: the q heads' then the k heads'
     if cos is not None:
-        qk = qk * cos + rotate_half(qk) * sin  # cos, sin (C, 1, D)
+        qk = (qk * cos).addcmul_(qk.roll(qk.shape[-1] // 2, -1), sin)
     return qk, rs
 
 
@@ -120,15 +129,11 @@ def qk_backward(grad: Tensor, qk: Tensor, qk_w: Tensor | None, rs: Tensor | None
                 cos: Tensor | None, sin: Tensor | None, need_w: bool
                 ) -> tuple[Tensor, Tensor | None]:
     """(dL/dqk, dL/d(QK-norm gains) (2H, D) or None) of :func:`qk_forward`."""
-    if cos is not None:  # y = x·cos + R(x)·sin  ->  dx = dy·cos + Rᵀ(dy·sin)
-        grad = grad * cos + rotate_half_t(grad * sin)
+    if cos is not None:
+        grad = (grad * cos).addcmul_(grad.roll(grad.shape[-1] // 2, -1), sin, value=-1)
     if qk_w is None:
         return grad, None
-    x_hat = qk * rs
-    grad_w = (grad * x_hat).sum((0, 1)) if need_w else None  # (2H, D)
-    g = grad * qk_w
-    dot = (g * x_hat).mean(-1, keepdim=True)
-    return g.sub_(x_hat.mul_(dot)).mul_(rs), grad_w
+    return rms_backward(grad, qk, qk_w, rs, need_w)
 
 
 # --- the MLPs -------------------------------------------------------------------------------
@@ -158,7 +163,7 @@ def mlp_backward(lib: Library, kind: str, grad_g: Tensor, kept: tuple[Tensor, ..
         return g, grad_h, None
     if kind == "relu2":
         r = F.relu(kept[0])
-        return r.square(), grad_g * r * 2, None
+        return r.square(), grad_g.mul_(r).mul_(2.0), None  # grad_g: this step's own
     gate, h = kept
     sig = torch.sigmoid(gate)
     s = gate * sig  # SiLU(gate)
@@ -249,10 +254,10 @@ def _qk_gains(t: dict[str, Tensor | None], H: int) -> Tensor | None:
 
 
 def _angles(t: dict[str, Tensor | None]) -> tuple[Tensor | None, Tensor | None]:
-    """cos, sin (C, D) -> (C, 1, D), broadcast over the heads of (B, C, 2H, D)."""
+    """cos, sin (C, D) -> cos, sin± (C, 1, D), broadcast over the heads of (B, C, 2H, D)."""
     if t["cos"] is None:
         return None, None
-    return t["cos"][:, None], t["sin"][:, None]
+    return t["cos"][:, None], signed_sin(t["sin"])[:, None]
 
 
 def _mlp_grads(lib: Library, kind: str, gy: Tensor, f_in: Tensor, kept: tuple[Tensor, ...],
