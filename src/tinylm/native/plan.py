@@ -14,8 +14,7 @@ modules' declared types and the config, never hooks or private registries:
   attention and FFN are both eligible as above; for an architecture variant instead
   (:func:`variant_block_reason`) :class:`~tinylm.native.variants.VariantBlockFn`:
   LayerNorm or RMSNorm, learned or rotary positions, QK-norm, GELU / ReLU² / SwiGLU,
-  any biases, one key/value head per query head (grouped-query attention steps aside),
-  also without gradients (evaluation);
+  grouped-query attention, any biases, also without gradients (evaluation);
 - **decode** (the fused decoding step of :mod:`tinylm.native.decoding`): a
   :class:`~tinylm.model.GPT` whose every block is eligible for **block** (any head size)
   with plain embeddings, final norm and LM head -- except that here each Linear layer
@@ -215,15 +214,11 @@ def _variant_block_reason(block: nn.Module) -> str | None:
 
 def variant_block_reason(block: nn.Module) -> str | None:
     """Why the variants' fused training block (:class:`NativeVariantBlock`) cannot run
-    ``block`` (None: it can): the reference modules with plain or LoRA Linear layers,
-    both norms of one kind, and one key/value head per query head (the attention kernel
-    reads H heads of each of q, k and v)."""
+    ``block`` (None: it can): the reference modules with plain or LoRA Linear layers and
+    both norms of one kind."""
     if declared(block) is not Block or declared(block.attn) is not MultiHeadAttention:
         return f"the block is a {type(block).__name__}"
     attn, ffn = block.attn, block.ffn
-    if attn.n_kv_head != attn.n_head:
-        return (f"grouped-query attention ({attn.n_kv_head} key/value heads for "
-                f"{attn.n_head}): the training kernel reads one per query head")
     gated = declared(ffn) is GatedFeedForward
     if not gated and declared(ffn) is not FeedForward:
         return f"the FFN is a {type(ffn).__name__}"
@@ -453,7 +448,7 @@ class NativeVariantBlock(Block):
         mlp = "swiglu" if gate is not None else (
             "relu2" if type(ffn.act) is ReLUSquared else "gelu")
         norm = "rmsnorm" if type(ln1) is RMSNorm else "layernorm"
-        layout = variants.Layout(attn.n_head, norm, mlp, ln1.eps, ln2.eps,
+        layout = variants.Layout(attn.n_head, attn.n_kv_head, norm, mlp, ln1.eps, ln2.eps,
                                  attn.q_norm.eps if attn.q_norm is not None else 0.0)
         qn, kn = attn.q_norm, attn.k_norm
         return variants.VariantBlockFn.apply(
