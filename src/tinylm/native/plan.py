@@ -184,38 +184,12 @@ def _unknown_field_reason(config: ModelConfig) -> str | None:
     return None
 
 
-def _variant_block_reason(block: nn.Module) -> str | None:
-    """Why the variants' fused decoding step cannot run ``block`` (None: it can)."""
-    if declared(block) is not Block or declared(block.attn) is not MultiHeadAttention:
-        return f"the block is a {type(block).__name__}"
-    ffn, attn = block.ffn, block.attn
-    linears = {"attn.qkv": attn.qkv, "attn.out": attn.out, "ffn.up": ffn.up,
-               "ffn.down": ffn.down, **({"ffn.gate": ffn.gate}
-                                        if declared(ffn) is GatedFeedForward else {})}
-    for name, layer in linears.items():
-        reason = _linear_reason(name, layer, DECODE_LINEAR)
-        if reason:
-            return reason
-    for name in ("ln1", "ln2"):
-        if type(getattr(block, name)) not in (nn.LayerNorm, RMSNorm):
-            return f"{name} is a {type(getattr(block, name)).__name__}"
-    if declared(ffn) is FeedForward:
-        act = ffn.act
-        if not (type(act) is ReLUSquared
-                or (type(act) is nn.GELU and act.approximate == "tanh")):
-            return f"ffn.act is {act!r}"
-    elif declared(ffn) is not GatedFeedForward:
-        return f"the FFN is a {type(ffn).__name__}"
-    if attn.q_norm is not None and not (type(attn.q_norm) is RMSNorm
-                                        and type(attn.k_norm) is RMSNorm):
-        return "the QK-norm is not an RMSNorm"
-    return None
-
-
-def variant_block_reason(block: nn.Module) -> str | None:
-    """Why the variants' fused training block (:class:`NativeVariantBlock`) cannot run
-    ``block`` (None: it can): the reference modules with plain or LoRA Linear layers and
-    both norms of one kind."""
+def variant_block_reason(block: nn.Module, linear: tuple[type, ...] = TRAIN_LINEAR
+                         ) -> str | None:
+    """Why the variants' fused steps cannot run ``block`` (None: they can): the training
+    block (:class:`NativeVariantBlock`, ``linear`` = :data:`TRAIN_LINEAR`) and the
+    decoding step (``linear`` = :data:`DECODE_LINEAR`) take the reference modules with
+    those Linear layers, both norms of one kind, and the activations they implement."""
     if declared(block) is not Block or declared(block.attn) is not MultiHeadAttention:
         return f"the block is a {type(block).__name__}"
     attn, ffn = block.attn, block.ffn
@@ -225,7 +199,7 @@ def variant_block_reason(block: nn.Module) -> str | None:
     linears = {"attn.qkv": attn.qkv, "attn.out": attn.out, "ffn.up": ffn.up,
                "ffn.down": ffn.down, **({"ffn.gate": ffn.gate} if gated else {})}
     for name, layer in linears.items():
-        reason = _linear_reason(name, layer, TRAIN_LINEAR)
+        reason = _linear_reason(name, layer, linear)
         if reason:
             return reason
     kinds = {type(block.ln1), type(block.ln2)}
@@ -253,7 +227,7 @@ def _variant_reason(model: GPT) -> str | None:
         return f"final_norm is a {type(model.final_norm).__name__}"
     return _linear_reason("lm_head", model.lm_head, DECODE_LINEAR) or next(
         (f"block {i}: {r}" for i, b in enumerate(model.blocks)
-         if (r := _variant_block_reason(b))), None)
+         if (r := variant_block_reason(b, DECODE_LINEAR))), None)
 
 
 def _model_reason(model: nn.Module) -> str | None:
