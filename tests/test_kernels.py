@@ -169,6 +169,8 @@ def _sdpa_from_qkv(qkv: torch.Tensor, n_head: int) -> torch.Tensor:
     (1, 70, 1, 64),    # more than 64 key columns: two column groups
     (2, 33, 2, 128),   # D = 128: two 64-wide output groups
     (1, 256, 1, 16),   # the longest context the kernel takes
+    (2, 131, 3, 48),   # operands past L1_PART: packed panels, a last panel narrower than G
+    (1, 256, 2, 64),   # the benchmark's 6×384 shape (panels and column groups)
 ])
 def test_causal_attention_and_its_backward_equal_sdpa(lib, B: int, C: int, H: int,
                                                        D: int) -> None:
@@ -332,7 +334,8 @@ def test_every_vector_width_this_cpu_runs_computes_the_same(tmp_path, monkeypatc
         build.SOURCES, tmp_path / "kernels", lambda cdll: selfcheck.run(ops.Library(cdll)),
         name="narrow"))
     g = torch.Generator().manual_seed(3)
-    for B, C, H, D in ((2, 37, 3, 48), (1, 70, 2, 32)):  # row blocks across 16-boundaries
+    # row tiles across 16-boundaries; then operands past L1_PART (packed, grouped)
+    for B, C, H, D in ((2, 37, 3, 48), (1, 70, 2, 32), (1, 131, 2, 48)):
         qkv = torch.randn(B, C, 3 * H * D, generator=g, requires_grad=True)
         q, k, v = qkv.view(B, C, 3, H, D).permute(2, 0, 3, 1, 4).unbind(0)
         want = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
