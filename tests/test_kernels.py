@@ -152,6 +152,32 @@ def test_bias_gelu_adds_in_place_and_returns_gelu(lib) -> None:
     torch.testing.assert_close(g, F.gelu(want_h, approximate="tanh"), rtol=1e-5, atol=1e-6)
 
 
+def test_the_elementwise_and_attention_kernels_write_into_given_buffers(lib) -> None:
+    """The ``out`` buffers (the whole-block step's reused scratch) receive the same
+    values as fresh outputs, and a buffer of another shape is refused."""
+    a, b = torch.randn(5, 37), torch.randn(37)
+    out = torch.full((5, 37), float("nan"))
+    assert lib.bias_gelu_(a.clone(), b, out) is out
+    torch.testing.assert_close(out, F.gelu(a + b, approximate="tanh"), rtol=1e-5, atol=1e-6)
+    grad, y = torch.randn(5, 37), torch.full((5, 37), float("nan"))
+    grad_x, got_y, _ = lib.gelu_backward(grad.clone(), a, True, y)
+    assert got_y is y
+    torch.testing.assert_close(y, F.gelu(a, approximate="tanh"), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad_x, lib.gelu_backward(grad.clone(), a, True)[0])
+    qkv, H = torch.randn(2, 19, 3 * 2 * 16), 2
+    o, lse = lib.causal_attention(qkv, H)
+    grad_o, into = torch.randn_like(o), torch.full_like(qkv, float("nan"))
+    got, _ = lib.causal_attention_backward(grad_o, qkv, o, lse, H, grad_qkv=into)
+    assert got is into
+    torch.testing.assert_close(into, lib.causal_attention_backward(grad_o, qkv, o, lse, H)[0])
+    for call in (lambda: lib.bias_gelu_(a, None, torch.empty(37, 5)),
+                 lambda: lib.gelu_backward(grad, a, False, torch.empty(5, 36)),
+                 lambda: lib.causal_attention_backward(grad_o, qkv, o, lse, H,
+                                                       grad_qkv=torch.empty(2, 19, 95))):
+        with pytest.raises(ops.OpError, match="shape"):
+            call()
+
+
 def _sdpa_from_qkv(qkv: torch.Tensor, n_head: int) -> torch.Tensor:
     """The oracle: split the fused projection into heads and run torch's causal SDPA."""
     B, C, three_hd = qkv.shape
