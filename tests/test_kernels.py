@@ -249,6 +249,11 @@ def test_layer_norm_training_kernels_equal_torch(lib, M: int, E: int, affine: bo
     assert (dw is None and db is None) or affine
     for g, ref in zip(got, want_grads, strict=True):
         torch.testing.assert_close(g, ref, rtol=1e-4, atol=1e-4)
+    residual = torch.randn(M, E)  # a residual path's gradient, added in the same pass
+    dx_res, _, _ = lib.layer_norm_backward(grad, x, w, mean, rstd, False, False, residual)
+    torch.testing.assert_close(dx_res, want_grads[0] + residual, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ops.OpError, match="shape"):
+        lib.layer_norm_backward(grad, x, w, mean, rstd, False, False, residual[1:])
 
 
 @pytest.mark.parametrize("bias", [True, False])

@@ -190,6 +190,13 @@ class CausalAttentionFn(torch.autograd.Function):
         return grad_x, grad_w_qkv, grad_b_qkv, grad_w_out, grad_b_out, None, None
 
 
+def _residual(x: Tensor, bias: Tensor | None) -> Tensor:
+    """A new tensor x + bias (or a copy of x): the start of a residual branch's sum,
+    into which the branch's product then accumulates (GEMM with beta = 1) -- one pass
+    over x fewer than a copy, the product and a separate bias add."""
+    return torch.add(x, bias) if bias is not None else x.clone()
+
+
 class BlockFn(torch.autograd.Function):
     """A whole block for CPU training as one autograd step, with native kernels:
 
@@ -197,12 +204,14 @@ class BlockFn(torch.autograd.Function):
 
     The same tensors are kept for backward as the block's separate steps would keep
     (LN inputs, LN outputs, qkv, the heads' outputs, the FFN's pre-activation), but
-    LayerNorm runs natively (:meth:`Library.layer_norm`), each residual add is
-    done by the output projection's product itself (beta = 1), and in backward the
-    residual gradient is added in place — where a graph of a dozen small autograd
-    steps per block (LN, projections, adds, gradient accumulation) costs more than
-    their arithmetic at small sizes. Applied by :class:`tinylm.native.plan.NativeBlock`
-    where :func:`tinylm.native.plan.eligibility` found the block's parts plain.
+    LayerNorm runs natively (:meth:`Library.layer_norm`), each residual add (with the
+    projection's bias) is done by the output projection's product itself (beta = 1),
+    the big temporaries go to reused :class:`Scratch` buffers, and in backward the
+    residual gradient is added by the LayerNorm backward pass itself — where a graph
+    of a dozen small autograd steps per block (LN, projections, adds, gradient
+    accumulation) costs more than their arithmetic at small sizes. Applied by
+    :class:`tinylm.native.plan.NativeBlock` where :func:`tinylm.native.plan.eligibility`
+    found the block's parts plain.
     """
 
     @staticmethod
@@ -218,15 +227,11 @@ class BlockFn(torch.autograd.Function):
         qkv = (a_in @ w_qkv.t()).view(B, C, w_qkv.shape[0])  # (B, C, 3·H·D)
         r, lse = lib.causal_attention(qkv, n_head, b_qkv)  # (B, C, H·D), (B, H, C)
         r2 = r.view(B * C, -1)
-        x1 = torch.addmm(x0, r2, w_out.t())  # x + R·W_oᵀ
-        if b_out is not None:
-            x1 += b_out
+        x1 = _residual(x0, b_out).addmm_(r2, w_out.t())  # x + b_o + R·W_oᵀ
         f_in, mu2, rs2 = lib.layer_norm(x1, ln2_w, ln2_b, eps2)
         h = f_in @ w_up.t()  # (B·C, 4E)
         g = lib.bias_gelu_(h, b_up, SCRATCH.get("ffn_act", tuple(h.shape)))  # h += b_up
-        y = torch.addmm(x1, g, w_down.t())  # x1 + GELU(h)·W_downᵀ
-        if b_down is not None:
-            y += b_down
+        y = _residual(x1, b_down).addmm_(g, w_down.t())  # x1 + b_down + GELU(h)·W_downᵀ
         ctx.save_for_backward(x0, mu1, rs1, a_in, qkv, r2, lse, x1, mu2, rs2, f_in, h,
                               ln1_w, w_qkv, w_out, ln2_w, w_up, w_down)
         ctx.n_head, ctx.shape, ctx.lib = n_head, (B, C), lib
@@ -246,9 +251,8 @@ class BlockFn(torch.autograd.Function):
             lib, gy, f_in, h, w_up, w_down, (True, need[12], has_b_up and need[13], need[14]),
             SCRATCH)
         grad_b_down = gy.sum(0) if has_b_down and need[15] else None
-        grad_x1, grad_ln2_w, grad_ln2_b = lib.layer_norm_backward(
-            grad_f_in, x1, ln2_w, mu2, rs2, ln2_w is not None and need[10], need[11])
-        grad_x1 += gy  # the residual path
+        grad_x1, grad_ln2_w, grad_ln2_b = lib.layer_norm_backward(  # + gy: the residual path
+            grad_f_in, x1, ln2_w, mu2, rs2, ln2_w is not None and need[10], need[11], gy)
         # attention: x1 = x + R·W_oᵀ + b_out, R = attention(LN1(x)·W_qkvᵀ + b_qkv)
         grad_w_out = grad_x1.t() @ r2 if need[8] else None
         grad_b_out = grad_x1.sum(0) if has_b_out and need[9] else None
@@ -256,9 +260,8 @@ class BlockFn(torch.autograd.Function):
         grad_a_in, grad_w_qkv, grad_b_qkv = qkv_attention_backward(  # (B, C, H·D) grad_r
             lib, grad_r.view(*ctx.shape, -1), a_in, w_qkv, qkv, r2.view(*ctx.shape, -1), lse,
             ctx.n_head, (True, need[6], has_b_qkv and need[7]), SCRATCH)
-        grad_x, grad_ln1_w, grad_ln1_b = lib.layer_norm_backward(
-            grad_a_in, x0, ln1_w, mu1, rs1, ln1_w is not None and need[4], need[5])
-        grad_x += grad_x1  # the residual path
+        grad_x, grad_ln1_w, grad_ln1_b = lib.layer_norm_backward(  # + grad_x1: the residual
+            grad_a_in, x0, ln1_w, mu1, rs1, ln1_w is not None and need[4], need[5], grad_x1)
         return (grad_x.view(grad_y.shape), None, None, None, grad_ln1_w, grad_ln1_b,
                 grad_w_qkv, grad_b_qkv, grad_w_out, grad_b_out, grad_ln2_w, grad_ln2_b,
                 grad_w_up, grad_b_up, grad_w_down, grad_b_down, None)

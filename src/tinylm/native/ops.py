@@ -259,9 +259,12 @@ class Library:
         return y, mean, rstd
 
     def layer_norm_backward(self, grad_y: Tensor, x: Tensor, weight: Tensor | None,
-                            mean: Tensor, rstd: Tensor, need_weight: bool, need_bias: bool
+                            mean: Tensor, rstd: Tensor, need_weight: bool, need_bias: bool,
+                            residual: Tensor | None = None
                             ) -> tuple[Tensor, Tensor | None, Tensor | None]:
-        """(dL/dx, dL/dweight or None, dL/dbias or None) of :meth:`layer_norm`."""
+        """(dL/dx, dL/dweight or None, dL/dbias or None) of :meth:`layer_norm`; a
+        ``residual`` (x's shape: the gradient of a residual path around the norm) is
+        added to dL/dx in the same pass."""
         E = x.shape[-1]
         M = x.numel() // E
         check("x", x)
@@ -270,11 +273,12 @@ class Library:
         check("mean", mean, (M,))
         check("rstd", rstd, (M,))
         w = _opt("weight", weight, (E,))
+        res = _opt("residual", residual, tuple(x.shape))
         dx = torch.empty_like(x)
         dw = torch.empty(E) if need_weight else None
         db = torch.empty(E) if need_bias else None
         _ok(self.raw.tl_ln_bwd(x.data_ptr(), w, mean.data_ptr(), rstd.data_ptr(),
-                               grad_y.data_ptr(), dx.data_ptr(),
+                               grad_y.data_ptr(), res, dx.data_ptr(),
                                dw.data_ptr() if dw is not None else None,
                                db.data_ptr() if db is not None else None, M, E, _threads()),
             "layer_norm_backward")
