@@ -8,7 +8,10 @@ own process (so peak memory is each run's own): full fine-tuning and LoRA (rank
 validation row, only the tokens the loss mask counts), trainable parameters, the memory
 their gradients and AdamW moments take (12 bytes per trainable parameter in fp32), peak
 resident memory of the process (ru_maxrss: torch, data and activations included, which
-dominate for small models) and optimizer steps per second.
+dominate for small models), the peak of the C heap in use during the run (glibc's
+``mallinfo2``, sampled every millisecond: live tensors only, where RSS also keeps what
+the allocator holds after a free and moves by ±15 MB between identical runs) and
+optimizer steps per second.
 
 The table is printed and, with ``--write``, put in BENCHMARKS.md between
 ``<!-- bench:finetune -->`` markers. Quiet-machine command (the numbers in the table)::
@@ -72,6 +75,47 @@ def _base(out: Path, seconds: float) -> Path:
     return out / "base"
 
 
+class HeapPeak:
+    """The peak of glibc's heap in use (``mallinfo2``: arena bytes in use + mmap'd
+    blocks), sampled every millisecond in a thread; None where the C library lacks it."""
+
+    def __init__(self) -> None:
+        import ctypes
+        import threading
+
+        class Info(ctypes.Structure):
+            _fields_ = [(n, ctypes.c_size_t) for n in (
+                "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+                "uordblks", "fordblks", "keepcost")]
+
+        try:
+            self._fn = ctypes.CDLL("libc.so.6").mallinfo2
+            self._fn.restype = Info
+        except (OSError, AttributeError):
+            self._fn = None
+        self.peak, self._stop = 0, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.001):
+            info = self._fn()
+            self.peak = max(self.peak, info.uordblks + info.hblkhd)
+
+    def __enter__(self) -> HeapPeak:
+        if self._fn is not None:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._fn is not None:
+            self._thread.join()
+
+    @property
+    def mb(self) -> float | None:
+        return self.peak / 2**20 if self._fn is not None else None
+
+
 def run_mode(args: argparse.Namespace) -> None:
     """Child process: one fine-tuning run; prints a JSON line with its figures."""
     from tinylm.finetune import finetune
@@ -80,14 +124,16 @@ def run_mode(args: argparse.Namespace) -> None:
                  "save_every": 10**6, "log_every": 10**6, "device": "cpu", "seed": 0,
                  "min_lr_ratio": 0.1}
     t0 = time.perf_counter()
-    result, info = finetune(args.base, args.data, args.out, progress=False,
-                            lora_rank=args.rank if args.mode == "lora" else None,
-                            overrides=overrides)
+    with HeapPeak() as heap:
+        result, info = finetune(args.base, args.data, args.out, progress=False,
+                                lora_rank=args.rank if args.mode == "lora" else None,
+                                overrides=overrides)
     seconds = time.perf_counter() - t0
     print(json.dumps({"mode": args.mode, "steps": result.steps, "trainable": info["trainable"],
                       "parameters": info["parameters"], "seconds": seconds,
                       "steps_per_s": result.steps / max(result.elapsed, 1e-9),
                       "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                      "peak_heap_mb": heap.mb,
                       "checkpoint": str(result.checkpoint)}))
 
 
@@ -131,18 +177,21 @@ def main() -> None:
     full = rows[0]
     lines = [f"python-qa: {data.meta['chat']['conversations']['train']:,} train / "
              f"{data.meta['chat']['conversations']['val']:,} held-out conversations; "
-             f"base {base}; {args.steps} steps of batch 16 x 128 tokens; "
+             f"base {base}; {args.steps} steps of batch 16 x 128 tokens, dropout 0 "
+             f"(finetune's default); "
              f"{args.threads} threads, {os.cpu_count()} CPUs.", "",
              "| mode | held-out loss before | after | vs full | trainable params | "
-             "grads + AdamW state | peak RSS | steps/s |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "grads + AdamW state | peak RSS | peak heap in use | steps/s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         name = "full" if r["mode"] == "full" else f"LoRA r={args.rank}"
         lines.append(f"| {name} | {before:.3f} | {r['after']:.3f} | "
                      f"{100 * (r['after'] / full['after'] - 1):+.1f} % | {r['trainable']:,} "
                      f"({100 * r['trainable'] / r['parameters']:.1f} %) | "
                      f"{r['trainable'] * 12 / 2**20:.1f} MB | "
-                     f"{r['peak_rss_mb']:.0f} MB | {r['steps_per_s']:.2f} |")
+                     f"{r['peak_rss_mb']:.0f} MB | "
+                     + (f"{r['peak_heap_mb']:.0f} MB" if r["peak_heap_mb"] else "n/a")
+                     + f" | {r['steps_per_s']:.2f} |")
     table = "\n".join(lines)
     print(table)
     if args.write:

@@ -18,10 +18,12 @@ once the smoothed training loss is below the target + 0.1 (the val/train gap her
 ~0.1), every ``--eval-every`` steps, and every half of that once a val loss is within
 0.03 of the target.
 
-The loop is tinylm's pieces, not ``tinylm.training.train``: the model, ``get_batch``, the
-optimizer builder (``optimizer="muon"``), the warm-up + cosine ``lr_at`` and
-``evaluate``. ``train()`` has no stop-at-target and writes checkpoints, metrics and a
-plot at every evaluation, which would be timed here; the step itself is the same.
+The loop is tinylm's pieces, not ``tinylm.training.train``: the model with the fast
+paths ``train()`` applies (``tinylm.acceleration.accelerate``: the fused native block
+where the layout has one), ``get_batch``, the optimizer builder (``optimizer="muon"``),
+the warm-up + cosine ``lr_at`` and ``evaluate``. ``train()`` has no stop-at-target and
+writes checkpoints, metrics and a plot at every evaluation, which would be timed here;
+the step itself is the same.
 Prints a table, writes benchmarks/speedrun.png and the BENCHMARKS.md section
 between ``<!-- bench:speedrun -->`` markers; median over ``--runs`` (seeds 0, 1, ...).
 """
@@ -40,6 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import write_section  # noqa: E402
+from tinylm import acceleration  # noqa: E402
 from tinylm.config import ARCH_PRESETS, ModelConfig, TrainConfig, resolve_arch  # noqa: E402
 from tinylm.data import get_batch, load_prepared, prepare  # noqa: E402
 from tinylm.evaluation import evaluate  # noqa: E402
@@ -61,6 +64,7 @@ def run_once(data, target: float, seed: int, eval_every: int, threads: int,
     t0 = time.perf_counter()
     torch.manual_seed(seed)
     model = GPT(ModelConfig(vocab_size=data.vocab_size, **resolve_arch(arch, MODEL))).train()
+    acceleration.accelerate(model, "cpu")  # the fast paths train() takes (tinylm.native)
     optimizer = build_optimizer(model, cfg, torch.device("cpu"))
     params = [p for g in optimizer.param_groups for p in g["params"]]
     gen = torch.Generator().manual_seed(seed)

@@ -194,3 +194,28 @@ def test_cli_finetune_and_chat(tmp_path, setup, capsys) -> None:
     assert "lora-targets" in capsys.readouterr().err
     assert main(["finetune", "--model", str(base), "--data", str(tmp_path), "--out",
                  str(tmp_path / "y")]) == 2
+
+
+def test_dropout_is_off_unless_asked_and_a_bad_value_is_refused(tmp_path, capsys) -> None:
+    """The base's pretraining dropout is not carried into fine-tuning (default 0, the
+    fused native block then runs); --dropout P sets it; an absurd P is one line, exit 2."""
+    tok = CharTokenizer(ALPHABET, special_tokens=STANDARD_SPECIALS)
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(vocab_size=tok.vocab_size, context_length=C, n_layer=2,
+                            n_head=2, n_embd=32, dropout=0.2))
+    base = save_checkpoint(tmp_path / "base", model, tok)
+    (tmp_path / "qa.jsonl").write_text("".join(json.dumps(r) + "\n" for r in QA))
+    chat = prepare_chat(tmp_path / "chat", [tmp_path / "qa.jsonl"], tokenizer=base,
+                        context_length=C)
+    steps = {**STEPS, "max_steps": 2}
+    off, _ = finetune(base, chat, tmp_path / "off", overrides=steps, progress=False)
+    assert read_config(off.checkpoint)["model"]["dropout"] == 0.0
+    on, _ = finetune(base, chat, tmp_path / "on", overrides=steps, progress=False,
+                     lora_rank=2, dropout=0.1)
+    assert read_config(on.checkpoint)["model"]["dropout"] == 0.1
+    for p in ("1.5", "-0.1"):
+        assert main(["finetune", "--model", str(base), "--data", str(chat.dir), "--out",
+                     str(tmp_path / "bad"), "--dropout", p]) == 2
+        err = capsys.readouterr().err
+        assert "dropout" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+        assert not (tmp_path / "bad").exists()

@@ -1,5 +1,6 @@
 """LoRA: adapter sizes, only adapters train, merging gives the same logits, gradients equal
-the plain formula's, and the fused/native fast paths step aside for a LoRA layer."""
+the plain formula's on the fused native training path too, and the decoding steps step
+aside for a LoRA layer."""
 
 from __future__ import annotations
 
@@ -106,12 +107,17 @@ class _MergedForm(nn.Module):
         return F.linear(x, m.weight + (m.lora_A @ m.lora_B).t() * m.scale, m.bias)
 
 
-def test_training_step_gradients_equal_the_plain_formula() -> None:
+@pytest.mark.parametrize("fast", [True, False], ids=["fused-block", "reference"])
+def test_training_step_gradients_equal_the_plain_formula(fast: bool) -> None:
     from tinylm import native
 
     model = apply_lora(_model(), 4).train()
     _randomise_adapters(model)
-    native.accelerate(model, "cpu")  # as training does: the LoRA blocks keep the reference
+    if fast:  # as training does: the LoRA blocks take the fused native block
+        plan = native.accelerate(model, "cpu")
+        if native.enabled():
+            assert plan.paths >= {"block", "attention", "ffn"}
+            assert type(model.blocks[0]).__name__ == "NativeBlock"
     ids = torch.randint(0, CFG.vocab_size, (2, CFG.context_length + 1))
 
     def grads(m: nn.Module) -> dict[str, torch.Tensor]:
@@ -142,7 +148,7 @@ def _copy(model: GPT) -> GPT:
     return copy.deepcopy(model)
 
 
-def test_fast_paths_step_aside_for_lora_layers() -> None:
+def test_training_paths_take_lora_layers_and_decoding_steps_aside() -> None:
     from tinylm import native
 
     plain = native.eligibility(_model(), "cpu", native.load())
@@ -152,11 +158,30 @@ def test_fast_paths_step_aside_for_lora_layers() -> None:
     if not native.enabled():  # TINYLM_NATIVE=0: every fast path is off anyway
         assert not got.blocks and not got.decode
         return
+    assert plain.decode
     for before, after in zip(plain.blocks, got.blocks, strict=True):
-        assert not after.block and not after.attention and not after.ffn
-        assert before.ffn  # the plain model's FFN path was eligible
+        assert after == before  # block, attention and ffn: the same paths as the plain model
     assert not got.decode
     assert any("LoRALinear" in r for r in got.reasons)
+
+
+def test_fused_block_with_partial_targets_trains_only_the_adapters() -> None:
+    """Frozen layers next to adapted ones in one fused block: the frozen weights and
+    norms get no gradient, the adapters get the reference gradients."""
+    from tinylm import native
+
+    model = apply_lora(_model(), 3, targets="out,down").train()
+    _randomise_adapters(model)
+    reference = _copy(model)
+    native.accelerate(model, "cpu")
+    ids = torch.randint(0, CFG.vocab_size, (3, CFG.context_length + 1))
+    for m in (model, reference):
+        F.cross_entropy(m(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten()).backward()
+    for (n, p), (_, q) in zip(model.named_parameters(), reference.named_parameters(),
+                              strict=True):
+        assert (p.grad is None) == (q.grad is None) == (not n.endswith(("lora_A", "lora_B")))
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=1e-4)
 
 
 def test_structure_round_trip_and_bad_settings() -> None:

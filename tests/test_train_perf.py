@@ -25,6 +25,27 @@ def test_newton_schulz_orthogonalises() -> None:
     assert torch.nn.functional.cosine_similarity(X.flatten(), (U @ Vh).flatten(), dim=0) > 0.95
 
 
+def _newton_schulz_plain(G: torch.Tensor, steps: int = 5) -> torch.Tensor:
+    """The iteration as Muon's authors write it: one matrix, elementwise sums."""
+    a, b, c = 3.4445, -4.775, 2.0315
+    X = G / (G.norm() + 1e-7)
+    X = X if X.shape[0] <= X.shape[1] else X.T
+    for _ in range(steps):
+        A = X @ X.T
+        X = a * X + (b * A + c * (A @ A)) @ X
+    return X if G.shape[0] <= G.shape[1] else X.T
+
+
+@pytest.mark.parametrize("shape", [(3, 24, 40), (2, 40, 24), (1, 16, 16)])
+def test_newton_schulz_stack_equals_each_matrix_in_the_plain_form(shape) -> None:
+    G = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
+    got = newton_schulz(G)
+    assert got.shape == G.shape
+    for g, x in zip(G, got, strict=True):
+        torch.testing.assert_close(x, _newton_schulz_plain(g), atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(newton_schulz(g), x, atol=1e-6, rtol=1e-5)  # 2-D input
+
+
 def test_muon_option_trains_and_round_trips_state() -> None:
     model = _tiny()
     opt = build_optimizer(model, TrainConfig(optimizer="muon", lr=3e-3), torch.device("cpu"))

@@ -38,7 +38,7 @@ from torch import Tensor, nn
 
 from tinylm.config import ModelConfig, check_model_fits
 from tinylm.errors import CheckpointError, ConfigError, TinyLMError
-from tinylm.files import fsync_dir, is_locked, umask_mode, write_error
+from tinylm.files import fsync_dir, is_locked, sha256_file, umask_mode, write_error
 from tinylm.jsonio import read_json
 from tinylm.lora import apply_lora_structure, is_adapter_key, lora_structure
 from tinylm.lowrank import apply_structure, structure_of
@@ -537,23 +537,18 @@ def _lora_own_tensors(state: dict[str, Tensor], base: Any) -> dict[str, Tensor]:
 
 def _lora_base_state(base: Any, where: Path) -> dict[str, Tensor]:
     """The base checkpoint's weights that a LoRA checkpoint at ``where`` refers to."""
-    import hashlib
-
     if not isinstance(base, dict) or not isinstance(base.get("path"), str):
         raise CheckpointError(f"{where}/config.json's \"lora_base\" entry is malformed; the "
                               f"checkpoint is corrupt")
     folder = Path(base["path"])
     try:
         weights = resolve_checkpoint_dir(folder) / WEIGHTS_FILE
-        digest = hashlib.sha256()
-        with open(weights, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                digest.update(block)
+        digest = sha256_file(weights)
     except (OSError, TinyLMError) as exc:
         raise CheckpointError(f"{where} holds LoRA adapters for the base model {folder}, which "
                               f"cannot be read ({exc}); put the base back, or use a merged "
                               f"checkpoint (tinylm merge)") from None
-    if base.get("sha256") not in (None, digest.hexdigest()):
+    if base.get("sha256") not in (None, digest):
         raise CheckpointError(f"{where} holds LoRA adapters for the base model {folder}, whose "
                               f"weights have changed since; restore that base, or merge the "
                               f"adapters while it is intact (tinylm merge)")

@@ -302,7 +302,7 @@ def _cmd_prepare_chat(args: argparse.Namespace) -> int:
 
 def _add_finetune(sub: argparse._SubParsersAction) -> None:
     from tinylm.config import TrainConfig
-    from tinylm.finetune import FULL_DEFAULTS, LORA_DEFAULTS
+    from tinylm.finetune import FINETUNE_DROPOUT, FULL_DEFAULTS, LORA_DEFAULTS
 
     p = sub.add_parser(
         "finetune",
@@ -325,6 +325,10 @@ def _add_finetune(sub: argparse._SubParsersAction) -> None:
                    help="LoRA scale numerator: updates are (A / R)·x·A·B (default: 2·R)")
     p.add_argument("--lora-targets", default="qkv,out,up,down", metavar="LIST",
                    help="layers to adapt, from qkv,out,up,down (default: all four)")
+    p.add_argument("--dropout", type=float, metavar="P",
+                   help=f"dropout probability while fine-tuning (default {FINETUNE_DROPOUT:g}: "
+                   "the base's pretraining dropout is not carried over; with 0 the fused "
+                   "native training step runs)")
     p.add_argument("--merge", action="store_true",
                    help="LoRA: also write OUT/merged, a plain checkpoint with the adapters "
                    "folded in")
@@ -346,7 +350,7 @@ def _cmd_finetune(args: argparse.Namespace) -> int:
     result, info = finetune(args.model, args.data, args.out, lora_rank=args.lora_rank,
                             lora_alpha=args.lora_alpha, lora_targets=args.lora_targets,
                             overrides=overrides, resume=args.resume, progress=args.progress,
-                            merge_to=args.merge)
+                            merge_to=args.merge, dropout=args.dropout)
     if result.rank != 0:
         return 0
     if result.interrupted:

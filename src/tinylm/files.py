@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import os
 import tempfile
 from collections.abc import Iterator
@@ -106,7 +107,17 @@ def atomic_write(path: str | os.PathLike, data: bytes | str) -> Path:
     return path
 
 
-def _pid_alive(pid: int) -> bool:
+def sha256_file(path: str | os.PathLike) -> str:
+    """The hex sha256 of a file's bytes, read in 1 MiB blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def pid_alive(pid: int) -> bool:
+    """True when a process ``pid`` exists (one of another user counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -149,7 +160,7 @@ class FolderLock:
                 self._busy()
         else:  # pragma: no cover - Windows: trust a recorded pid only while it lives
             holder = read_holder(self.folder)
-            if holder is not None and holder != os.getpid() and _pid_alive(holder):
+            if holder is not None and holder != os.getpid() and pid_alive(holder):
                 os.close(fd)
                 self._busy()
         os.ftruncate(fd, 0)
@@ -185,7 +196,7 @@ def is_locked(folder: str | os.PathLike) -> bool:
         return False
     if fcntl is None:  # pragma: no cover
         holder = read_holder(folder)
-        return holder is not None and holder != os.getpid() and _pid_alive(holder)
+        return holder is not None and holder != os.getpid() and pid_alive(holder)
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:

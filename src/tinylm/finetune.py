@@ -24,9 +24,15 @@ import torch
 from torch import nn
 
 from tinylm.chatdata import ChatData, load_chat_data
-from tinylm.checkpoint import load_checkpoint, resolve_checkpoint_dir, save_checkpoint
+from tinylm.checkpoint import (
+    WEIGHTS_FILE,
+    load_checkpoint,
+    resolve_checkpoint_dir,
+    save_checkpoint,
+)
 from tinylm.config import TrainConfig
 from tinylm.errors import ConfigError, DataError
+from tinylm.files import sha256_file
 from tinylm.lora import DEFAULT_TARGETS, adapter_parameters, apply_lora, merge_lora
 from tinylm.model import GPT
 from tinylm.tokenizers import STANDARD_SPECIALS, Tokenizer
@@ -37,6 +43,10 @@ FULL_DEFAULTS = {"lr": 1e-4, "warmup_steps": 20, "max_steps": 300, "eval_every":
                  "save_every": 100, "log_every": 10, "weight_decay": 0.0, "batch_size": 16,
                  "optimizer": "adamw"}
 LORA_DEFAULTS = {**FULL_DEFAULTS, "lr": 2e-3}
+#: Fine-tuning runs without dropout unless asked (``--dropout``), as LitGPT, torchtune
+#: and nanochat fine-tune: the base's pretraining dropout is not carried over. With
+#: dropout 0 the fused native training block runs (it steps aside for dropout).
+FINETUNE_DROPOUT = 0.0
 
 
 def _same_tokens(base: Tokenizer, data: Tokenizer) -> bool:
@@ -63,9 +73,22 @@ def grow_vocab(model: GPT, vocab_size: int) -> GPT:
     return grown.train(model.training)
 
 
-def base_model(model_dir: str | os.PathLike, data: ChatData) -> GPT:
-    """The base checkpoint, checked against the data's tokenizer and grown to fit it."""
+def with_dropout(model: GPT, dropout: float) -> GPT:
+    """``model`` with dropout probability ``dropout`` (the same weights; a new model only
+    when it differs from the model's own)."""
+    if dropout == model.config.dropout:
+        return model
+    new = GPT(model.config.replace(dropout=dropout))
+    new.load_state_dict(model.state_dict())
+    return new.train(model.training)
+
+
+def base_model(model_dir: str | os.PathLike, data: ChatData,
+               dropout: float = FINETUNE_DROPOUT) -> GPT:
+    """The base checkpoint, checked against the data's tokenizer, grown to fit it, with
+    ``dropout`` for the fine-tuning run."""
     model, tok = load_checkpoint(model_dir)
+    model = with_dropout(model, dropout)
     if tok is None:
         raise DataError(f"{model_dir} has no tokenizer.json, so its tokens cannot be matched "
                         f"to the chat data; fine-tune a checkpoint that has one")
@@ -76,16 +99,6 @@ def base_model(model_dir: str | os.PathLike, data: ChatData) -> GPT:
     if any(n.endswith((".lora_A", ".lora_B")) for n, _ in model.named_parameters()):
         model = merge_lora(model)  # fine-tuning a LoRA run: start from its merged weights
     return grow_vocab(model, data.tokenizer.vocab_size)
-
-
-def _weights_sha256(model_dir: str | os.PathLike) -> str:
-    import hashlib
-
-    digest = hashlib.sha256()
-    with open(resolve_checkpoint_dir(model_dir) / "model.safetensors", "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def train_config(overrides: dict[str, Any] | None, lora: bool) -> TrainConfig:
@@ -103,10 +116,11 @@ def finetune(model_dir: str | os.PathLike, data_dir: str | os.PathLike | ChatDat
              out_dir: str | os.PathLike, *, lora_rank: int | None = None,
              lora_alpha: float | None = None, lora_targets: Any = DEFAULT_TARGETS,
              overrides: dict[str, Any] | None = None, resume: bool | str | None = False,
-             progress: bool | None = None, merge_to: bool = False
-             ) -> tuple[TrainResult, dict[str, Any]]:
+             progress: bool | None = None, merge_to: bool = False,
+             dropout: float | None = None) -> tuple[TrainResult, dict[str, Any]]:
     """Fine-tune ``model_dir`` on chat data into ``out_dir``; LoRA when ``lora_rank``.
-    ``merge_to``: a LoRA run also writes ``out_dir/merged`` (:func:`merge`).
+    ``merge_to``: a LoRA run also writes ``out_dir/merged`` (:func:`merge`). ``dropout``
+    (default :data:`FINETUNE_DROPOUT`) is the model's dropout while fine-tuning.
 
     Returns the training result and a summary (mode, parameter counts, merged path)."""
     data = data_dir if isinstance(data_dir, ChatData) else load_chat_data(data_dir)
@@ -115,7 +129,7 @@ def finetune(model_dir: str | os.PathLike, data_dir: str | os.PathLike | ChatDat
         raise ConfigError("--merge needs --lora-rank (full fine-tuning has nothing to merge)")
     cfg = train_config(overrides, lora)
     torch.manual_seed(cfg.seed)  # the new embedding rows and adapters are seeded
-    model = base_model(model_dir, data)
+    model = base_model(model_dir, data, FINETUNE_DROPOUT if dropout is None else dropout)
     base_vocab = load_checkpoint(model_dir)[0].config.vocab_size
     info: dict[str, Any] = {"mode": "lora" if lora else "full", "base": str(Path(model_dir)),
                             "parameters": sum(p.numel() for p in model.parameters())}
@@ -125,7 +139,8 @@ def finetune(model_dir: str | os.PathLike, data_dir: str | os.PathLike | ChatDat
     if lora:
         apply_lora(model, lora_rank, lora_alpha, lora_targets)
         extra["lora_base"] = {"path": str(Path(model_dir).resolve()),
-                              "sha256": _weights_sha256(model_dir),
+                              "sha256": sha256_file(resolve_checkpoint_dir(model_dir)
+                                                    / WEIGHTS_FILE),
                               "grown": model.config.vocab_size > base_vocab}
     info["trainable"] = (adapter_parameters(model) if lora else
                          sum(p.numel() for p in model.parameters() if p.requires_grad))
@@ -152,5 +167,5 @@ def merge(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
                            extra_config={"merged_from": str(Path(model_dir).resolve())})
 
 
-__all__ = ["FULL_DEFAULTS", "LORA_DEFAULTS", "base_model", "finetune", "grow_vocab", "merge",
-           "train_config"]
+__all__ = ["FINETUNE_DROPOUT", "FULL_DEFAULTS", "LORA_DEFAULTS", "base_model", "finetune",
+           "grow_vocab", "merge", "train_config", "with_dropout"]

@@ -12,10 +12,12 @@ A rank-r adapter on an E -> F layer has r·(E + F) parameters. :func:`merge_lora
 folds every adapter into its layer, W' = W + (α / r)·(A·B)ᵀ, giving back plain
 ``nn.Linear`` layers (the same logits within float rounding).
 
-``LoRALinear`` is an ``nn.Module`` and deliberately not an ``nn.Linear`` (sub)class:
-tinylm's fused training paths and the native kernels take only layers whose type is
-exactly ``nn.Linear``, so they step aside for a LoRA layer and the model runs the
-reference forward (tested: gradients equal the plain formula's).
+``LoRALinear`` is an ``nn.Module`` and deliberately not an ``nn.Linear`` (sub)class, so
+nothing that takes a plain layer mistakes it for one. tinylm's fused training paths
+(:mod:`tinylm.native.plan`) support it through :meth:`LoRALinear.effective_weight`,
+W' = W + (α / r)·(A·B)ᵀ as one autograd expression: the fused block multiplies by W',
+and autograd carries dL/dW' back to A and B (tested: the same gradients as this
+module's own forward). The decoding paths step aside for it (merge first).
 """
 
 from __future__ import annotations
@@ -86,13 +88,17 @@ class LoRALinear(nn.Module):
         h = x @ self.lora_A  # (…, E)·(E, r) -> (…, r)
         return y + (h @ self.lora_B) * self.scale  # (…, r)·(r, F) -> (…, F)
 
+    def effective_weight(self) -> Tensor:
+        """W' = W + (α / r)·(A·B)ᵀ (F, E), the dense weight this layer computes with: a
+        differentiable expression of A and B (the frozen W gets no gradient)."""
+        return self.weight + (self.lora_A @ self.lora_B).t() * self.scale  # (E, F) -> (F, E)
+
     def merged(self) -> nn.Linear:
-        """The equivalent plain layer, W' = W + (α / r)·(A·B)ᵀ."""
+        """The equivalent plain layer, with weight W' (:meth:`effective_weight`)."""
         layer = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
                           device=self.weight.device, dtype=self.weight.dtype)
         with torch.no_grad():
-            delta = (self.lora_A @ self.lora_B).t() * self.scale  # (E, F) -> (F, E)
-            layer.weight.copy_(self.weight + delta)
+            layer.weight.copy_(self.effective_weight())
             if self.bias is not None:
                 layer.bias.copy_(self.bias)
         return layer

@@ -23,9 +23,12 @@ modules' declared types and the config, never hooks or private registries:
   grouped-query attention, QK-norm -- whose pieces are the reference modules with plain
   (or quantized) Linear layers; GPT-2's own layout takes **decode** instead.
 
-A replaced part (tinylm.lowrank's LowRankLinear, a LoRA or quantized Linear, another
-activation or norm) makes the paths that contain it step aside, as does any config
-field this package does not know with a non-default value (an architecture variant).
+A replaced part (tinylm.lowrank's LowRankLinear, a quantized Linear outside decoding,
+another activation or norm) makes the paths that contain it step aside, as does any
+config field this package does not know with a non-default value. A LoRA layer
+(:class:`tinylm.lora.LoRALinear`) is supported by the training paths (block, attention,
+ffn): they multiply by its :meth:`~tinylm.lora.LoRALinear.effective_weight`, W + (α/r)·(A·B)ᵀ,
+an autograd expression, so the gradients reach A and B; the decoding steps step aside.
 
 :func:`accelerate` applies the training/forward paths by giving the eligible modules a
 subclass of their own class (``NativeBlock``, ``NativeAttention``, ``NativeFeedForward``:
@@ -52,6 +55,7 @@ from torch import Tensor, nn
 from tinylm.attention import KVCache, MultiHeadAttention, RMSNorm
 from tinylm.config import ModelConfig
 from tinylm.decoding import Decoder
+from tinylm.lora import LoRALinear
 from tinylm.model import GPT, Block, FeedForward, GatedFeedForward, ReLUSquared
 from tinylm.native import decoding, ops
 from tinylm.native.functions import BlockFn, CausalAttentionFn, FeedForwardFn
@@ -98,10 +102,17 @@ def declared(module: nn.Module) -> type:
     return getattr(type(module), "reference_class", type(module))
 
 
-# The Linear layers each kind of path computes: training paths only nn.Linear; the fused
-# decoding step also tinylm.quantize's QuantizedLinear (csrc/quant.c).
-TRAIN_LINEAR = (nn.Linear,)
+# The Linear layers each kind of path computes: training paths nn.Linear and LoRA layers
+# (through weight_of); the fused decoding step nn.Linear and tinylm.quantize's
+# QuantizedLinear (csrc/quant.c).
+TRAIN_LINEAR = (nn.Linear, LoRALinear)
 DECODE_LINEAR = (nn.Linear, QuantizedLinear)
+
+
+def weight_of(layer: nn.Module) -> Tensor:
+    """The dense (F, E) weight a training path multiplies by: an nn.Linear's own, or a
+    LoRA layer's W + (α/r)·(A·B)ᵀ (differentiable in A and B)."""
+    return layer.effective_weight() if type(layer) is LoRALinear else layer.weight
 
 
 def _linear_reason(name: str, layer: nn.Module, linear: tuple[type, ...]) -> str | None:
@@ -262,8 +273,11 @@ def eligibility(model: nn.Module, device: torch.device | str | None = None,
     model_reason = _model_reason(model)
     if model_reason:
         reasons.append(model_reason + "; the fused decoding step steps aside")
-    decode = (native and config_reason is None and model_reason is None
-              and all(_block_reason(b, DECODE_LINEAR) is None for b in model.blocks))
+    block_decode = next((f"block {i}: {r}" for i, b in enumerate(model.blocks)
+                         if (r := _block_reason(b, DECODE_LINEAR))), None)
+    if block_decode and config_reason is None:
+        reasons.append(block_decode + "; the fused decoding step steps aside")
+    decode = native and config_reason is None and model_reason is None and not block_decode
     variant = None if model.config.gpt2_layout else _variant_reason(model)
     if variant:
         reasons.append(variant + "; the variants' fused decoding step steps aside")
@@ -297,7 +311,7 @@ class NativeFeedForward(FeedForward):
                 and _same(self._parts(), self._tinylm_parts)):
             return super().forward(x)
         lib = ops.loaded() if _cpu_float32(x) else None
-        y = FeedForwardFn.apply(x, self.up.weight, self.up.bias, self.down.weight,
+        y = FeedForwardFn.apply(x, weight_of(self.up), self.up.bias, weight_of(self.down),
                                 self.down.bias, lib)  # (B, C, E) -> (B, C, E)
         return self.drop(y) if self.drop.training and self.drop.p > 0 else y
 
@@ -325,8 +339,8 @@ class NativeAttention(MultiHeadAttention):
         lib = self.native_lib(x) if cache is None and not return_weights else None
         if lib is None:
             return super().forward(x, cache, layer, return_weights=return_weights)
-        return CausalAttentionFn.apply(x, self.qkv.weight, self.qkv.bias, self.out.weight,
-                                       self.out.bias, self.n_head, lib)
+        return CausalAttentionFn.apply(x, weight_of(self.qkv), self.qkv.bias,
+                                       weight_of(self.out), self.out.bias, self.n_head, lib)
 
 
 class NativeBlock(Block):
@@ -356,9 +370,9 @@ class NativeBlock(Block):
             return super().forward(x, cache, layer, return_weights)
         attn, ffn, ln1, ln2 = self.attn, self.ffn, self.ln1, self.ln2
         return BlockFn.apply(  # LayerNorm weight/bias may be None
-            x, attn.n_head, ln1.eps, ln2.eps, ln1.weight, ln1.bias, attn.qkv.weight,
-            attn.qkv.bias, attn.out.weight, attn.out.bias, ln2.weight, ln2.bias,
-            ffn.up.weight, ffn.up.bias, ffn.down.weight, ffn.down.bias, lib)
+            x, attn.n_head, ln1.eps, ln2.eps, ln1.weight, ln1.bias, weight_of(attn.qkv),
+            attn.qkv.bias, weight_of(attn.out), attn.out.bias, ln2.weight, ln2.bias,
+            weight_of(ffn.up), ffn.up.bias, weight_of(ffn.down), ffn.down.bias, lib)
 
 
 # --- the plan -------------------------------------------------------------------------------
