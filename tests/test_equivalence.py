@@ -284,9 +284,10 @@ def test_an_unknown_config_field_makes_every_path_step_aside() -> None:
         "block", "attention", "ffn", "decode"}
     odd = native.plan(GPT(_VariantConfig(**base, alibi=True)), "cpu")
     assert odd.paths == set() and any("alibi" in r for r in odd.eligibility.reasons)
-    # a known variant (RMSNorm) keeps the variants' decoding step, unless a field is new
+    # a known variant (RMSNorm) keeps the variants' training block and decoding step,
+    # unless a field is new
     rms = native.plan(GPT(_VariantConfig(**base, norm="rmsnorm")), "cpu")
-    assert rms.paths == {"decode"} and rms.decoder(1).path == "fused-variant"
+    assert rms.paths == {"block", "decode"} and rms.decoder(1).path == "fused-variant"
     both = native.plan(GPT(_VariantConfig(**base, norm="rmsnorm", alibi=True)), "cpu")
     assert both.paths == set() and any("alibi" in r for r in both.eligibility.reasons)
 

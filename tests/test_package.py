@@ -64,17 +64,20 @@ def test_only_the_acceleration_door_imports_the_native_package() -> None:
 
 
 def test_the_native_package_sits_below_the_uses() -> None:
-    # tinylm.quantize holds the QuantizedLinear layer (reference math) at module level and
-    # imports only torch and errors there (checked below); its uses import lazily.
+    # tinylm.quantize and tinylm.lora hold the replaced layers QuantizedLinear and
+    # LoRALinear (reference math) at module level and import only torch and errors there
+    # (checked below); their uses import lazily.
     allowed = {"tinylm.attention", "tinylm.config", "tinylm.decoding", "tinylm.errors",
-               "tinylm.model", "tinylm.native", "tinylm.quantize"}
+               "tinylm.lora", "tinylm.model", "tinylm.native", "tinylm.quantize"}
     stdlib_ = set(sys.stdlib_module_names) | {"__future__"}
-    top_level = [n for n in ast.parse((SRC / "quantize.py").read_text()).body
-                 if isinstance(n, (ast.Import, ast.ImportFrom))]
-    for node in top_level:
-        names = [node.module] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
-        for m in names:
-            assert m.split(".")[0] in stdlib_ | {"torch"} or m == "tinylm.errors", m
+    for layer_module in ("quantize.py", "lora.py"):
+        top_level = [n for n in ast.parse((SRC / layer_module).read_text()).body
+                     if isinstance(n, (ast.Import, ast.ImportFrom))]
+        for node in top_level:
+            names = [node.module] if isinstance(node, ast.ImportFrom) else \
+                [a.name for a in node.names]
+            for m in names:
+                assert m.split(".")[0] in stdlib_ | {"torch"} or m == "tinylm.errors", m
     stdlib = set(sys.stdlib_module_names) | {"__future__", "_ctypes"}
     for path in (SRC / "native").glob("*.py"):
         for m in _imports(path):

@@ -326,9 +326,9 @@ def _add_finetune(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lora-targets", default="qkv,out,up,down", metavar="LIST",
                    help="layers to adapt, from qkv,out,up,down (default: all four)")
     p.add_argument("--dropout", type=float, metavar="P",
-                   help=f"dropout probability while fine-tuning (default {FINETUNE_DROPOUT:g}: "
-                   "the base's pretraining dropout is not carried over; with 0 the fused "
-                   "native training step runs)")
+                   help="dropout probability while fine-tuning; the base's pretraining "
+                   "dropout is not carried over, and with 0 the fused native training step "
+                   f"runs (default: {FINETUNE_DROPOUT:g})")
     p.add_argument("--merge", action="store_true",
                    help="LoRA: also write OUT/merged, a plain checkpoint with the adapters "
                    "folded in")

@@ -115,8 +115,9 @@ class ModelConfig(_JSONMixin):
     qk_norm         RMSNorm over each head's query and key before the scores
     qkv_bias        biases on the QKV projection only (Qwen2); defaults to ``bias``
 
-    :attr:`gpt2_layout` says whether the config is plain GPT-2, the one layout the
-    native fast paths implement; every other layout runs the reference modules.
+    :attr:`gpt2_layout` says whether the config is plain GPT-2, the layout of the
+    native GPT-2 fast paths; the other layouts take the variants' fused training block
+    and decoding step (tinylm.native.plan), or the reference modules.
     """
 
     vocab_size: int = 50257
@@ -220,8 +221,8 @@ class ModelConfig(_JSONMixin):
     @property
     def gpt2_layout(self) -> bool:
         """Whether this is plain GPT-2 — LayerNorm, learned positions, GELU MLP, full
-        multi-head attention, no QK-norm, one bias setting for every layer. The native
-        fast paths implement exactly this layout and step aside for every other."""
+        multi-head attention, no QK-norm, one bias setting for every layer: the layout of
+        the native GPT-2 paths (tinylm.native.plan); the variants have their own."""
         return (self.norm == "layernorm" and self.position == "learned"
                 and self.mlp == "gelu" and self.n_kv_head == self.n_head
                 and not self.qk_norm and self.qkv_bias == self.bias)

@@ -35,8 +35,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from tinylm.files import pid_alive, sha256_file
-
 SOURCES = Path(__file__).with_name("csrc")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 _TEMP_PREFIX = ".tmp-"
@@ -137,6 +135,26 @@ def library_key(sources: Path, compiler: str, version: str) -> str:
     return h.hexdigest()[:16]
 
 
+def sha256_file(path: Path) -> str:
+    # tinylm.files.sha256_file's twin: this module imports the standard library only, so
+    # a test (and a build in a bare interpreter) can load it on its own.
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def remove_temporaries(folder: Path) -> list[str]:
     """Delete compile temporaries whose process is gone (and old-style ``tmp*.so``
     older than ten minutes); returns their names."""
@@ -147,7 +165,7 @@ def remove_temporaries(folder: Path) -> list[str]:
         stale = False
         if name.startswith(_TEMP_PREFIX):
             pid = name[len(_TEMP_PREFIX):].split("-", 1)[0]
-            stale = not pid.isdigit() or not pid_alive(int(pid))
+            stale = not pid.isdigit() or not _pid_alive(int(pid))
         elif _LEGACY_TEMP.match(name):
             stale = now - entry.stat(follow_symlinks=False).st_mtime > _LEGACY_AGE_S
         if stale:

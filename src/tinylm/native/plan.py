@@ -11,7 +11,11 @@ modules' declared types and the config, never hooks or private registries:
   projections and a head size the kernel takes (a multiple of 16);
 - **block** (:class:`~tinylm.native.functions.BlockFn`, CPU with the library): a
   :class:`~tinylm.model.Block` whose norms are plain ``nn.LayerNorm`` and whose
-  attention and FFN are both eligible as above;
+  attention and FFN are both eligible as above; for an architecture variant instead
+  (:func:`variant_block_reason`) :class:`~tinylm.native.variants.VariantBlockFn`:
+  LayerNorm or RMSNorm, learned or rotary positions, QK-norm, GELU / ReLU² / SwiGLU,
+  any biases, one key/value head per query head (grouped-query attention steps aside),
+  also without gradients (evaluation);
 - **decode** (the fused decoding step of :mod:`tinylm.native.decoding`): a
   :class:`~tinylm.model.GPT` whose every block is eligible for **block** (any head size)
   with plain embeddings, final norm and LM head -- except that here each Linear layer
@@ -35,7 +39,7 @@ subclass of their own class (``NativeBlock``, ``NativeAttention``, ``NativeFeedF
 the technique of ``torch.nn.utils.parametrize``): parameters, state_dict keys,
 ``isinstance`` and DDP are unchanged, and :meth:`Plan.restore` gives the classes back.
 At run time each accelerated forward still steps aside for what only a call can tell:
-gradients off (block, ffn), active dropout, other dtypes, CPU autocast, a context longer
+gradients off (GPT-2's block), active dropout, other dtypes, CPU autocast, a context longer
 than the kernel takes, ``tinylm.native.disabled()``, or a part replaced after the
 decision. An accelerated block computes its sub-modules' math itself, so forward hooks
 on those sub-modules do not fire in training; :meth:`Plan.restore` (or not accelerating)
@@ -52,12 +56,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from tinylm.attention import KVCache, MultiHeadAttention, RMSNorm
+from tinylm.attention import KVCache, MultiHeadAttention, RMSNorm, rope_angles
 from tinylm.config import ModelConfig
 from tinylm.decoding import Decoder
 from tinylm.lora import LoRALinear
 from tinylm.model import GPT, Block, FeedForward, GatedFeedForward, ReLUSquared
-from tinylm.native import decoding, ops
+from tinylm.native import decoding, ops, variants
 from tinylm.native.functions import BlockFn, CausalAttentionFn, FeedForwardFn
 from tinylm.quantize import QuantizedLinear
 
@@ -67,8 +71,9 @@ log = logging.getLogger("tinylm.native")
 # call). A field added later (an architecture variant) must keep its default value.
 KNOWN_FIELDS = frozenset({"vocab_size", "context_length", "n_layer", "n_head", "n_embd",
                           "head_dim", "dropout", "bias", "tie_embeddings", "norm_eps"})
-# The architecture variants (docs/architectures.md): the fast paths implement GPT-2's
-# layout of them only, which ``ModelConfig.gpt2_layout`` decides in one place.
+# The architecture variants (docs/architectures.md): the GPT-2 paths implement GPT-2's
+# layout of them (``ModelConfig.gpt2_layout`` decides it in one place), the variants'
+# training block and decoding step the others.
 LAYOUT_FIELDS = frozenset({"norm", "position", "rope_theta", "mlp", "ffn_hidden",
                            "n_kv_head", "qk_norm", "qkv_bias"})
 
@@ -208,6 +213,39 @@ def _variant_block_reason(block: nn.Module) -> str | None:
     return None
 
 
+def variant_block_reason(block: nn.Module) -> str | None:
+    """Why the variants' fused training block (:class:`NativeVariantBlock`) cannot run
+    ``block`` (None: it can): the reference modules with plain or LoRA Linear layers,
+    both norms of one kind, and one key/value head per query head (the attention kernel
+    reads H heads of each of q, k and v)."""
+    if declared(block) is not Block or declared(block.attn) is not MultiHeadAttention:
+        return f"the block is a {type(block).__name__}"
+    attn, ffn = block.attn, block.ffn
+    if attn.n_kv_head != attn.n_head:
+        return (f"grouped-query attention ({attn.n_kv_head} key/value heads for "
+                f"{attn.n_head}): the training kernel reads one per query head")
+    gated = declared(ffn) is GatedFeedForward
+    if not gated and declared(ffn) is not FeedForward:
+        return f"the FFN is a {type(ffn).__name__}"
+    linears = {"attn.qkv": attn.qkv, "attn.out": attn.out, "ffn.up": ffn.up,
+               "ffn.down": ffn.down, **({"ffn.gate": ffn.gate} if gated else {})}
+    for name, layer in linears.items():
+        reason = _linear_reason(name, layer, TRAIN_LINEAR)
+        if reason:
+            return reason
+    kinds = {type(block.ln1), type(block.ln2)}
+    if kinds not in ({nn.LayerNorm}, {RMSNorm}) or (
+            kinds == {nn.LayerNorm} and len(block.ln1.normalized_shape) != 1):
+        return f"the norms are {type(block.ln1).__name__}/{type(block.ln2).__name__}"
+    if not gated and not (type(ffn.act) is ReLUSquared or (
+            type(ffn.act) is nn.GELU and ffn.act.approximate == "tanh")):
+        return f"ffn.act is {ffn.act!r}"
+    if attn.q_norm is not None and not (type(attn.q_norm) is RMSNorm
+                                        and type(attn.k_norm) is RMSNorm):
+        return "the QK-norm is not an RMSNorm"
+    return None
+
+
 def _variant_reason(model: GPT) -> str | None:
     """Why the variants' fused decoding step cannot run ``model`` (None: it can)."""
     unknown = _unknown_field_reason(model.config)
@@ -253,12 +291,22 @@ def eligibility(model: nn.Module, device: torch.device | str | None = None,
         reasons.append("no native kernels for this device/dtype" if lib is not None
                        else "the native library is not loaded")
     config_reason = _config_reason(model.config)
+    unknown = _unknown_field_reason(model.config)
     if config_reason:
-        reasons.append(config_reason + ": every fast path steps aside")
+        reasons.append(config_reason + (": every fast path steps aside" if unknown else
+                                        ": the variants' training block and decoding step "
+                                        "only"))
     fits = ops.attention_fits(1, model.config.n_head, model.config.head_dim)
     blocks = []
     for i, block in enumerate(model.blocks):
         ffn = attn = whole = None
+        if config_reason is not None and unknown is None:  # an architecture variant
+            whole = variant_block_reason(block)
+            if whole:
+                reasons.append(f"block {i}: {whole}; the variants' training block steps aside")
+            blocks.append(BlockPaths(block=native and fits and whole is None,
+                                     attention=False, ffn=False))
+            continue
         if config_reason is None and declared(block) is Block:
             ffn, attn, whole = _ffn_reason(block.ffn), _attention_reason(block.attn), \
                 _block_reason(block)
@@ -299,7 +347,8 @@ def _same(now: tuple[nn.Module, ...], then: tuple[nn.Module, ...]) -> bool:
 
 
 class NativeFeedForward(FeedForward):
-    """:class:`FeedForward` whose training forward is one :class:`FeedForwardFn`."""
+    """:class:`FeedForward` whose forward is one :class:`FeedForwardFn` (in evaluation too:
+    its native GELU pass is faster than torch's on the CPU)."""
 
     reference_class = FeedForward
 
@@ -307,8 +356,7 @@ class NativeFeedForward(FeedForward):
         return self.up, self.act, self.down
 
     def forward(self, x: Tensor) -> Tensor:
-        if not (torch.is_grad_enabled() and ops.enabled()
-                and _same(self._parts(), self._tinylm_parts)):
+        if not (ops.enabled() and _same(self._parts(), self._tinylm_parts)):
             return super().forward(x)
         lib = ops.loaded() if _cpu_float32(x) else None
         y = FeedForwardFn.apply(x, weight_of(self.up), self.up.bias, weight_of(self.down),
@@ -375,6 +423,49 @@ class NativeBlock(Block):
             weight_of(ffn.up), ffn.up.bias, weight_of(ffn.down), ffn.down.bias, lib)
 
 
+class NativeVariantBlock(Block):
+    """:class:`Block` of an architecture variant whose training forward is one
+    :class:`~tinylm.native.variants.VariantBlockFn` (CPU)."""
+
+    reference_class = Block
+
+    def _parts(self) -> tuple[nn.Module | None, ...]:
+        a, f = self.attn, self.ffn
+        return (self.ln1, a, a.qkv, a.out, a.q_norm, a.k_norm, self.ln2, f, f.up, f.down,
+                getattr(f, "gate", None), getattr(f, "act", None))
+
+    def _fused_lib(self, x: Tensor) -> ops.Library | None:
+        """As :meth:`NativeBlock._fused_lib`, but also without gradients (evaluation):
+        the variants' reference modules are a dozen small steps each."""
+        with torch.enable_grad():
+            return NativeBlock._fused_lib(self, x)
+
+    def forward(self, x: Tensor, cache: KVCache | None = None, layer: int = 0,
+                return_weights: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+        lib = self._fused_lib(x) if cache is None and not return_weights else None
+        if lib is None:
+            return super().forward(x, cache, layer, return_weights)
+        attn, ffn, ln1, ln2 = self.attn, self.ffn, self.ln1, self.ln2
+        rope = attn.rope_theta is not None
+        cos, sin = rope_angles(0, x.shape[1], attn.head_dim, attn.rope_theta, x.device) \
+            if rope else (None, None)
+        gate = getattr(ffn, "gate", None)
+        mlp = "swiglu" if gate is not None else (
+            "relu2" if type(ffn.act) is ReLUSquared else "gelu")
+        norm = "rmsnorm" if type(ln1) is RMSNorm else "layernorm"
+        layout = variants.Layout(attn.n_head, norm, mlp, ln1.eps, ln2.eps,
+                                 attn.q_norm.eps if attn.q_norm is not None else 0.0)
+        qn, kn = attn.q_norm, attn.k_norm
+        return variants.VariantBlockFn.apply(
+            x, layout, lib, ln1.weight, getattr(ln1, "bias", None), weight_of(attn.qkv),
+            attn.qkv.bias, qn.weight if qn is not None else None,
+            kn.weight if kn is not None else None, weight_of(attn.out), attn.out.bias,
+            ln2.weight, getattr(ln2, "bias", None),
+            weight_of(gate) if gate is not None else None,
+            gate.bias if gate is not None else None, weight_of(ffn.up), ffn.up.bias,
+            weight_of(ffn.down), ffn.down.bias, cos, sin)
+
+
 # --- the plan -------------------------------------------------------------------------------
 
 
@@ -414,7 +505,8 @@ class Plan:
             if paths.attention and "attention" in want:
                 self._swap(block.attn, NativeAttention)
             if paths.block and "block" in want:
-                self._swap(block, NativeBlock)
+                self._swap(block, NativeBlock if self.model.config.gpt2_layout
+                           else NativeVariantBlock)
         return self
 
     def restore(self) -> None:

@@ -1,0 +1,303 @@
+"""The fused training block for the architecture variants (docs/architectures.md):
+:class:`VariantBlockFn`, one autograd step per block, as :class:`~tinylm.native.functions.BlockFn`
+is for GPT-2's layout.
+
+It computes the reference :class:`~tinylm.model.Block` with any of the layouts
+``ModelConfig`` offers except grouped-query attention: LayerNorm or RMSNorm, learned or
+rotary positions, QK-norm, GELU / ReLU² / SwiGLU MLPs, with or without biases. Per block:
+
+    a = Norm1(x);  qkv = a·W_qkvᵀ (+ b);  q, k ← RoPE(QKNorm(q, k))
+    x1 = x + Attention(q, k, v)·W_oᵀ (+ b_o)
+    y  = x1 + MLP(Norm2(x1))
+
+The attention runs on the native kernel (``Library.causal_attention``: the heads read in
+place from one (B, C, 3·H·D) buffer, one log-sum-exp kept per query), LayerNorm and GELU on
+the native kernels, the rest as a few torch operations with their backward written out
+(RMSNorm's, the rotation's transpose, the MLP's), instead of a graph of dozens of small
+autograd steps per block. What is kept for backward is what those steps need: the norms'
+inputs and statistics, qkv before and after QK-norm/RoPE, the heads' outputs, the MLP's
+pre-activations; activations are recomputed from them. Applied by
+:class:`tinylm.native.plan.NativeVariantBlock`; tests/test_variant_block.py holds its
+outputs and every gradient to the reference modules'.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from tinylm.native.functions import bias_gelu_, gelu_backward
+from tinylm.native.ops import Library
+
+#: The tensors of one block, in the order :meth:`VariantBlockFn.apply` takes them
+#: (after x); a missing one (no bias, no QK-norm, no gate) is None.
+TENSORS = ("ln1_w", "ln1_b", "w_qkv", "b_qkv", "q_norm", "k_norm", "w_out", "b_out",
+           "ln2_w", "ln2_b", "w_gate", "b_gate", "w_up", "b_up", "w_down", "b_down",
+           "cos", "sin")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What one block computes, beyond its tensors."""
+
+    n_head: int
+    norm: str  # "layernorm" | "rmsnorm"
+    mlp: str  # "gelu" | "relu2" | "swiglu"
+    eps1: float
+    eps2: float
+    qk_eps: float
+
+
+# --- the norms ------------------------------------------------------------------------------
+
+
+def norm_forward(lib: Library, kind: str, x: Tensor, w: Tensor | None, b: Tensor | None,
+                 eps: float) -> tuple[Tensor, tuple[Tensor, ...]]:
+    """(Norm(x), the statistics backward needs) for x (N, E)."""
+    if kind == "layernorm":
+        y, mean, rstd = lib.layer_norm(x, w, b, eps)
+        return y, (mean, rstd)
+    y, rs = rms_forward(x, w, eps)
+    return y, (rs,)
+
+
+def norm_backward(lib: Library, kind: str, grad_y: Tensor, x: Tensor, w: Tensor | None,
+                  stats: tuple[Tensor, ...], need_w: bool, need_b: bool
+                  ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """(dL/dx, dL/dw, dL/db) of :func:`norm_forward` from dL/dy."""
+    if kind == "layernorm":
+        mean, rstd = stats
+        return lib.layer_norm_backward(grad_y, x, w, mean, rstd, w is not None and need_w,
+                                       need_b)
+    return rms_backward(grad_y, x, w, stats[0], need_w) + (None,)
+
+
+def rms_forward(x: Tensor, w: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
+    """(x·rs·w, rs) with rs = (mean(x²) + ε)^(-1/2) over the last dim; ``w`` broadcasts
+    over x's leading dims ((E,), or (2H, D) for the q and k heads)."""
+    ss = torch.linalg.vecdot(x, x, dim=-1).unsqueeze(-1)  # Σ x², (…, 1)
+    rs = ss.div_(x.shape[-1]).add_(eps).rsqrt_()
+    y = x * rs
+    return (y.mul_(w) if w is not None else y), rs
+
+
+def rms_backward(grad_y: Tensor, x: Tensor, w: Tensor | None, rs: Tensor, need_w: bool
+                 ) -> tuple[Tensor, Tensor | None]:
+    """The backward of :func:`rms_forward`: with g = dL/dy·w and x̂ = x·rs,
+    dL/dx = rs·(g − x̂·mean(g·x̂)) = rs·g − x·(rs³·mean(g·x)), and
+    dL/dw = Σ dL/dy·x̂ over x's leading dims."""
+    grad_w = None
+    if need_w and w is not None:
+        lead = tuple(range(x.dim() - w.dim()))
+        grad_w = (grad_y * x).mul_(rs).sum(lead)
+    g = grad_y * w if w is not None else grad_y.clone()
+    c = torch.linalg.vecdot(g, x, dim=-1).unsqueeze(-1)  # Σ g·x, (…, 1)
+    c.mul_(rs.pow(3)).div_(x.shape[-1])
+    return g.mul_(rs).addcmul_(x, c, value=-1), grad_w
+
+
+# --- QK-norm and the rotation, on the q and k parts of qkv -----------------------------------
+#
+# RoPE's y = x·cos + R(x)·sin with R(x₁, x₂) = (−x₂, x₁) (attention.apply_rope). The two
+# halves of cos and sin are equal (rope_angles repeats the D/2 angles), so R(x)·sin =
+# S(x)·sin± with S the swap of halves (x₂, x₁) and sin± = (−sin₁, sin₂): one roll and one
+# multiply-add. Its transpose gives dL/dx = dL/dy·cos − S(dL/dy)·sin±.
+
+
+def signed_sin(sin: Tensor) -> Tensor:
+    """sin± = (−sin₁, sin₂) of a sin table (…, D) whose halves are equal."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def qk_forward(qk: Tensor, qk_w: Tensor | None, eps: float, cos: Tensor | None,
+               sin: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """q and k as one (B, C, 2H, D) tensor -> RoPE(QKNorm(·)) and QK-norm's 1/RMS (or
+    None); ``cos`` (C, 1, D) and ``sin`` as :func:`signed_sin` gives it."""
+    rs = None
+    if qk_w is not None:
+        qk, rs = rms_forward(qk, qk_w, eps)  # (2H, D) gains: the q heads' then the k heads'
+    if cos is not None:
+        qk = (qk * cos).addcmul_(qk.roll(qk.shape[-1] // 2, -1), sin)
+    return qk, rs
+
+
+def qk_backward(grad: Tensor, qk: Tensor, qk_w: Tensor | None, rs: Tensor | None,
+                cos: Tensor | None, sin: Tensor | None, need_w: bool
+                ) -> tuple[Tensor, Tensor | None]:
+    """(dL/dqk, dL/d(QK-norm gains) (2H, D) or None) of :func:`qk_forward`."""
+    if cos is not None:
+        grad = (grad * cos).addcmul_(grad.roll(grad.shape[-1] // 2, -1), sin, value=-1)
+    if qk_w is None:
+        return grad, None
+    return rms_backward(grad, qk, qk_w, rs, need_w)
+
+
+# --- the MLPs -------------------------------------------------------------------------------
+
+
+def mlp_forward(lib: Library, kind: str, f_in: Tensor, t: dict[str, Tensor | None]
+                ) -> tuple[Tensor, tuple[Tensor, ...]]:
+    """(the MLP's activation g (N, F), the pre-activations backward recomputes it from)."""
+    h = f_in @ t["w_up"].t()  # (N, E)·(E, F) -> (N, F)
+    if kind == "gelu":
+        return bias_gelu_(lib, h, t["b_up"]), (h,)  # h += b_up; GELU(h)
+    if t["b_up"] is not None:
+        h += t["b_up"]
+    if kind == "relu2":
+        return F.relu(h).square(), (h,)
+    gate = f_in @ t["w_gate"].t()
+    if t["b_gate"] is not None:
+        gate += t["b_gate"]
+    return F.silu(gate).mul_(h), (gate, h)  # SwiGLU: SiLU(gate) ⊙ up
+
+
+def mlp_backward(lib: Library, kind: str, grad_g: Tensor, kept: tuple[Tensor, ...]
+                 ) -> tuple[Tensor, Tensor, Tensor | None]:
+    """(g recomputed, dL/d(up pre-activation), dL/d(gate pre-activation) or None)."""
+    if kind == "gelu":
+        grad_h, g, _ = gelu_backward(lib, grad_g, kept[0], False)
+        return g, grad_h, None
+    if kind == "relu2":
+        r = F.relu(kept[0])
+        return r.square(), grad_g.mul_(r).mul_(2.0), None  # grad_g: this step's own
+    gate, h = kept
+    sig = torch.sigmoid(gate)
+    s = gate * sig  # SiLU(gate)
+    grad_gate = grad_g * h * sig * (1 + gate * (1 - sig))  # SiLU'(z) = σ(z)(1 + z(1 − σ(z)))
+    return s * h, grad_g * s, grad_gate
+
+
+# --- the block ------------------------------------------------------------------------------
+
+
+class VariantBlockFn(torch.autograd.Function):
+    """One variant block for CPU training as one autograd step (see the module docstring):
+    ``VariantBlockFn.apply(x, layout, lib, *tensors)`` with ``tensors`` in
+    :data:`TENSORS` order; ``cos``/``sin`` (C, D) are the rotary angles (None: no RoPE)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, layout: Layout, lib: Library, *tensors: Tensor | None
+                ) -> Tensor:
+        t = dict(zip(TENSORS, tensors, strict=True))
+        B, C, E = x.shape
+        H = layout.n_head
+        x0 = x.contiguous().view(B * C, E)
+        a_in, st1 = norm_forward(lib, layout.norm, x0, t["ln1_w"], t["ln1_b"], layout.eps1)
+        qkv = (a_in @ t["w_qkv"].t()).view(B, C, -1)  # (B, C, 3·H·D), [q | k | v]
+        HD = qkv.shape[-1] // 3
+        qk = rs_qk = None
+        if t["q_norm"] is not None or t["cos"] is not None:
+            if t["b_qkv"] is not None:
+                qkv += t["b_qkv"]
+            qk = qkv[..., :2 * HD].reshape(B, C, 2 * H, HD // H)  # q and k heads, a copy
+            qk_out, rs_qk = qk_forward(qk, _qk_gains(t, H), layout.qk_eps, *_angles(t))
+            att_in = torch.cat((qk_out.view(B, C, 2 * HD), qkv[..., 2 * HD:]), dim=-1)
+            r, lse = lib.causal_attention(att_in, H, None)  # (B, C, H·D), (B, H, C)
+        else:  # the kernel adds the QKV bias in place
+            att_in = qkv
+            r, lse = lib.causal_attention(qkv, H, t["b_qkv"])
+        r2 = r.view(B * C, HD)
+        x1 = torch.addmm(x0, r2, t["w_out"].t())  # x + R·W_oᵀ
+        if t["b_out"] is not None:
+            x1 += t["b_out"]
+        f_in, st2 = norm_forward(lib, layout.norm, x1, t["ln2_w"], t["ln2_b"], layout.eps2)
+        g, kept = mlp_forward(lib, layout.mlp, f_in, t)
+        y = torch.addmm(x1, g, t["w_down"].t())  # x1 + MLP·W_downᵀ
+        if t["b_down"] is not None:
+            y += t["b_down"]
+        ctx.layout, ctx.lib, ctx.shape = layout, lib, (B, C, E)
+        ctx.counts = (len(st1), len(st2), len(kept))
+        ctx.save_for_backward(x0, a_in, qk, rs_qk, att_in, r2, lse, x1, f_in, *st1, *st2,
+                              *kept, *tensors)
+        return y.view(B, C, E)
+
+    @staticmethod
+    def backward(ctx, grad_y: Tensor) -> tuple[Tensor | None, ...]:
+        saved = list(ctx.saved_tensors)
+        x0, a_in, qk, rs_qk, att_in, r2, lse, x1, f_in = saved[:9]
+        n1, n2, nk = ctx.counts
+        st1, st2 = tuple(saved[9:9 + n1]), tuple(saved[9 + n1:9 + n1 + n2])
+        kept = tuple(saved[9 + n1 + n2:9 + n1 + n2 + nk])
+        t = dict(zip(TENSORS, saved[9 + n1 + n2 + nk:], strict=True))
+        need = dict(zip(TENSORS, ctx.needs_input_grad[3:], strict=True))
+        layout, lib = ctx.layout, ctx.lib
+        gy = grad_y.contiguous().view(x0.shape)  # (B·C, E)
+        grads = _mlp_grads(lib, layout.mlp, gy, f_in, kept, t, need)
+        grad_x1, grads["ln2_w"], grads["ln2_b"] = norm_backward(
+            lib, layout.norm, grads.pop("f_in"), x1, t["ln2_w"], st2, need["ln2_w"],
+            need["ln2_b"])
+        grad_x1 += gy  # the residual path
+        grads["w_out"] = grad_x1.t() @ r2 if need["w_out"] else None
+        grads["b_out"] = grad_x1.sum(0) if t["b_out"] is not None and need["b_out"] else None
+        grad_r = (grad_x1 @ t["w_out"]).view(*ctx.shape[:2], -1)  # (B, C, H·D)
+        grad_qkv = _attention_grads(lib, layout.n_head, grad_r, att_in, r2, lse, qk, rs_qk,
+                                    t, need, grads)
+        g2 = grad_qkv.view(x0.shape[0], -1)  # (B·C, 3·H·D)
+        grads["w_qkv"] = g2.t() @ a_in if need["w_qkv"] else None
+        grad_x, grads["ln1_w"], grads["ln1_b"] = norm_backward(
+            lib, layout.norm, g2 @ t["w_qkv"], x0, t["ln1_w"], st1, need["ln1_w"],
+            need["ln1_b"])
+        grad_x += grad_x1  # the residual path
+        return (grad_x.view(ctx.shape), None, None, *(grads.get(n) for n in TENSORS))
+
+
+def _qk_gains(t: dict[str, Tensor | None], H: int) -> Tensor | None:
+    """QK-norm's gains as one (2H, D) table: the q heads' D gains H times, then k's."""
+    if t["q_norm"] is None:
+        return None
+    D = t["q_norm"].shape[0]
+    return torch.cat((t["q_norm"].expand(H, D), t["k_norm"].expand(H, D)))
+
+
+def _angles(t: dict[str, Tensor | None]) -> tuple[Tensor | None, Tensor | None]:
+    """cos, sin (C, D) -> cos, sin± (C, 1, D), broadcast over the heads of (B, C, 2H, D)."""
+    if t["cos"] is None:
+        return None, None
+    return t["cos"][:, None], signed_sin(t["sin"])[:, None]
+
+
+def _mlp_grads(lib: Library, kind: str, gy: Tensor, f_in: Tensor, kept: tuple[Tensor, ...],
+               t: dict[str, Tensor | None], need: dict[str, bool]) -> dict[str, Tensor | None]:
+    """The MLP's gradients from dL/dy (B·C, E): its weights' and biases', and "f_in"."""
+    grad_g = gy @ t["w_down"]  # (B·C, E)·(E, F) -> (B·C, F)
+    g, grad_h, grad_gate = mlp_backward(lib, kind, grad_g, kept)
+    grads: dict[str, Tensor | None] = {
+        "w_down": gy.t() @ g if need["w_down"] else None,
+        "b_down": gy.sum(0) if t["b_down"] is not None and need["b_down"] else None,
+        "w_up": grad_h.t() @ f_in if need["w_up"] else None,
+        "b_up": grad_h.sum(0) if t["b_up"] is not None and need["b_up"] else None,
+        "f_in": grad_h @ t["w_up"]}
+    if grad_gate is not None:
+        grads["w_gate"] = grad_gate.t() @ f_in if need["w_gate"] else None
+        grads["b_gate"] = grad_gate.sum(0) if t["b_gate"] is not None and need["b_gate"] \
+            else None
+        grads["f_in"].addmm_(grad_gate, t["w_gate"])
+    return grads
+
+
+def _attention_grads(lib: Library, H: int, grad_r: Tensor, att_in: Tensor, r2: Tensor,
+                     lse: Tensor, qk: Tensor | None, rs_qk: Tensor | None,
+                     t: dict[str, Tensor | None], need: dict[str, bool],
+                     grads: dict[str, Tensor | None]) -> Tensor:
+    """dL/dqkv (B, C, 3·H·D) from dL/dR, through the kernel and QK-norm/RoPE; puts the
+    QKV bias's and the QK-norm gains' gradients into ``grads``."""
+    B, C, HD = grad_r.shape
+    r = r2.view(B, C, HD)
+    if qk is None:  # no QK-norm, no RoPE: the kernel also sums the bias's gradient
+        grad_qkv, grads["b_qkv"] = lib.causal_attention_backward(
+            grad_r, att_in, r, lse, H, bias_grad=t["b_qkv"] is not None and need["b_qkv"])
+        return grad_qkv
+    grad_qkv, _ = lib.causal_attention_backward(grad_r, att_in, r, lse, H)
+    g_qk = grad_qkv[..., :2 * HD].reshape(qk.shape)  # (B, C, 2H, D)
+    g_in, g_w = qk_backward(g_qk, qk, _qk_gains(t, H), rs_qk, *_angles(t),
+                            need["q_norm"] or need["k_norm"])
+    grad_qkv[..., :2 * HD] = g_in.view(B, C, 2 * HD)
+    if g_w is not None:
+        grads["q_norm"], grads["k_norm"] = g_w[:H].sum(0), g_w[H:].sum(0)
+    if t["b_qkv"] is not None and need["b_qkv"]:
+        grads["b_qkv"] = grad_qkv.view(B * C, -1).sum(0)
+    return grad_qkv

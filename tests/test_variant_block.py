@@ -1,0 +1,102 @@
+"""The variants' fused training block (tinylm.native.variants.VariantBlockFn) against the
+reference modules: the same loss and every parameter's gradient, for each layout it
+takes (RMSNorm or LayerNorm, RoPE or learned positions, QK-norm, GELU / ReLU² / SwiGLU,
+biases or none, LoRA layers), and stepping aside where it cannot run."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tinylm import native
+from tinylm.config import ModelConfig, resolve_arch
+from tinylm.lora import apply_lora
+from tinylm.model import GPT
+
+pytestmark = pytest.mark.skipif(not native.enabled() or native.load() is None,
+                                reason="the native library is off (TINYLM_NATIVE=0)")
+
+LAYOUTS = {
+    "modern": resolve_arch("modern", {}),
+    "llama": resolve_arch("llama", {}),
+    "rms-gelu-bias": {"norm": "rmsnorm", "mlp": "gelu", "bias": True},
+    "rope-layernorm-qkv-bias": {"position": "rope", "bias": False, "qkv_bias": True},
+    "qknorm-learned-relu2-bias": {"qk_norm": True, "mlp": "relu2", "bias": True},
+    "swiglu-bias-head32": {"mlp": "swiglu", "bias": True, "norm": "rmsnorm",
+                           "head_dim": 32, "ffn_hidden": 72},
+}
+
+
+def _pair(fields: dict, vocab: int = 37, **shape) -> tuple[GPT, GPT]:
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=vocab, context_length=24, n_layer=2, n_head=2, n_embd=48,
+                      dropout=0.0, **{**fields, **shape})
+    reference = GPT(cfg).train()
+    with torch.no_grad():  # non-trivial norm gains and biases
+        for p in reference.parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+    fused = copy.deepcopy(reference)
+    native.accelerate(fused, "cpu")
+    return reference, fused
+
+
+def _grads(model: GPT, ids: torch.Tensor) -> tuple[float, dict[str, torch.Tensor]]:
+    loss = model.loss(ids[:, :-1], ids[:, 1:])
+    loss.backward()
+    return loss.item(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_variant_block_equals_the_reference_modules(name: str) -> None:
+    fields = {"head_dim": 16, **LAYOUTS[name]}
+    reference, fused = _pair(fields)
+    assert type(fused.blocks[0]).__name__ == "NativeVariantBlock"
+    ids = torch.randint(0, 37, (3, 21), generator=torch.Generator().manual_seed(1))
+    x = torch.randn(3, 20, 48, requires_grad=True)
+    assert type(fused.blocks[0](x).grad_fn).__name__ == "VariantBlockFnBackward"
+    want_loss, want = _grads(reference, ids)
+    got_loss, got = _grads(fused, ids)
+    assert got_loss == pytest.approx(want_loss, rel=1e-5)
+    assert got.keys() == want.keys() and len(got) == len(list(reference.parameters()))
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], atol=2e-5, rtol=1e-4, msg=n)
+
+
+def test_variant_block_trains_lora_adapters_only() -> None:
+    reference, _ = _pair({"head_dim": 16, **LAYOUTS["modern"]})
+    apply_lora(reference, 3)
+    with torch.no_grad():
+        for n, p in reference.named_parameters():
+            if n.endswith("lora_B"):
+                p.normal_(0, 0.05)
+    fused = copy.deepcopy(reference)
+    assert native.accelerate(fused, "cpu").paths >= {"block"}
+    assert type(fused.blocks[1]).__name__ == "NativeVariantBlock"
+    ids = torch.randint(0, 37, (2, 19), generator=torch.Generator().manual_seed(2))
+    _, want = _grads(reference, ids)
+    _, got = _grads(fused, ids)
+    assert got.keys() == want.keys() and all(n.endswith(("lora_A", "lora_B")) for n in got)
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], atol=2e-5, rtol=1e-4, msg=n)
+
+
+def test_variant_block_steps_aside_for_gqa_dropout_and_eval() -> None:
+    _, gqa = _pair({"head_dim": 16, "n_kv_head": 1, **resolve_arch("llama", {})})
+    assert type(gqa.blocks[0]).__name__ == "Block"
+    decision = native.eligibility(gqa, "cpu", native.load())
+    assert any("grouped-query" in r for r in decision.reasons) and decision.decode_variant
+    reference, fused = _pair({"head_dim": 16, **LAYOUTS["modern"]})
+    ids = torch.randint(0, 37, (2, 17))
+    for mode in (torch.no_grad, torch.inference_mode):  # evaluation takes the block too
+        with mode():
+            torch.testing.assert_close(fused(ids), reference(ids), atol=1e-5, rtol=1e-5)
+    fused.blocks[0].drop.p = 0.5  # active dropout: the reference forward runs
+    torch.manual_seed(3)
+    a = fused.loss(ids[:, :-1], ids[:, 1:])
+    reference.blocks[0].drop.p = 0.5
+    torch.manual_seed(3)
+    b = reference.loss(ids[:, :-1], ids[:, 1:])
+    assert a.item() == b.item()
