@@ -26,13 +26,17 @@ LAYOUTS = {
     "qknorm-learned-relu2-bias": {"qk_norm": True, "mlp": "relu2", "bias": True},
     "swiglu-bias-head32": {"mlp": "swiglu", "bias": True, "norm": "rmsnorm",
                            "head_dim": 32, "ffn_hidden": 72},
+    "llama-gqa-2-of-4": {**resolve_arch("llama", {}), "n_head": 4, "n_kv_head": 2},
+    "modern-mqa-qkv-bias": {**resolve_arch("modern", {}), "n_head": 4, "n_kv_head": 1,
+                            "qkv_bias": True},
+    "gpt2-gqa": {"n_head": 4, "n_kv_head": 2},
 }
 
 
-def _pair(fields: dict, vocab: int = 37, **shape) -> tuple[GPT, GPT]:
+def _pair(fields: dict, vocab: int = 37) -> tuple[GPT, GPT]:
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=vocab, context_length=24, n_layer=2, n_head=2, n_embd=48,
-                      dropout=0.0, **{**fields, **shape})
+    cfg = ModelConfig(**{"vocab_size": vocab, "context_length": 24, "n_layer": 2,
+                         "n_head": 2, "n_embd": 48, "dropout": 0.0, **fields})
     reference = GPT(cfg).train()
     with torch.no_grad():  # non-trivial norm gains and biases
         for p in reference.parameters():
@@ -83,11 +87,11 @@ def test_variant_block_trains_lora_adapters_only() -> None:
         torch.testing.assert_close(got[n], want[n], atol=2e-5, rtol=1e-4, msg=n)
 
 
-def test_variant_block_steps_aside_for_gqa_dropout_and_eval() -> None:
-    _, gqa = _pair({"head_dim": 16, "n_kv_head": 1, **resolve_arch("llama", {})})
-    assert type(gqa.blocks[0]).__name__ == "Block"
-    decision = native.eligibility(gqa, "cpu", native.load())
-    assert any("grouped-query" in r for r in decision.reasons) and decision.decode_variant
+def test_variant_block_steps_aside_for_odd_heads_and_dropout_and_runs_in_eval() -> None:
+    _, odd = _pair({"head_dim": 8, **resolve_arch("llama", {})})  # the kernel takes 16·k
+    assert type(odd.blocks[0]).__name__ == "Block"
+    decision = native.eligibility(odd, "cpu", native.load())
+    assert not any(b.block for b in decision.blocks) and decision.decode_variant
     reference, fused = _pair({"head_dim": 16, **LAYOUTS["modern"]})
     ids = torch.randint(0, 37, (2, 17))
     for mode in (torch.no_grad, torch.inference_mode):  # evaluation takes the block too

@@ -14,8 +14,7 @@ modules' declared types and the config, never hooks or private registries:
   attention and FFN are both eligible as above; for an architecture variant instead
   (:func:`variant_block_reason`) :class:`~tinylm.native.variants.VariantBlockFn`:
   LayerNorm or RMSNorm, learned or rotary positions, QK-norm, GELU / ReLU² / SwiGLU,
-  any biases, one key/value head per query head (grouped-query attention steps aside),
-  also without gradients (evaluation);
+  grouped-query attention, any biases, also without gradients (evaluation);
 - **decode** (the fused decoding step of :mod:`tinylm.native.decoding`): a
   :class:`~tinylm.model.GPT` whose every block is eligible for **block** (any head size)
   with plain embeddings, final norm and LM head -- except that here each Linear layer
@@ -185,52 +184,22 @@ def _unknown_field_reason(config: ModelConfig) -> str | None:
     return None
 
 
-def _variant_block_reason(block: nn.Module) -> str | None:
-    """Why the variants' fused decoding step cannot run ``block`` (None: it can)."""
-    if declared(block) is not Block or declared(block.attn) is not MultiHeadAttention:
-        return f"the block is a {type(block).__name__}"
-    ffn, attn = block.ffn, block.attn
-    linears = {"attn.qkv": attn.qkv, "attn.out": attn.out, "ffn.up": ffn.up,
-               "ffn.down": ffn.down, **({"ffn.gate": ffn.gate}
-                                        if declared(ffn) is GatedFeedForward else {})}
-    for name, layer in linears.items():
-        reason = _linear_reason(name, layer, DECODE_LINEAR)
-        if reason:
-            return reason
-    for name in ("ln1", "ln2"):
-        if type(getattr(block, name)) not in (nn.LayerNorm, RMSNorm):
-            return f"{name} is a {type(getattr(block, name)).__name__}"
-    if declared(ffn) is FeedForward:
-        act = ffn.act
-        if not (type(act) is ReLUSquared
-                or (type(act) is nn.GELU and act.approximate == "tanh")):
-            return f"ffn.act is {act!r}"
-    elif declared(ffn) is not GatedFeedForward:
-        return f"the FFN is a {type(ffn).__name__}"
-    if attn.q_norm is not None and not (type(attn.q_norm) is RMSNorm
-                                        and type(attn.k_norm) is RMSNorm):
-        return "the QK-norm is not an RMSNorm"
-    return None
-
-
-def variant_block_reason(block: nn.Module) -> str | None:
-    """Why the variants' fused training block (:class:`NativeVariantBlock`) cannot run
-    ``block`` (None: it can): the reference modules with plain or LoRA Linear layers,
-    both norms of one kind, and one key/value head per query head (the attention kernel
-    reads H heads of each of q, k and v)."""
+def variant_block_reason(block: nn.Module, linear: tuple[type, ...] = TRAIN_LINEAR
+                         ) -> str | None:
+    """Why the variants' fused steps cannot run ``block`` (None: they can): the training
+    block (:class:`NativeVariantBlock`, ``linear`` = :data:`TRAIN_LINEAR`) and the
+    decoding step (``linear`` = :data:`DECODE_LINEAR`) take the reference modules with
+    those Linear layers, both norms of one kind, and the activations they implement."""
     if declared(block) is not Block or declared(block.attn) is not MultiHeadAttention:
         return f"the block is a {type(block).__name__}"
     attn, ffn = block.attn, block.ffn
-    if attn.n_kv_head != attn.n_head:
-        return (f"grouped-query attention ({attn.n_kv_head} key/value heads for "
-                f"{attn.n_head}): the training kernel reads one per query head")
     gated = declared(ffn) is GatedFeedForward
     if not gated and declared(ffn) is not FeedForward:
         return f"the FFN is a {type(ffn).__name__}"
     linears = {"attn.qkv": attn.qkv, "attn.out": attn.out, "ffn.up": ffn.up,
                "ffn.down": ffn.down, **({"ffn.gate": ffn.gate} if gated else {})}
     for name, layer in linears.items():
-        reason = _linear_reason(name, layer, TRAIN_LINEAR)
+        reason = _linear_reason(name, layer, linear)
         if reason:
             return reason
     kinds = {type(block.ln1), type(block.ln2)}
@@ -258,7 +227,7 @@ def _variant_reason(model: GPT) -> str | None:
         return f"final_norm is a {type(model.final_norm).__name__}"
     return _linear_reason("lm_head", model.lm_head, DECODE_LINEAR) or next(
         (f"block {i}: {r}" for i, b in enumerate(model.blocks)
-         if (r := _variant_block_reason(b))), None)
+         if (r := variant_block_reason(b, DECODE_LINEAR))), None)
 
 
 def _model_reason(model: nn.Module) -> str | None:
@@ -453,7 +422,7 @@ class NativeVariantBlock(Block):
         mlp = "swiglu" if gate is not None else (
             "relu2" if type(ffn.act) is ReLUSquared else "gelu")
         norm = "rmsnorm" if type(ln1) is RMSNorm else "layernorm"
-        layout = variants.Layout(attn.n_head, norm, mlp, ln1.eps, ln2.eps,
+        layout = variants.Layout(attn.n_head, attn.n_kv_head, norm, mlp, ln1.eps, ln2.eps,
                                  attn.q_norm.eps if attn.q_norm is not None else 0.0)
         qn, kn = attn.q_norm, attn.k_norm
         return variants.VariantBlockFn.apply(

@@ -3,8 +3,9 @@
 is for GPT-2's layout.
 
 It computes the reference :class:`~tinylm.model.Block` with any of the layouts
-``ModelConfig`` offers except grouped-query attention: LayerNorm or RMSNorm, learned or
-rotary positions, QK-norm, GELU / ReLU² / SwiGLU MLPs, with or without biases. Per block:
+``ModelConfig`` offers: LayerNorm or RMSNorm, learned or rotary positions, QK-norm,
+grouped-query attention (each key/value head repeated for the query heads it serves,
+its gradient summed back), GELU / ReLU² / SwiGLU MLPs, with or without biases. Per block:
 
     a = Norm1(x);  qkv = a·W_qkvᵀ (+ b);  q, k ← RoPE(QKNorm(q, k))
     x1 = x + Attention(q, k, v)·W_oᵀ (+ b_o)
@@ -44,6 +45,7 @@ class Layout:
     """What one block computes, beyond its tensors."""
 
     n_head: int
+    n_kv_head: int  # fewer than n_head: grouped-query attention
     norm: str  # "layernorm" | "rmsnorm"
     mlp: str  # "gelu" | "relu2" | "swiglu"
     eps1: float
@@ -188,19 +190,16 @@ class VariantBlockFn(torch.autograd.Function):
         x0 = x.contiguous().view(B * C, E)
         a_in, st1 = norm_forward(lib, layout.norm, x0, t["ln1_w"], t["ln1_b"], layout.eps1)
         qkv = (a_in @ t["w_qkv"].t()).view(B, C, -1)  # (B, C, 3·H·D), [q | k | v]
-        HD = qkv.shape[-1] // 3
         qk = rs_qk = None
-        if t["q_norm"] is not None or t["cos"] is not None:
+        if t["q_norm"] is not None or t["cos"] is not None or layout.n_kv_head != H:
             if t["b_qkv"] is not None:
                 qkv += t["b_qkv"]
-            qk = qkv[..., :2 * HD].reshape(B, C, 2 * H, HD // H)  # q and k heads, a copy
-            qk_out, rs_qk = qk_forward(qk, _qk_gains(t, H), layout.qk_eps, *_angles(t))
-            att_in = torch.cat((qk_out.view(B, C, 2 * HD), qkv[..., 2 * HD:]), dim=-1)
+            qk, rs_qk, att_in = _attention_input(qkv, layout, t)
             r, lse = lib.causal_attention(att_in, H, None)  # (B, C, H·D), (B, H, C)
-        else:  # the kernel adds the QKV bias in place
+        else:  # GPT-2's attention: the kernel adds the QKV bias in place
             att_in = qkv
             r, lse = lib.causal_attention(qkv, H, t["b_qkv"])
-        r2 = r.view(B * C, HD)
+        r2 = r.view(B * C, -1)
         x1 = torch.addmm(x0, r2, t["w_out"].t())  # x + R·W_oᵀ
         if t["b_out"] is not None:
             x1 += t["b_out"]
@@ -234,8 +233,8 @@ class VariantBlockFn(torch.autograd.Function):
         grads["w_out"] = grad_x1.t() @ r2 if need["w_out"] else None
         grads["b_out"] = grad_x1.sum(0) if t["b_out"] is not None and need["b_out"] else None
         grad_r = (grad_x1 @ t["w_out"]).view(*ctx.shape[:2], -1)  # (B, C, H·D)
-        grad_qkv = _attention_grads(lib, layout.n_head, grad_r, att_in, r2, lse, qk, rs_qk,
-                                    t, need, grads)
+        grad_qkv = _attention_grads(lib, layout, grad_r, att_in, r2, lse, qk, rs_qk, t, need,
+                                    grads)
         g2 = grad_qkv.view(x0.shape[0], -1)  # (B·C, 3·H·D)
         grads["w_qkv"] = g2.t() @ a_in if need["w_qkv"] else None
         grad_x, grads["ln1_w"], grads["ln1_b"] = norm_backward(
@@ -245,12 +244,30 @@ class VariantBlockFn(torch.autograd.Function):
         return (grad_x.view(ctx.shape), None, None, *(grads.get(n) for n in TENSORS))
 
 
-def _qk_gains(t: dict[str, Tensor | None], H: int) -> Tensor | None:
-    """QK-norm's gains as one (2H, D) table: the q heads' D gains H times, then k's."""
+def _qk_gains(t: dict[str, Tensor | None], H: int, Hkv: int) -> Tensor | None:
+    """QK-norm's gains as one (H + H_kv, D) table: the q heads' D gains H times, then k's."""
     if t["q_norm"] is None:
         return None
     D = t["q_norm"].shape[0]
-    return torch.cat((t["q_norm"].expand(H, D), t["k_norm"].expand(H, D)))
+    return torch.cat((t["q_norm"].expand(H, D), t["k_norm"].expand(Hkv, D)))
+
+
+def _attention_input(qkv: Tensor, layout: Layout, t: dict[str, Tensor | None]
+                     ) -> tuple[Tensor, Tensor | None, Tensor]:
+    """From qkv (B, C, (H + 2·H_kv)·D): the q and k heads as one (B, C, H + H_kv, D) copy,
+    QK-norm's 1/RMS, and the kernel's input (B, C, 3·H·D): RoPE(QKNorm(q)), then k and v
+    with each key/value head repeated for the H / H_kv query heads it serves."""
+    B, C, _ = qkv.shape
+    H, Hkv = layout.n_head, layout.n_kv_head
+    D = qkv.shape[-1] // (H + 2 * Hkv)
+    qk = qkv[..., :(H + Hkv) * D].reshape(B, C, H + Hkv, D)  # q and k heads, a copy
+    qk_out, rs = qk_forward(qk, _qk_gains(t, H, Hkv), layout.qk_eps, *_angles(t))
+    k, v = qk_out[:, :, H:], qkv[..., (H + Hkv) * D:].view(B, C, Hkv, D)
+    if Hkv != H:  # query head i reads key/value head i // (H / H_kv), as repeat_kv
+        k, v = k.repeat_interleave(H // Hkv, dim=2), v.repeat_interleave(H // Hkv, dim=2)
+    att_in = torch.cat((qk_out[:, :, :H].reshape(B, C, H * D), k.reshape(B, C, H * D),
+                        v.reshape(B, C, H * D)), dim=-1)
+    return qk, rs, att_in
 
 
 def _angles(t: dict[str, Tensor | None]) -> tuple[Tensor | None, Tensor | None]:
@@ -279,23 +296,28 @@ def _mlp_grads(lib: Library, kind: str, gy: Tensor, f_in: Tensor, kept: tuple[Te
     return grads
 
 
-def _attention_grads(lib: Library, H: int, grad_r: Tensor, att_in: Tensor, r2: Tensor,
-                     lse: Tensor, qk: Tensor | None, rs_qk: Tensor | None,
+def _attention_grads(lib: Library, layout: Layout, grad_r: Tensor, att_in: Tensor,
+                     r2: Tensor, lse: Tensor, qk: Tensor | None, rs_qk: Tensor | None,
                      t: dict[str, Tensor | None], need: dict[str, bool],
                      grads: dict[str, Tensor | None]) -> Tensor:
-    """dL/dqkv (B, C, 3·H·D) from dL/dR, through the kernel and QK-norm/RoPE; puts the
-    QKV bias's and the QK-norm gains' gradients into ``grads``."""
+    """dL/dqkv (B, C, (H + 2·H_kv)·D) from dL/dR, through the kernel, the repeated
+    key/value heads and QK-norm/RoPE; puts the QKV bias's and the QK-norm gains'
+    gradients into ``grads``."""
     B, C, HD = grad_r.shape
+    H, Hkv = layout.n_head, layout.n_kv_head
     r = r2.view(B, C, HD)
-    if qk is None:  # no QK-norm, no RoPE: the kernel also sums the bias's gradient
+    if qk is None:  # GPT-2's attention: the kernel also sums the bias's gradient
         grad_qkv, grads["b_qkv"] = lib.causal_attention_backward(
             grad_r, att_in, r, lse, H, bias_grad=t["b_qkv"] is not None and need["b_qkv"])
         return grad_qkv
-    grad_qkv, _ = lib.causal_attention_backward(grad_r, att_in, r, lse, H)
-    g_qk = grad_qkv[..., :2 * HD].reshape(qk.shape)  # (B, C, 2H, D)
-    g_in, g_w = qk_backward(g_qk, qk, _qk_gains(t, H), rs_qk, *_angles(t),
-                            need["q_norm"] or need["k_norm"])
-    grad_qkv[..., :2 * HD] = g_in.view(B, C, 2 * HD)
+    grad_att, _ = lib.causal_attention_backward(grad_r, att_in, r, lse, H)
+    D = HD // H
+    g_q = grad_att[..., :HD].reshape(B, C, H, D)
+    g_k = grad_att[..., HD:2 * HD].reshape(B, C, Hkv, H // Hkv, D).sum(3)  # a shared head
+    g_v = grad_att[..., 2 * HD:].reshape(B, C, Hkv, H // Hkv, D).sum(3)  # sums its group
+    g_in, g_w = qk_backward(torch.cat((g_q, g_k), dim=2), qk, _qk_gains(t, H, Hkv), rs_qk,
+                            *_angles(t), need["q_norm"] or need["k_norm"])
+    grad_qkv = torch.cat((g_in.reshape(B, C, -1), g_v.reshape(B, C, -1)), dim=-1)
     if g_w is not None:
         grads["q_norm"], grads["k_norm"] = g_w[:H].sum(0), g_w[H:].sum(0)
     if t["b_qkv"] is not None and need["b_qkv"]:
