@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 
 import pytest
 import torch
@@ -119,6 +120,39 @@ def test_training_step_equals_the_reference(monkeypatch, shape: str, path: str) 
         torch.testing.assert_close(g, w, **GRAD_TOL, msg=lambda m, n=name: f"{n}: {m}")
     plan.restore()
     assert all(type(b).__name__ == "Block" for b in model.blocks)
+
+
+def assert_step_equals(got, want) -> None:
+    torch.testing.assert_close(got[0], want[0], **LOSS_TOL)
+    for g, w in zip(got[1], want[1], strict=True):
+        torch.testing.assert_close(g, w, **GRAD_TOL)
+
+
+@pytest.mark.skipif(not NATIVE, reason="TINYLM_NATIVE=0: no fast path, no scratch buffers")
+def test_reused_scratch_buffers_keep_every_step_equal_to_the_reference() -> None:
+    """The whole-block step keeps its temporaries in per-thread buffers that every block
+    and step reuses: interleaved steps of models of other sizes, and steps in two
+    threads at once, still give the reference's loss and gradients."""
+    runs = [make("bias-tied"), make("5heads-D16", seed=1), make("nobias-untied-3heads", 2)]
+    wants = [reference_step(m, ids) for m, ids in runs]
+    for m, _ in runs:
+        native.plan(m, "cpu").apply()
+    for _ in range(2):  # each model after the others: every buffer changes shape
+        for (m, ids), want in zip(runs, wants, strict=True):
+            assert_step_equals(step(m, ids), want)
+    kept = {n: t.data_ptr() for n, t in functions.SCRATCH.buffers.items()}
+    assert set(kept) == {"ffn_act", "ffn_grad", "qkv_grad", "attn_grad"}
+    step(*runs[-1])  # the same shapes again: the same buffers
+    assert {n: t.data_ptr() for n, t in functions.SCRATCH.buffers.items()} == kept
+    got = {}
+    threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, step(*runs[i])))
+               for i in (0, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i in (0, 2):
+        assert_step_equals(got[i], wants[i])
 
 
 def reference_greedy(model: GPT, prompt: torch.Tensor, n: int) -> torch.Tensor:

@@ -152,6 +152,32 @@ def test_bias_gelu_adds_in_place_and_returns_gelu(lib) -> None:
     torch.testing.assert_close(g, F.gelu(want_h, approximate="tanh"), rtol=1e-5, atol=1e-6)
 
 
+def test_the_elementwise_and_attention_kernels_write_into_given_buffers(lib) -> None:
+    """The ``out`` buffers (the whole-block step's reused scratch) receive the same
+    values as fresh outputs, and a buffer of another shape is refused."""
+    a, b = torch.randn(5, 37), torch.randn(37)
+    out = torch.full((5, 37), float("nan"))
+    assert lib.bias_gelu_(a.clone(), b, out) is out
+    torch.testing.assert_close(out, F.gelu(a + b, approximate="tanh"), rtol=1e-5, atol=1e-6)
+    grad, y = torch.randn(5, 37), torch.full((5, 37), float("nan"))
+    grad_x, got_y, _ = lib.gelu_backward(grad.clone(), a, True, y)
+    assert got_y is y
+    torch.testing.assert_close(y, F.gelu(a, approximate="tanh"), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad_x, lib.gelu_backward(grad.clone(), a, True)[0])
+    qkv, H = torch.randn(2, 19, 3 * 2 * 16), 2
+    o, lse = lib.causal_attention(qkv, H)
+    grad_o, into = torch.randn_like(o), torch.full_like(qkv, float("nan"))
+    got, _ = lib.causal_attention_backward(grad_o, qkv, o, lse, H, grad_qkv=into)
+    assert got is into
+    torch.testing.assert_close(into, lib.causal_attention_backward(grad_o, qkv, o, lse, H)[0])
+    for call in (lambda: lib.bias_gelu_(a, None, torch.empty(37, 5)),
+                 lambda: lib.gelu_backward(grad, a, False, torch.empty(5, 36)),
+                 lambda: lib.causal_attention_backward(grad_o, qkv, o, lse, H,
+                                                       grad_qkv=torch.empty(2, 19, 95))):
+        with pytest.raises(ops.OpError, match="shape"):
+            call()
+
+
 def _sdpa_from_qkv(qkv: torch.Tensor, n_head: int) -> torch.Tensor:
     """The oracle: split the fused projection into heads and run torch's causal SDPA."""
     B, C, three_hd = qkv.shape
@@ -169,6 +195,8 @@ def _sdpa_from_qkv(qkv: torch.Tensor, n_head: int) -> torch.Tensor:
     (1, 70, 1, 64),    # more than 64 key columns: two column groups
     (2, 33, 2, 128),   # D = 128: two 64-wide output groups
     (1, 256, 1, 16),   # the longest context the kernel takes
+    (2, 131, 3, 48),   # operands past L1_PART: packed panels, a last panel narrower than G
+    (1, 256, 2, 64),   # the benchmark's 6×384 shape (panels and column groups)
 ])
 def test_causal_attention_and_its_backward_equal_sdpa(lib, B: int, C: int, H: int,
                                                        D: int) -> None:
@@ -221,6 +249,11 @@ def test_layer_norm_training_kernels_equal_torch(lib, M: int, E: int, affine: bo
     assert (dw is None and db is None) or affine
     for g, ref in zip(got, want_grads, strict=True):
         torch.testing.assert_close(g, ref, rtol=1e-4, atol=1e-4)
+    residual = torch.randn(M, E)  # a residual path's gradient, added in the same pass
+    dx_res, _, _ = lib.layer_norm_backward(grad, x, w, mean, rstd, False, False, residual)
+    torch.testing.assert_close(dx_res, want_grads[0] + residual, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ops.OpError, match="shape"):
+        lib.layer_norm_backward(grad, x, w, mean, rstd, False, False, residual[1:])
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -332,7 +365,8 @@ def test_every_vector_width_this_cpu_runs_computes_the_same(tmp_path, monkeypatc
         build.SOURCES, tmp_path / "kernels", lambda cdll: selfcheck.run(ops.Library(cdll)),
         name="narrow"))
     g = torch.Generator().manual_seed(3)
-    for B, C, H, D in ((2, 37, 3, 48), (1, 70, 2, 32)):  # row blocks across 16-boundaries
+    # row tiles across 16-boundaries; then operands past L1_PART (packed, grouped)
+    for B, C, H, D in ((2, 37, 3, 48), (1, 70, 2, 32), (1, 131, 2, 48)):
         qkv = torch.randn(B, C, 3 * H * D, generator=g, requires_grad=True)
         q, k, v = qkv.view(B, C, 3, H, D).permute(2, 0, 3, 1, 4).unbind(0)
         want = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)

@@ -14,11 +14,37 @@ Each Function takes the :class:`~tinylm.native.ops.Library` it runs on as an arg
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from tinylm.native.ops import Library
+
+
+class Scratch(threading.local):
+    """Buffers for a block's float32 temporaries, kept per thread and reused from one
+    call to the next: the FFN's GELU(h) (forward, and its recomputation in backward),
+    dL/dGELU(h), dL/dqkv and dL/dR. Each is dead when the step that made it returns, and
+    the blocks of a model run one after another, so one buffer per name serves them all.
+
+    A fresh tensor of these sizes (MiBs) is memory the allocator maps anew, and every
+    page of it faults on first touch: at 4×128 that was ~1,000 page faults per training
+    step. Reused buffers are mapped once. A new shape replaces the buffer."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[str, Tensor] = {}
+
+    def get(self, name: str, shape: tuple[int, ...]) -> Tensor:
+        t = self.buffers.get(name)
+        if t is None or t.shape != shape:
+            self.buffers.pop(name, None)  # freed before its successor is allocated
+            t = self.buffers[name] = torch.empty(shape)
+        return t
+
+
+SCRATCH = Scratch()
 
 
 def bias_gelu_(lib: Library | None, h: Tensor, bias: Tensor | None) -> Tensor:
@@ -31,12 +57,14 @@ def bias_gelu_(lib: Library | None, h: Tensor, bias: Tensor | None) -> Tensor:
     return F.gelu(h, approximate="tanh")
 
 
-def gelu_backward(lib: Library | None, grad: Tensor, h: Tensor, sum_rows: bool
-                  ) -> tuple[Tensor, Tensor, Tensor | None]:
-    """(dL/dh, GELU(h), Σ_rows dL/dh or None) from dL/dGELU(h); ``grad`` may be reused."""
+def gelu_backward(lib: Library | None, grad: Tensor, h: Tensor, sum_rows: bool,
+                  scratch: Scratch | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+    """(dL/dh, GELU(h), Σ_rows dL/dh or None) from dL/dGELU(h); ``grad`` may be reused,
+    and natively GELU(h) goes to a ``scratch`` buffer where given."""
     if lib is not None and _native_elementwise(h, None) and grad.is_contiguous() \
             and grad.dtype == torch.float32 and grad.shape == h.shape:
-        return lib.gelu_backward(grad, h, sum_rows)
+        out = scratch.get("ffn_act", tuple(h.shape)) if scratch is not None else None
+        return lib.gelu_backward(grad, h, sum_rows, out)
     grad_h = torch.ops.aten.gelu_backward(grad, h, approximate="tanh")
     colsum = grad_h.reshape(-1, h.shape[-1]).sum(0) if sum_rows else None
     return grad_h, F.gelu(h, approximate="tanh"), colsum
@@ -49,13 +77,16 @@ def _native_elementwise(h: Tensor, bias: Tensor | None) -> bool:
 
 
 def ffn_backward(lib: Library | None, gy: Tensor, x2: Tensor, h: Tensor, w_up: Tensor,
-                 w_down: Tensor, need: tuple[bool, bool, bool, bool]) -> tuple[Tensor | None, ...]:
+                 w_down: Tensor, need: tuple[bool, bool, bool, bool],
+                 scratch: Scratch | None = None) -> tuple[Tensor | None, ...]:
     """Backward of y = GELU(h)·W_downᵀ (+ b_down), h = x2·W_upᵀ + b_up, from dL/dy
     (B·C, E) and the kept x2, h: the gradients of (x2, W_up, b_up, W_down) — each only
     where ``need`` says so. GELU(h) is recomputed; b_up's gradient is summed in the
-    same native pass (b_down's is dL/dy summed over rows, left to the caller)."""
-    grad_g = gy @ w_down  # (B·C, E)·(E, 4E) -> (B·C, 4E)
-    grad_h, g, grad_b_up = gelu_backward(lib, grad_g, h, need[2])
+    same native pass (b_down's is dL/dy summed over rows, left to the caller). With
+    ``scratch`` (float32 only), the temporaries go to its buffers."""
+    out = scratch.get("ffn_grad", tuple(h.shape)) if scratch is not None else None
+    grad_g = torch.mm(gy, w_down, out=out)  # (B·C, E)·(E, 4E) -> (B·C, 4E)
+    grad_h, g, grad_b_up = gelu_backward(lib, grad_g, h, need[2], scratch)
     grad_w_down = gy.t() @ g if need[3] else None  # (E, B·C)·(B·C, 4E) -> (E, 4E)
     grad_w_up = grad_h.t() @ x2 if need[1] else None  # (4E, B·C)·(B·C, E) -> (4E, E)
     grad_x2 = grad_h @ w_up if need[0] else None  # (B·C, 4E)·(4E, E) -> (B·C, E)
@@ -106,13 +137,14 @@ class FeedForwardFn(torch.autograd.Function):
 
 def qkv_attention_backward(lib: Library, grad_r: Tensor, x2: Tensor, w_qkv: Tensor,
                            qkv: Tensor, r: Tensor, lse: Tensor, n_head: int,
-                           need: tuple[bool, bool, bool]
+                           need: tuple[bool, bool, bool], scratch: Scratch | None = None
                            ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """Backward of qkv = x2·W_qkvᵀ + b (x2 (B·C, E)) followed by the native causal
     attention r = attention(qkv): from dL/dr (B, C, H·D), the gradients of (x2, W_qkv, b)
-    — each only where ``need`` says so."""
+    — each only where ``need`` says so; dL/dqkv goes to a ``scratch`` buffer if given."""
+    out = scratch.get("qkv_grad", tuple(qkv.shape)) if scratch is not None else None
     grad_qkv, grad_b = lib.causal_attention_backward(grad_r, qkv, r, lse, n_head,
-                                                    bias_grad=need[2])
+                                                    bias_grad=need[2], grad_qkv=out)
     g = grad_qkv.view(-1, grad_qkv.shape[-1])  # (B·C, 3·H·D)
     grad_w = g.t() @ x2 if need[1] else None  # (3·H·D, B·C)·(B·C, E)
     grad_x2 = g @ w_qkv if need[0] else None  # (B·C, 3·H·D)·(3·H·D, E)
@@ -158,6 +190,13 @@ class CausalAttentionFn(torch.autograd.Function):
         return grad_x, grad_w_qkv, grad_b_qkv, grad_w_out, grad_b_out, None, None
 
 
+def _residual(x: Tensor, bias: Tensor | None) -> Tensor:
+    """A new tensor x + bias (or a copy of x): the start of a residual branch's sum,
+    into which the branch's product then accumulates (GEMM with beta = 1) -- one pass
+    over x fewer than a copy, the product and a separate bias add."""
+    return torch.add(x, bias) if bias is not None else x.clone()
+
+
 class BlockFn(torch.autograd.Function):
     """A whole block for CPU training as one autograd step, with native kernels:
 
@@ -165,12 +204,14 @@ class BlockFn(torch.autograd.Function):
 
     The same tensors are kept for backward as the block's separate steps would keep
     (LN inputs, LN outputs, qkv, the heads' outputs, the FFN's pre-activation), but
-    LayerNorm runs natively (:meth:`Library.layer_norm`), each residual add is
-    done by the output projection's product itself (beta = 1), and in backward the
-    residual gradient is added in place — where a graph of a dozen small autograd
-    steps per block (LN, projections, adds, gradient accumulation) costs more than
-    their arithmetic at small sizes. Applied by :class:`tinylm.native.plan.NativeBlock`
-    where :func:`tinylm.native.plan.eligibility` found the block's parts plain.
+    LayerNorm runs natively (:meth:`Library.layer_norm`), each residual add (with the
+    projection's bias) is done by the output projection's product itself (beta = 1),
+    the big temporaries go to reused :class:`Scratch` buffers, and in backward the
+    residual gradient is added by the LayerNorm backward pass itself — where a graph
+    of a dozen small autograd steps per block (LN, projections, adds, gradient
+    accumulation) costs more than their arithmetic at small sizes. Applied by
+    :class:`tinylm.native.plan.NativeBlock` where :func:`tinylm.native.plan.eligibility`
+    found the block's parts plain.
     """
 
     @staticmethod
@@ -186,15 +227,11 @@ class BlockFn(torch.autograd.Function):
         qkv = (a_in @ w_qkv.t()).view(B, C, w_qkv.shape[0])  # (B, C, 3·H·D)
         r, lse = lib.causal_attention(qkv, n_head, b_qkv)  # (B, C, H·D), (B, H, C)
         r2 = r.view(B * C, -1)
-        x1 = torch.addmm(x0, r2, w_out.t())  # x + R·W_oᵀ
-        if b_out is not None:
-            x1 += b_out
+        x1 = _residual(x0, b_out).addmm_(r2, w_out.t())  # x + b_o + R·W_oᵀ
         f_in, mu2, rs2 = lib.layer_norm(x1, ln2_w, ln2_b, eps2)
         h = f_in @ w_up.t()  # (B·C, 4E)
-        g = lib.bias_gelu_(h, b_up)  # h += b_up; g = GELU(h)
-        y = torch.addmm(x1, g, w_down.t())  # x1 + GELU(h)·W_downᵀ
-        if b_down is not None:
-            y += b_down
+        g = lib.bias_gelu_(h, b_up, SCRATCH.get("ffn_act", tuple(h.shape)))  # h += b_up
+        y = _residual(x1, b_down).addmm_(g, w_down.t())  # x1 + b_down + GELU(h)·W_downᵀ
         ctx.save_for_backward(x0, mu1, rs1, a_in, qkv, r2, lse, x1, mu2, rs2, f_in, h,
                               ln1_w, w_qkv, w_out, ln2_w, w_up, w_down)
         ctx.n_head, ctx.shape, ctx.lib = n_head, (B, C), lib
@@ -211,21 +248,20 @@ class BlockFn(torch.autograd.Function):
         gy = grad_y.contiguous().view(x0.shape)  # (B·C, E)
         # FFN: y = x1 + GELU(f_in·W_upᵀ + b_up)·W_downᵀ + b_down
         grad_f_in, grad_w_up, grad_b_up, grad_w_down = ffn_backward(
-            lib, gy, f_in, h, w_up, w_down, (True, need[12], has_b_up and need[13], need[14]))
+            lib, gy, f_in, h, w_up, w_down, (True, need[12], has_b_up and need[13], need[14]),
+            SCRATCH)
         grad_b_down = gy.sum(0) if has_b_down and need[15] else None
-        grad_x1, grad_ln2_w, grad_ln2_b = lib.layer_norm_backward(
-            grad_f_in, x1, ln2_w, mu2, rs2, ln2_w is not None and need[10], need[11])
-        grad_x1 += gy  # the residual path
+        grad_x1, grad_ln2_w, grad_ln2_b = lib.layer_norm_backward(  # + gy: the residual path
+            grad_f_in, x1, ln2_w, mu2, rs2, ln2_w is not None and need[10], need[11], gy)
         # attention: x1 = x + R·W_oᵀ + b_out, R = attention(LN1(x)·W_qkvᵀ + b_qkv)
         grad_w_out = grad_x1.t() @ r2 if need[8] else None
         grad_b_out = grad_x1.sum(0) if has_b_out and need[9] else None
-        grad_r = (grad_x1 @ w_out).view(*ctx.shape, -1)  # (B·C, E)·(E, H·D) -> (B, C, H·D)
-        grad_a_in, grad_w_qkv, grad_b_qkv = qkv_attention_backward(
-            lib, grad_r, a_in, w_qkv, qkv, r2.view(*ctx.shape, -1), lse, ctx.n_head,
-            (True, need[6], has_b_qkv and need[7]))
-        grad_x, grad_ln1_w, grad_ln1_b = lib.layer_norm_backward(
-            grad_a_in, x0, ln1_w, mu1, rs1, ln1_w is not None and need[4], need[5])
-        grad_x += grad_x1  # the residual path
+        grad_r = torch.mm(grad_x1, w_out, out=SCRATCH.get("attn_grad", tuple(r2.shape)))
+        grad_a_in, grad_w_qkv, grad_b_qkv = qkv_attention_backward(  # (B, C, H·D) grad_r
+            lib, grad_r.view(*ctx.shape, -1), a_in, w_qkv, qkv, r2.view(*ctx.shape, -1), lse,
+            ctx.n_head, (True, need[6], has_b_qkv and need[7]), SCRATCH)
+        grad_x, grad_ln1_w, grad_ln1_b = lib.layer_norm_backward(  # + grad_x1: the residual
+            grad_a_in, x0, ln1_w, mu1, rs1, ln1_w is not None and need[4], need[5], grad_x1)
         return (grad_x.view(grad_y.shape), None, None, None, grad_ln1_w, grad_ln1_b,
                 grad_w_qkv, grad_b_qkv, grad_w_out, grad_b_out, grad_ln2_w, grad_ln2_b,
                 grad_w_up, grad_b_up, grad_w_down, grad_b_down, None)

@@ -250,23 +250,28 @@ class Library:
             raise ValueError(f"token ids must be in [0, {V}), got {ids.tolist()}")
         return x
 
-    def bias_gelu_(self, a: Tensor, bias: Tensor | None) -> Tensor:
-        """``a += bias`` in place (a (..., N)), then GELU_tanh(a) as a new tensor."""
+    def bias_gelu_(self, a: Tensor, bias: Tensor | None, out: Tensor | None = None
+                   ) -> Tensor:
+        """``a += bias`` in place (a (..., N)), then GELU_tanh(a) as a new tensor (or
+        into ``out``, of a's shape)."""
         N = a.shape[-1]
         check("a", a)
         b = _opt("bias", bias, (N,))
-        g = torch.empty_like(a)
+        g = torch.empty_like(a) if out is None else out
+        check("out", g, tuple(a.shape))
         self.raw.tl_bias_gelu(a.data_ptr(), b, g.data_ptr(), a.numel() // N if N else 0, N,
                               _threads())
         return g
 
-    def gelu_backward(self, grad: Tensor, x: Tensor, sum_rows: bool
-                      ) -> tuple[Tensor, Tensor, Tensor | None]:
-        """(dL/dx written over ``grad``, GELU(x), Σ_rows dL/dx or None)."""
+    def gelu_backward(self, grad: Tensor, x: Tensor, sum_rows: bool,
+                      out: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+        """(dL/dx written over ``grad``, GELU(x) (into ``out`` if given), Σ_rows dL/dx
+        or None)."""
         N = x.shape[-1]
         check("x", x)
         check("grad", grad, tuple(x.shape))
-        y = torch.empty_like(x)
+        y = torch.empty_like(x) if out is None else out
+        check("out", y, tuple(x.shape))
         colsum = torch.empty(N) if sum_rows else None
         self.raw.tl_gelu_backward(x.data_ptr(), grad.data_ptr(), y.data_ptr(),
                                   colsum.data_ptr() if colsum is not None else None,
@@ -286,9 +291,12 @@ class Library:
         return y, mean, rstd
 
     def layer_norm_backward(self, grad_y: Tensor, x: Tensor, weight: Tensor | None,
-                            mean: Tensor, rstd: Tensor, need_weight: bool, need_bias: bool
+                            mean: Tensor, rstd: Tensor, need_weight: bool, need_bias: bool,
+                            residual: Tensor | None = None
                             ) -> tuple[Tensor, Tensor | None, Tensor | None]:
-        """(dL/dx, dL/dweight or None, dL/dbias or None) of :meth:`layer_norm`."""
+        """(dL/dx, dL/dweight or None, dL/dbias or None) of :meth:`layer_norm`; a
+        ``residual`` (x's shape: the gradient of a residual path around the norm) is
+        added to dL/dx in the same pass."""
         E = x.shape[-1]
         M = x.numel() // E
         check("x", x)
@@ -297,11 +305,12 @@ class Library:
         check("mean", mean, (M,))
         check("rstd", rstd, (M,))
         w = _opt("weight", weight, (E,))
+        res = _opt("residual", residual, tuple(x.shape))
         dx = torch.empty_like(x)
         dw = torch.empty(E) if need_weight else None
         db = torch.empty(E) if need_bias else None
         _ok(self.raw.tl_ln_bwd(x.data_ptr(), w, mean.data_ptr(), rstd.data_ptr(),
-                               grad_y.data_ptr(), dx.data_ptr(),
+                               grad_y.data_ptr(), res, dx.data_ptr(),
                                dw.data_ptr() if dw is not None else None,
                                db.data_ptr() if db is not None else None, M, E, _threads()),
             "layer_norm_backward")
@@ -320,16 +329,19 @@ class Library:
         return out, lse
 
     def causal_attention_backward(self, grad_out: Tensor, qkv: Tensor, out: Tensor,
-                                  lse: Tensor, n_head: int, *, bias_grad: bool = False
+                                  lse: Tensor, n_head: int, *, bias_grad: bool = False,
+                                  grad_qkv: Tensor | None = None
                                   ) -> tuple[Tensor, Tensor | None]:
         """dL/dqkv (B, C, 3·H·D) of :meth:`causal_attention` (and, with ``bias_grad``, its
-        sum over the B·C rows: the bias's gradient), from dL/dout (B, C, H·D)."""
+        sum over the B·C rows: the bias's gradient), from dL/dout (B, C, H·D); written
+        into ``grad_qkv`` if given."""
         B, C, H, D = attention_shape(qkv, n_head)
         grad_out = grad_out.contiguous()
         check("grad_out", grad_out, (B, C, H * D))
         check("out", out, (B, C, H * D))
         check("lse", lse, (B, H, C))
-        grad_qkv = torch.empty_like(qkv)
+        grad_qkv = torch.empty_like(qkv) if grad_qkv is None else grad_qkv
+        check("grad_qkv", grad_qkv, (B, C, 3 * H * D))
         grad_bias = torch.empty(3 * H * D) if bias_grad else None
         _ok(self.raw.tl_attn_bwd(qkv.data_ptr(), out.data_ptr(), grad_out.data_ptr(),
                                  lse.data_ptr(), grad_qkv.data_ptr(),

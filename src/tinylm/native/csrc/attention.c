@@ -9,7 +9,7 @@
  * projection's output, again without a split or a concatenation.
  *
  * Threads take whole (batch row, head) pairs. A head's scores P (C, Cp) live in a
- * per-thread buffer (Cp = C rounded up to 16), so the context is kept short (the
+ * per-thread buffer (rows of Cp = C rounded up to 16, plus 16), so the context is kept short (the
  * caller uses torch's SDPA beyond a limit). Every product is one register-blocked
  * micro-kernel (mk): MK_R output rows × MK_C vectors of VL columns of accumulators, one
  * broadcast coefficient times a VL-float vector per FMA -- no horizontal sums. */
@@ -75,13 +75,29 @@ static void mk_any(const float *a, long sr, long sk, const float *x, long ldx, l
     }
 }
 
-/* The rows of the block starting at row i0: MK_R, or fewer at the end and so that no block
- * crosses a multiple of 16 -- the products past the diagonal are zero (or never read)
- * only up to round16(i + 1) in row i, and a block's products reach its last row. */
-static inline long block_rows(long i0, long C) {
-    long r = C - i0 < MK_R ? C - i0 : MK_R, left = 16 - i0 % 16;
-    return r < left ? r : left;
+/* The row tiles: MK_R rows each (fewer in the last). Tile i0's products of the causal
+ * part reach its last row's keys, so row i is computed up to row_width(i): the keys up to
+ * its tile's end, rounded up to 16 (whole column vectors); past the diagonal the entries
+ * are made zero, so the products over keys can run to the end of each tile. */
+static inline long block_rows(long i0, long C) { return C - i0 < MK_R ? C - i0 : MK_R; }
+
+static inline long row_width(long i, long C) {
+    long end = i / MK_R * MK_R + MK_R;
+    return round16(end < C ? end : C);
 }
+
+/* The columns of the products in groups of G = VL·MK_C (one micro-kernel call). Where
+ * the right-hand operand of a product is larger than L1_PART bytes (long contexts), one
+ * group goes across all row tiles before the next, so that the group's panel is read
+ * from L1 by every tile; smaller operands stay in L1 anyway, and each tile then goes
+ * across all groups, keeping its own rows of the left-hand operand in L1 instead. */
+#define G (VL * MK_C)
+#define L1_PART (16 * 1024)
+
+/* A head's per-thread row stride: round16(C) plus one cache line, so that walking down
+ * a column does not map every row to the same few L1 sets (a 1 KiB stride at C = 256
+ * does: a power of two). */
+static inline long padded(long C) { return round16(C) + 16; }
 
 /* A VL×VL block transposed in registers: log2(VL) rounds of interleaving row i with row
  * i + VL/2 (a perfect shuffle of the index bits; after log2(VL), rows and columns swap). */
@@ -117,24 +133,62 @@ static void transpose_head(const float *m, long ld, long C, long D, long Cp, flo
 }
 
 /* s (C, Cp) = alpha · A·Tᵀ, only the causal part: row i gets columns up to
- * round16(i + 1) (the rest of the block row is computed too, and never read).
+ * row_width(i) (the entries past the diagonal are computed too, and zeroed later).
  * A is (C, D) with row stride lda; T is (D, Cp), the other operand transposed. */
 static void causal_products(const float *A, long lda, const float *T, long C, long D,
                             long Cp, float alpha, float *s) {
-    for (long i0 = 0, R; i0 < C; i0 += R) {
-        R = block_rows(i0, C);
-        mk_any(A + i0 * lda, lda, 1, T, Cp, 0, D, s + i0 * Cp, Cp, alpha, R,
-               round16(i0 + R));
+    long step = (long)sizeof(float) * D * Cp > L1_PART ? G : round16(C);
+    for (long c0 = 0; c0 < round16(C); c0 += step)
+        for (long i0 = 0, R; i0 < C; i0 += R) {
+            R = block_rows(i0, C);
+            long width = row_width(i0, C) - c0;
+            if (width > 0)
+                mk_any(A + i0 * lda, lda, 1, T + c0, Cp, 0, D, s + i0 * Cp + c0, Cp, alpha,
+                       (int)R, width < step ? width : step);
+        }
+}
+
+/* m's first C rows (row stride ld, D columns) as column panels of G: panel c0 / G is a
+ * contiguous (C, w) block, w = min(G, D - c0), at out + c0·C. A head's rows in qkv are
+ * 3·H·D floats apart, a stride that maps them to a few L1 sets: the products read the
+ * packed panels instead, one sequential stream per tile. */
+static void pack_panels(const float *m, long ld, long C, long D, float *out) {
+    for (long c0 = 0; c0 < D; c0 += G) {
+        long w = D - c0 < G ? D - c0 : G;
+        for (long k = 0; k < C; k++)
+            for (long c = 0; c < w; c += VL) storev(out + c0 * C + k * w + c,
+                                                    loadv(m + k * ld + c0 + c));
+    }
+}
+
+/* y (C, D) = alpha · (a·x), x (C, D) with row stride ldx, the rows in tiles: tile i0
+ * sums over the keys k < i0 + R (prefix: P·V, dS·K) or the queries k >= i0 (suffix:
+ * Pᵀ·dO, dSᵀ·Q); a is addressed as in mk (a[r·sr + k·sk] for the tile's row r), from
+ * the tile's first row on. A large x is first copied into panels (C·D floats at buf)
+ * and taken group by group. */
+static void tiled_products(const float *a, long sr, long sk, const float *x, long ldx,
+                           float *buf, float *y, long ldy, float alpha, long C, long D,
+                           int prefix) {
+    int packed = (long)sizeof(float) * C * D > L1_PART;
+    if (packed) pack_panels(x, ldx, C, D, buf);
+    for (long c0 = 0; c0 < D; c0 += packed ? G : D) {
+        long w = packed && D - c0 > G ? G : D - c0;
+        for (long i0 = 0, R; i0 < C; i0 += R) {
+            R = block_rows(i0, C);
+            mk_any(a + i0 * sr, sr, sk, packed ? buf + c0 * C : x + c0, packed ? w : ldx,
+                   prefix ? 0 : i0, prefix ? i0 + R : C, y + i0 * ldy + c0, ldy, alpha,
+                   (int)R, w);
+        }
     }
 }
 
 /* Row i of s in place: exp(s[i][j] - m) for j <= i (m = the row max, or the given lse),
- * zero for i < j < round16(i + 1); every entry up to there is finite on entry (computed
- * by causal_products). With normalise, the weights are divided by their sum and the
- * row's log-sum-exp is returned; without, lse is returned. */
-static float causal_exp_row(float *s, long i, float lse, int normalise) {
+ * zero for i < j < end = row_width(i); every entry up to there is finite on entry
+ * (computed by causal_products). With normalise, the weights are divided by their sum
+ * and the row's log-sum-exp is returned; without, lse is returned. */
+static float causal_exp_row(float *s, long i, long end, float lse, int normalise) {
     const vf lane = lane_index(), neg_inf = splat(-__builtin_inff());
-    long n = i + 1, end = round16(n);
+    long n = i + 1;
     float m = lse;
     if (normalise) {
         vf mx = neg_inf;
@@ -161,12 +215,12 @@ static float causal_exp_row(float *s, long i, float lse, int normalise) {
  * values the backward needs. */
 int tl_attn_fwd(float *qkv, const float *bias, float *out, float *lse, long B, long C,
                 long H, long D, float scale, int threads) {
-    long ld = 3 * H * D, HD = H * D, Cp = round16(C);
+    long ld = 3 * H * D, HD = H * D, Cp = padded(C);
     int failed = 0;
     #pragma omp parallel num_threads(threads)
     {
-        float *kt = malloc(sizeof(float) * (D * Cp + C * Cp));
-        float *p = kt ? kt + D * Cp : NULL;
+        float *kt = malloc(sizeof(float) * (D * Cp + C * Cp + C * D));
+        float *p = kt ? kt + D * Cp : NULL, *panels = kt ? p + C * Cp : NULL;
         if (!kt) {
             #pragma omp atomic write
             failed = TL_NOMEM;
@@ -186,11 +240,9 @@ int tl_attn_fwd(float *qkv, const float *bias, float *out, float *lse, long B, l
                         }
             transpose_head(k, ld, C, D, Cp, kt);
             causal_products(q, ld, kt, C, D, Cp, scale, p);  /* scores */
-            for (long i = 0; i < C; i++) l[i] = causal_exp_row(p + i * Cp, i, 0.0f, 1);
-            for (long i0 = 0, R; i0 < C; i0 += R) {  /* O = P·V over keys j < i0 + R */
-                R = block_rows(i0, C);
-                mk_any(p + i0 * Cp, Cp, 1, v, ld, 0, i0 + R, o + i0 * HD, HD, 1.0f, R, D);
-            }
+            for (long i = 0; i < C; i++)
+                l[i] = causal_exp_row(p + i * Cp, i, row_width(i, C), 0.0f, 1);
+            tiled_products(p, Cp, 1, v, ld, panels, o, HD, 1.0f, C, D, 1);  /* O = P·V */
         }
         free(kt);
     }
@@ -203,7 +255,7 @@ int tl_attn_fwd(float *qkv, const float *bias, float *out, float *lse, long B, l
 int tl_attn_bwd(const float *qkv, const float *out, const float *dout, const float *lse,
                 float *dqkv, float *dbias, long B, long C, long H, long D, float scale,
                 int threads) {
-    long ld = 3 * H * D, HD = H * D, Cp = round16(C);
+    long ld = 3 * H * D, HD = H * D, Cp = padded(C);
     if (threads < 1) threads = 1;
     int rows_n = threads;
     float *rows = dbias ? colsums_begin(rows_n, ld, dbias) : NULL;
@@ -211,8 +263,9 @@ int tl_attn_bwd(const float *qkv, const float *out, const float *dout, const flo
     int failed = 0;
     #pragma omp parallel num_threads(threads)
     {
-        float *kt = malloc(sizeof(float) * (2 * D * Cp + 2 * C * Cp + C));
+        float *kt = malloc(sizeof(float) * (2 * D * Cp + 2 * C * Cp + C + C * D));
         float *vt = kt + D * Cp, *p = vt + D * Cp, *ds = p + C * Cp, *di = ds + C * Cp;
+        float *panels = di + C;
         float *db = dbias ? colsums_row(rows, omp_get_thread_num(), ld, dbias) : NULL;
         if (!kt) {
             #pragma omp atomic write
@@ -229,7 +282,8 @@ int tl_attn_bwd(const float *qkv, const float *out, const float *dout, const flo
             transpose_head(k, ld, C, D, Cp, kt);
             transpose_head(v, ld, C, D, Cp, vt);
             causal_products(q, ld, kt, C, D, Cp, scale, p);  /* P, recomputed */
-            for (long i = 0; i < C; i++) causal_exp_row(p + i * Cp, i, l[i], 0);
+            for (long i = 0; i < C; i++)
+                causal_exp_row(p + i * Cp, i, row_width(i, C), l[i], 0);
             causal_products(go, HD, vt, C, D, Cp, 1.0f, ds);  /* dP = dO·Vᵀ */
             for (long i = 0; i < C; i++) {  /* dS = P ∘ (dP - rowsum(dO ∘ O)) */
                 di[i] = dot(go + i * HD, o + i * HD, D);
@@ -238,16 +292,11 @@ int tl_attn_bwd(const float *qkv, const float *out, const float *dout, const flo
                 for (; j + VL <= n; j += VL)
                     storev(dsr + j, loadv(pr + j) * (loadv(dsr + j) - di[i]));
                 for (; j < n; j++) dsr[j] = pr[j] * (dsr[j] - di[i]);
-                for (; j < round16(n); j++) dsr[j] = 0.0f;
+                for (; j < row_width(i, C); j++) dsr[j] = 0.0f;
             }
-            for (long j0 = 0, R; j0 < C; j0 += R) {
-                R = block_rows(j0, C);
-                /* dV = Pᵀ·dO and dK = scale · dSᵀ·Q, over queries i >= j0 */
-                mk_any(p + j0, 1, Cp, go, HD, j0, C, dv + j0 * ld, ld, 1.0f, R, D);
-                mk_any(ds + j0, 1, Cp, q, ld, j0, C, dk + j0 * ld, ld, scale, R, D);
-                /* dQ = scale · dS·K, over keys j < j0 + R */
-                mk_any(ds + j0 * Cp, Cp, 1, k, ld, 0, j0 + R, dq + j0 * ld, ld, scale, R, D);
-            }
+            tiled_products(p, 1, Cp, go, HD, panels, dv, ld, 1.0f, C, D, 0);  /* dV = Pᵀ·dO */
+            tiled_products(ds, 1, Cp, q, ld, panels, dk, ld, scale, C, D, 0);  /* dSᵀ·Q */
+            tiled_products(ds, Cp, 1, k, ld, panels, dq, ld, scale, C, D, 1);  /* dS·K */
             if (db)  /* this head's columns of dq, dk, dv, summed over its C rows */
                 for (long t = 0; t < C; t++)
                     for (int part = 0; part < 3; part++)

@@ -42,11 +42,12 @@ void tl_ln_fwd(const float *x, const float *w, const float *b, float *y, float *
     }
 }
 
-/* dx = rstd · (g - mean(g) - x̂ · mean(g · x̂)) with g = dy · w and x̂ = (x - mean) · rstd;
- * dw = Σ_rows dy · x̂, db = Σ_rows dy (either may be NULL). */
+/* dx = rstd · (g - mean(g) - x̂ · mean(g · x̂)) (+ res, a residual path's gradient, if
+ * not NULL) with g = dy · w and x̂ = (x - mean) · rstd; dw = Σ_rows dy · x̂,
+ * db = Σ_rows dy (either may be NULL). */
 int tl_ln_bwd(const float *x, const float *w, const float *mean, const float *rstd,
-              const float *dy, float *dx, float *dw, float *db, long M, long E,
-              int threads) {
+              const float *dy, const float *res, float *dx, float *dw, float *db, long M,
+              long E, int threads) {
     if (threads < 1) threads = 1;
     int sums = dw || db;
     float *partial = sums ? calloc((size_t)threads * 2 * (size_t)E, sizeof(float)) : NULL;
@@ -79,14 +80,15 @@ int tl_ln_bwd(const float *x, const float *w, const float *mean, const float *rs
             }
             float a = s_g / (float)E, c = s_gx / (float)E;
             float *dxm = dx + m * E;
+            const float *rm = res ? res + m * E : NULL;
             for (i = 0; i + VL <= E; i += VL) {  /* g and x̂ again, from L1: no stores */
                 vf xhat = (loadv(xm + i) - mu) * r, d = loadv(dym + i);
-                vf g = w ? d * loadv(w + i) : d;
-                storev(dxm + i, (g - a - xhat * c) * r);
+                vf g = w ? d * loadv(w + i) : d, v = (g - a - xhat * c) * r;
+                storev(dxm + i, rm ? v + loadv(rm + i) : v);
             }
             for (; i < E; i++) {
                 float xhat = (xm[i] - mu) * r, g = w ? dym[i] * w[i] : dym[i];
-                dxm[i] = (g - a - xhat * c) * r;
+                dxm[i] = (g - a - xhat * c) * r + (rm ? rm[i] : 0.0f);
             }
         }
     }

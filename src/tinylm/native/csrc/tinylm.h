@@ -207,7 +207,7 @@ TL_API int tl_attn_bwd(const float *qkv, const float *out, const float *dout,
 TL_API void tl_ln_fwd(const float *x, const float *w, const float *b, float *y, float *mean,
                       float *rstd, long M, long E, float eps, int threads);
 TL_API int tl_ln_bwd(const float *x, const float *w, const float *mean, const float *rstd,
-                     const float *dy, float *dx, float *dw, float *db, long M, long E,
-                     int threads);
+                     const float *dy, const float *res, float *dx, float *dw, float *db,
+                     long M, long E, int threads);
 
 #endif
