@@ -369,10 +369,10 @@ class NativeBlock(Block):
         a, f = self.attn, self.ffn
         return self.ln1, a, a.qkv, a.out, self.ln2, f, f.up, f.act, f.down
 
-    def _fused_lib(self, x: Tensor) -> ops.Library | None:
+    def _fused_lib(self, x: Tensor, need_grad: bool = True) -> ops.Library | None:
         lib = ops.loaded()
         drops = (self.drop, self.ffn.drop)
-        if lib is None or not torch.is_grad_enabled() or not _cpu_float32(x) \
+        if lib is None or (need_grad and not torch.is_grad_enabled()) or not _cpu_float32(x) \
                 or any(d.training and d.p > 0 for d in drops) \
                 or (self.attn.training and self.attn.dropout > 0) \
                 or not ops.attention_fits(x.shape[1], self.attn.n_head, self.attn.head_dim) \
@@ -406,8 +406,7 @@ class NativeVariantBlock(Block):
     def _fused_lib(self, x: Tensor) -> ops.Library | None:
         """As :meth:`NativeBlock._fused_lib`, but also without gradients (evaluation):
         the variants' reference modules are a dozen small steps each."""
-        with torch.enable_grad():
-            return NativeBlock._fused_lib(self, x)
+        return NativeBlock._fused_lib(self, x, need_grad=False)
 
     def forward(self, x: Tensor, cache: KVCache | None = None, layer: int = 0,
                 return_weights: bool = False) -> Tensor | tuple[Tensor, Tensor]:
