@@ -104,3 +104,19 @@ def test_variant_block_steps_aside_for_odd_heads_and_dropout_and_runs_in_eval() 
     torch.manual_seed(3)
     b = reference.loss(ids[:, :-1], ids[:, 1:])
     assert a.item() == b.item()
+
+
+def test_rope_tables_made_in_an_evaluation_serve_training() -> None:
+    """The rotary tables are cached per shape; one made under inference_mode must
+    still be saved for backward by a training step at the same context."""
+    from tinylm.native.variants import rope_tables
+
+    rope_tables.cache_clear()
+    reference, fused = _pair({"head_dim": 16, **LAYOUTS["modern"]})
+    ids = torch.randint(0, 37, (2, 23), generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        fused(ids[:, :-1])
+    _, want = _grads(reference, ids)
+    _, got = _grads(fused, ids)
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], atol=2e-5, rtol=1e-4, msg=n)

@@ -55,7 +55,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from tinylm.attention import KVCache, MultiHeadAttention, RMSNorm, rope_angles
+from tinylm.attention import KVCache, MultiHeadAttention, RMSNorm
 from tinylm.config import ModelConfig
 from tinylm.decoding import Decoder
 from tinylm.lora import LoRALinear
@@ -385,6 +385,10 @@ class NativeBlock(Block):
         lib = self._fused_lib(x) if cache is None and not return_weights else None
         if lib is None:
             return super().forward(x, cache, layer, return_weights)
+        return self._fused(x, lib)
+
+    def _fused(self, x: Tensor, lib: ops.Library) -> Tensor:
+        """The block as one autograd step on ``lib``."""
         attn, ffn, ln1, ln2 = self.attn, self.ffn, self.ln1, self.ln2
         return BlockFn.apply(  # LayerNorm weight/bias may be None
             x, attn.n_head, ln1.eps, ln2.eps, ln1.weight, ln1.bias, weight_of(attn.qkv),
@@ -392,9 +396,10 @@ class NativeBlock(Block):
             weight_of(ffn.up), ffn.up.bias, weight_of(ffn.down), ffn.down.bias, lib)
 
 
-class NativeVariantBlock(Block):
+class NativeVariantBlock(NativeBlock):
     """:class:`Block` of an architecture variant whose training forward is one
-    :class:`~tinylm.native.variants.VariantBlockFn` (CPU)."""
+    :class:`~tinylm.native.variants.VariantBlockFn` (CPU): :class:`NativeBlock`'s
+    dispatch with its own parts and step."""
 
     reference_class = Block
 
@@ -406,17 +411,13 @@ class NativeVariantBlock(Block):
     def _fused_lib(self, x: Tensor) -> ops.Library | None:
         """As :meth:`NativeBlock._fused_lib`, but also without gradients (evaluation):
         the variants' reference modules are a dozen small steps each."""
-        return NativeBlock._fused_lib(self, x, need_grad=False)
+        return super()._fused_lib(x, need_grad=False)
 
-    def forward(self, x: Tensor, cache: KVCache | None = None, layer: int = 0,
-                return_weights: bool = False) -> Tensor | tuple[Tensor, Tensor]:
-        lib = self._fused_lib(x) if cache is None and not return_weights else None
-        if lib is None:
-            return super().forward(x, cache, layer, return_weights)
+    def _fused(self, x: Tensor, lib: ops.Library) -> Tensor:
         attn, ffn, ln1, ln2 = self.attn, self.ffn, self.ln1, self.ln2
-        rope = attn.rope_theta is not None
-        cos, sin = rope_angles(0, x.shape[1], attn.head_dim, attn.rope_theta, x.device) \
-            if rope else (None, None)
+        cos, sin = variants.rope_tables(x.shape[1], attn.head_dim, attn.rope_theta,
+                                        x.device) if attn.rope_theta is not None \
+            else (None, None)
         gate = getattr(ffn, "gate", None)
         mlp = "swiglu" if gate is not None else (
             "relu2" if type(ffn.act) is ReLUSquared else "gelu")

@@ -24,12 +24,14 @@ outputs and every gradient to the reference modules'.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from tinylm.attention import rope_angles
 from tinylm.native.functions import bias_gelu_, gelu_backward
 from tinylm.native.ops import Library
 
@@ -179,7 +181,7 @@ def mlp_backward(lib: Library, kind: str, grad_g: Tensor, kept: tuple[Tensor, ..
 class VariantBlockFn(torch.autograd.Function):
     """One variant block for CPU training as one autograd step (see the module docstring):
     ``VariantBlockFn.apply(x, layout, lib, *tensors)`` with ``tensors`` in
-    :data:`TENSORS` order; ``cos``/``sin`` (C, D) are the rotary angles (None: no RoPE)."""
+    :data:`TENSORS` order; ``cos``/``sin`` are :func:`rope_tables` (None: no RoPE)."""
 
     @staticmethod
     def forward(ctx, x: Tensor, layout: Layout, lib: Library, *tensors: Tensor | None
@@ -261,7 +263,7 @@ def _attention_input(qkv: Tensor, layout: Layout, t: dict[str, Tensor | None]
     H, Hkv = layout.n_head, layout.n_kv_head
     D = qkv.shape[-1] // (H + 2 * Hkv)
     qk = qkv[..., :(H + Hkv) * D].reshape(B, C, H + Hkv, D)  # q and k heads, a copy
-    qk_out, rs = qk_forward(qk, _qk_gains(t, H, Hkv), layout.qk_eps, *_angles(t))
+    qk_out, rs = qk_forward(qk, _qk_gains(t, H, Hkv), layout.qk_eps, t["cos"], t["sin"])
     k, v = qk_out[:, :, H:], qkv[..., (H + Hkv) * D:].view(B, C, Hkv, D)
     if Hkv != H:  # query head i reads key/value head i // (H / H_kv), as repeat_kv
         k, v = k.repeat_interleave(H // Hkv, dim=2), v.repeat_interleave(H // Hkv, dim=2)
@@ -270,11 +272,16 @@ def _attention_input(qkv: Tensor, layout: Layout, t: dict[str, Tensor | None]
     return qk, rs, att_in
 
 
-def _angles(t: dict[str, Tensor | None]) -> tuple[Tensor | None, Tensor | None]:
-    """cos, sin (C, D) -> cos, sin± (C, 1, D), broadcast over the heads of (B, C, 2H, D)."""
-    if t["cos"] is None:
-        return None, None
-    return t["cos"][:, None], signed_sin(t["sin"])[:, None]
+@functools.lru_cache(maxsize=16)
+def rope_tables(C: int, head_dim: int, theta: float, device: torch.device
+                ) -> tuple[Tensor, Tensor]:
+    """cos and sin± (C, 1, D) of positions 0 .. C-1 (attention.rope_angles), shaped to
+    broadcast over the heads of (B, C, H, D): made once per shape, shared by every block
+    and step (read only)."""
+    with torch.inference_mode(False):  # made in an evaluation, still saved in training
+        cos, sin = rope_angles(0, C, head_dim, theta, device)
+        return cos[:, None], signed_sin(sin)[:, None]
+
 
 
 def _mlp_grads(lib: Library, kind: str, gy: Tensor, f_in: Tensor, kept: tuple[Tensor, ...],
@@ -316,7 +323,7 @@ def _attention_grads(lib: Library, layout: Layout, grad_r: Tensor, att_in: Tenso
     g_k = grad_att[..., HD:2 * HD].reshape(B, C, Hkv, H // Hkv, D).sum(3)  # a shared head
     g_v = grad_att[..., 2 * HD:].reshape(B, C, Hkv, H // Hkv, D).sum(3)  # sums its group
     g_in, g_w = qk_backward(torch.cat((g_q, g_k), dim=2), qk, _qk_gains(t, H, Hkv), rs_qk,
-                            *_angles(t), need["q_norm"] or need["k_norm"])
+                            t["cos"], t["sin"], need["q_norm"] or need["k_norm"])
     grad_qkv = torch.cat((g_in.reshape(B, C, -1), g_v.reshape(B, C, -1)), dim=-1)
     if g_w is not None:
         grads["q_norm"], grads["k_norm"] = g_w[:H].sum(0), g_w[H:].sum(0)
