@@ -35,7 +35,9 @@ def test_the_kernel_builds_and_loads_here(lib) -> None:
 
 def test_signatures_come_from_the_header_and_cover_every_export(lib) -> None:
     sigs = ops.parse_header(ops.HEADER.read_text())
-    assert len(sigs) == 16  # 12 + quant.c: tl_q8_packed_size, _scales_size, _pack, tl_linear_q8
+    assert len(sigs) == 20  # 12 + quant.c: tl_q8_packed_size, _scales_size, _pack, tl_linear_q8
+    # + bpe.c: tl_bpe_new (returns a pointer), _free, _encode, _split
+    assert sigs["tl_bpe_new"][0] is ctypes.c_void_p
     assert sigs["tl_linear"][1][:2] == [ctypes.c_void_p, ctypes.c_long]
     assert sigs["tl_attn_fwd"][0] is ctypes.c_int  # allocates: reports out of memory
     out = subprocess.run(["nm", "-D", "--defined-only", lib.raw._name], capture_output=True,

@@ -3,13 +3,15 @@
 ``accelerate(model, device)`` and ``plan(model, device)`` return the native package's
 :class:`~tinylm.native.Plan`, or, when that package is absent (deleted, or failing to
 import), a :class:`ReferencePlan` with no fast paths: training, sampling and evaluation
-then run the reference model, slower and otherwise the same.
+then run the reference model, slower and otherwise the same. ``bpe_encoder(tokenizer)``
+is the same door for ``prepare``'s byte-level BPE encoding (None: Hugging Face encodes).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+from typing import Any
 
 import torch
 from torch import nn
@@ -56,6 +58,13 @@ def plan(model: nn.Module, device: torch.device | str | None = None):
 def accelerate(model: nn.Module, device: torch.device | str | None = None):
     """Decide and apply the fast paths of ``model`` (see :func:`tinylm.native.accelerate`)."""
     return native.accelerate(model, device) if native is not None else ReferencePlan(model)
+
+
+def bpe_encoder(tokenizer: Any) -> Any:
+    """The native encoder of a byte-level BPE tokenizer (:func:`tinylm.native.bpe_encoder`:
+    ``encode_lengths(texts) -> (ids, lengths)``, equal to Hugging Face's encoding), or
+    None: Hugging Face encodes (ineligible tokenizer, fast paths off, no package)."""
+    return native.bpe_encoder(tokenizer) if native is not None else None
 
 
 def disabled() -> contextlib.AbstractContextManager[None]:

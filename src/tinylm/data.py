@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
+from tinylm import acceleration
 from tinylm.config import default_threads
 from tinylm.corpora import corpus_names, load_corpus
 from tinylm.errors import DataError
@@ -771,21 +772,37 @@ def _task_stream(o: _Options, sources: Sequence[Source], val_source: Sequence[bo
 
 class _Encoder(NamedTuple):
     """What every encoding task needs: the tokenizer, the document separator's ids, the
-    shards' dtype, and whether special-token spellings in the text become special ids."""
+    shards' dtype, whether special-token spellings in the text become special ids, and
+    the native BPE encoder when there is one (:func:`tinylm.acceleration.bpe_encoder`)."""
 
     tok: Tokenizer
     sep: np.ndarray
     dtype: np.dtype
     allow_special: bool
+    fast: Any = None
+
+
+def _encoder(tok: Tokenizer, sep: np.ndarray, dtype: np.dtype, allow_special: bool
+             ) -> _Encoder:
+    """The encoding of the pieces, decided once: a byte-level BPE tokenizer that the
+    native encoder reproduces exactly is encoded by it (special tokens as plain text),
+    anything else by the tokenizer itself."""
+    fast = None
+    if isinstance(tok, BPETokenizer) and not allow_special:
+        fast = acceleration.bpe_encoder(tok)
+    return _Encoder(tok, sep, dtype, allow_special, fast)
 
 
 def _encode_pieces(enc: _Encoder, pieces: list[str], splits: bytes, seps: bytes
                    ) -> tuple[np.ndarray, np.ndarray]:
     """One task's ids: (train ids, val ids), separators in place, as ``dtype``."""
-    tok, sep, dtype, special = enc
+    tok, sep, dtype, special, fast = enc
     if isinstance(tok, CharTokenizer):  # one id per code point
         flat = tok.encode_array(pieces, allow_special=special)
         lengths = [len(p) for p in pieces]
+    elif fast is not None:
+        flat, counts = fast.encode_lengths(pieces)
+        lengths = counts.tolist()
     else:
         lists = tok.encode_batch(pieces, allow_special=special)
         lengths = [len(ids) for ids in lists]
@@ -891,7 +908,7 @@ def _encode(o: _Options, sources: Sequence[Source], val_source: Sequence[bool], 
     bar = _Bar(total, f"encode {tok.kind}", o.progress)
     try:
         tasks = _task_stream(o, sources, val_source, scan, route, docs, bar)
-        results = _encoded(_Encoder(tok, sep, dtype, o.allow_special), workers, tasks)
+        results = _encoded(_encoder(tok, sep, dtype, o.allow_special), workers, tasks)
         try:
             for pair in results:
                 for writer, ids in zip(writers, pair, strict=True):

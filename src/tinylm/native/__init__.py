@@ -10,7 +10,9 @@
 - :mod:`~tinylm.native.selfcheck`: every op against torch, before first use;
 - :mod:`~tinylm.native.functions`: the autograd Functions of the training paths;
 - :mod:`~tinylm.native.plan`: the one eligibility decision and the accelerated modules;
-- :mod:`~tinylm.native.decoding`: the decoding plans.
+- :mod:`~tinylm.native.decoding`: the decoding plans;
+- :mod:`~tinylm.native.bpe`: the byte-level BPE encoder of ``prepare``, equal to Hugging
+  Face tokenizers (``bpe_encoder(tokenizer)``, None where it steps aside).
 
 Nothing in tinylm.model or tinylm.attention imports this package; deleting it leaves a
 working, slower tinylm (tinylm.acceleration then hands out reference plans).
@@ -18,11 +20,12 @@ working, slower tinylm (tinylm.acceleration then hands out reference plans).
 
 from __future__ import annotations
 
+from tinylm.native.bpe import NativeBPE, bpe_encoder
 from tinylm.native.ops import OpError, disabled, enabled, load, loaded
 from tinylm.native.plan import Eligibility, Plan, accelerate, eligibility, plan
 
-__all__ = ["Eligibility", "OpError", "Plan", "accelerate", "available", "disabled",
-           "eligibility", "enabled", "load", "loaded", "plan"]
+__all__ = ["Eligibility", "NativeBPE", "OpError", "Plan", "accelerate", "available",
+           "bpe_encoder", "disabled", "eligibility", "enabled", "load", "loaded", "plan"]
 
 
 def available() -> bool:

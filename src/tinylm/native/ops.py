@@ -60,14 +60,14 @@ class OpError(ValueError):
 # --- the one declaration of every signature -------------------------------------------------
 
 _C_TYPES = {"void": None, "int": ctypes.c_int, "long": ctypes.c_long, "float": ctypes.c_float}
-_DECL = re.compile(r"TL_API\s+(\w+)\s+(\w+)\s*\(([^)]*)\)\s*;", re.S)
+_DECL = re.compile(r"TL_API\s+(\w+)\s*(\*?)\s*(\w+)\s*\(([^)]*)\)\s*;", re.S)
 
 
 def parse_header(text: str) -> dict[str, tuple[object, list[object]]]:
     """``{name: (restype, argtypes)}`` from the TL_API declarations of a C header: pointers
-    become ``c_void_p``, ``long``/``int``/``float`` their ctypes types."""
+    (returned or passed) become ``c_void_p``, ``long``/``int``/``float`` their ctypes types."""
     out = {}
-    for ret, name, params in _DECL.findall(text):
+    for ret, star, name, params in _DECL.findall(text):
         args = []
         for param in params.split(","):
             words = param.replace("*", " * ").split()
@@ -75,7 +75,7 @@ def parse_header(text: str) -> dict[str, tuple[object, list[object]]]:
                 args.append(ctypes.c_void_p)
             else:
                 args.append(_C_TYPES[words[-2]])
-        out[name] = (_C_TYPES[ret], args)
+        out[name] = (ctypes.c_void_p if star else _C_TYPES[ret], args)
     return out
 
 

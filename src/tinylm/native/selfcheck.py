@@ -1,9 +1,11 @@
 """Every native op against its torch equivalent on small odd shapes (vector bodies and
-scalar tails), run once after the library is loaded: a miscompiled library is never
-used. :func:`run` raises RuntimeError naming the op that disagrees."""
+scalar tails), and the BPE encoder on a worked example, run once after the library is
+loaded: a miscompiled library is never used. :func:`run` raises RuntimeError naming the
+op that disagrees."""
 
 from __future__ import annotations
 
+import ctypes
 from typing import Any
 
 import torch
@@ -106,10 +108,32 @@ def _layer_norm(lib: Any, g: torch.Generator) -> None:
         "LayerNorm")
 
 
+def _bpe(lib: Any, g: torch.Generator) -> None:
+    """Merges by rank, not by id: abc = ab + c, but b c merges first, so "abc" is a, bc."""
+    raw = lib.raw
+    merges = (ctypes.c_uint * 12)(98, 99, 256, 97, 98, 257, 257, 99, 258, 32, 97, 259)
+    byte_ids = (ctypes.c_uint * 256)(*range(256))
+    classes = ctypes.create_string_buffer(0x110000)
+    for c in range(128):
+        classes[c] = 1 if chr(c).isalpha() else 2 if chr(c).isdigit() else \
+            3 if chr(c).isspace() else 0
+    handle = raw.tl_bpe_new(merges, 4, byte_ids, classes)
+    _expect(bool(handle), "BPE (no memory)")
+    try:
+        text = b"abc abcx1"
+        ends, out = (ctypes.c_long * 3)(7, 7, 9), (ctypes.c_uint * 9)()
+        lengths = (ctypes.c_long * 3)()
+        total = raw.tl_bpe_encode(handle, text, ends, 3, out, lengths)
+        _expect(total == 6 and list(out[:6]) == [97, 256, 259, 256, 120, 49]
+                and list(lengths) == [4, 0, 2], "BPE")
+    finally:
+        raw.tl_bpe_free(handle)
+
+
 def run(lib: Any) -> None:
     """Check every op of ``lib`` (a :class:`tinylm.native.ops.Library`)."""
     g = torch.Generator().manual_seed(0)
     with torch.inference_mode(False), torch.no_grad():
         for part in (_linear_and_argmax, _linear_q8, _decode_attention, _gelu,
-                     _training_attention, _layer_norm):
+                     _training_attention, _layer_norm, _bpe):
             part(lib, g)

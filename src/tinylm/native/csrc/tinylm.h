@@ -210,4 +210,15 @@ TL_API int tl_ln_bwd(const float *x, const float *w, const float *mean, const fl
                      const float *dy, const float *res, float *dx, float *dw, float *db,
                      long M, long E, int threads);
 
+/* bpe.c: byte-level BPE encoding (GPT-2's pre-tokenization, merges by rank, a word cache);
+ * merges holds (left id, right id, merged id) per rank, classes one byte per code point
+ * (0 other, 1 letter, 2 number, 3 whitespace). tl_bpe_new returns NULL when out of memory,
+ * tl_bpe_encode -1. */
+TL_API void *tl_bpe_new(const unsigned *merges, long n_merges, const unsigned *byte_ids,
+                        const unsigned char *classes);
+TL_API void tl_bpe_free(void *bpe);
+TL_API long tl_bpe_encode(void *bpe, const char *text, const long *ends, long n,
+                          unsigned *out, long *lengths);
+TL_API long tl_bpe_split(void *bpe, const char *text, long len, long *ends);
+
 #endif
