@@ -241,3 +241,22 @@ def test_non_utf8_file_names_work_and_errors_name_them(tmp_path, capsys) -> None
     assert len(err.splitlines()) == 1 and err.isascii(), err
     assert "caf\\xe9.txt is not UTF-8 text" in err
     assert not (tmp_path / "o3").exists()
+
+
+def test_units_cover_a_jsonl_file_in_whole_lines(tmp_path) -> None:
+    from tinylm.readers import BadRecords, file_source, iter_unit, iter_units
+
+    texts = [f"doc {i} " + "x" * (i * 37 % 300) for i in range(60)] + ["y" * 5000, "last"]
+    path = tmp_path / "d.jsonl"
+    body = "\n".join(json.dumps({"text": t}) for t in texts)  # no final line break
+    path.write_text(body.replace('"doc 7', '"doc\\u00a07'), encoding="utf-8")
+    src = file_source(path)
+    units = list(iter_units([src], unit_bytes=700))
+    assert units[0].start == 0 and units[-1].stop == path.stat().st_size > 700 * 8
+    assert all(a.stop == b.start for a, b in zip(units, units[1:], strict=False))
+    got, bad = [], BadRecords()
+    for u in units:
+        got += list(iter_unit([src], u, bad=bad))
+    assert got == [t.replace("doc 7", "doc\u00a07") for t in texts] and bad.count == 0
+    raw = path.read_bytes()
+    assert [u.first for u in units] == [1 + raw[:u.start].count(b"\n") for u in units]

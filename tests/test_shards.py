@@ -110,6 +110,46 @@ def test_one_and_three_workers_write_identical_files(jsonl, tmp_path, monkeypatc
     assert train[-1] != eot and train.count(eot) == 53
 
 
+@pytest.mark.parametrize("tokenizer", ["char", "bpe"])
+def test_workers_reading_units_write_what_one_process_writes(jsonl, tmp_path, monkeypatch,
+                                                             tokenizer) -> None:
+    """A given tokenizer and JSONL/Parquet inputs: 3 workers read the inputs themselves
+    in units (both passes), bad records and splits included, and write the same files."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    import tinylm.readers as readers_mod
+
+    docs = _docs(40)
+    mixed = tmp_path / "mixed.jsonl"
+    lines = [json.dumps({"text": d}) for d in docs[:20]]
+    lines[5], lines[9] = '{"text": null}', ""  # a bad record and a blank line
+    mixed.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    table = pa.table({"text": [None, *docs[20:]]})
+    pq.write_table(table, tmp_path / "more.parquet", row_group_size=3)
+    prepared = prepare(tmp_path / "tok", [jsonl], tokenizer=tokenizer, vocab_size=400,
+                       special_tokens=[EOT], context_length=16, progress=False)
+    tok = tmp_path / "tok" / "tokenizer.json"
+    monkeypatch.setattr(readers_mod, "UNIT_BYTES", 3_000)  # many units, lines cut across
+    monkeypatch.setattr(data_mod, "PIECE_CHARS", 900)
+    scans = []
+    monkeypatch.setattr(data_mod, "_scan_units", lambda *a, f=data_mod._scan_units:
+                        scans.append(1) or f(*a))
+    for extra in ({}, {"val_files": [tmp_path / "more.parquet"]}):
+        inputs = [mixed] if extra else [mixed, tmp_path / "more.parquet"]
+        kw = dict(tokenizer=tok, context_length=16, shard_tokens=4_000, skip_bad=True,
+                  progress=False, force=True, **extra)
+        d1 = prepare(tmp_path / "w1", inputs, workers=1, **kw)
+        d3 = prepare(tmp_path / "w3", inputs, workers=3, **kw)
+        assert _files(tmp_path / "w1") == _files(tmp_path / "w3") and len(_files(
+            tmp_path / "w1")) > 3
+        assert d1.meta["documents"] == d3.meta["documents"]
+        assert d1.meta["input_chars"] == d3.meta["input_chars"]
+        assert d3.meta["documents"]["first_skipped"].endswith(
+            "mixed.jsonl line 6: field 'text' is null")
+    assert len(scans) == 2 and prepared.vocab_size > 0
+
+
 def test_training_resumes_exactly_across_shard_boundaries(tmp_path) -> None:
     text = tmp_path / "t.txt"
     text.write_text(load_corpus("python-docs")[:20_000], encoding="utf-8")

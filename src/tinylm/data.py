@@ -56,7 +56,17 @@ from tinylm import acceleration
 from tinylm.config import default_threads
 from tinylm.corpora import corpus_names, load_corpus
 from tinylm.errors import DataError
-from tinylm.readers import BadRecords, Source, display_path, iter_documents, resolve_inputs
+from tinylm.readers import (
+    BadRecords,
+    Source,
+    Unit,
+    display_path,
+    iter_documents,
+    iter_unit,
+    iter_units,
+    resolve_inputs,
+    units_apply,
+)
 from tinylm.shards import DTYPES, SHARD_RE, ShardWriter, move_tail, open_split
 from tinylm.tokenizers import (
     EOS_NAMES,
@@ -530,6 +540,8 @@ class _Scan:
     bad: BadRecords = field(default_factory=BadRecords)
     tokenizer: Tokenizer | None = None
     trained_on: int | None = None
+    units: list[Unit] | None = None  # read by the workers in both passes (else None)
+    unit_docs: list[int] = field(default_factory=list)  # documents of each unit
 
 
 def _hash_sources(sources: Sequence[Source], scan: _Scan) -> None:
@@ -577,13 +589,63 @@ def _documents_pass(o: _Options, sources: Sequence[Source], scan: _Scan, bar: _B
     end_document()
 
 
+def _workers(o: _Options, sources: Sequence[Source]) -> int:
+    total = sum(s.size for s in sources)
+    return o.workers or (default_workers() if total >= PARALLEL_MIN_BYTES else 1)
+
+
+def _scan_unit(unit: Unit) -> tuple[int, int, BadRecords]:
+    """Pass 1 of one unit in a worker: its documents, characters and bad records."""
+    job = _WORKER
+    assert isinstance(job, _UnitJob)
+    bad, docs, chars = BadRecords(), 0, 0
+    for text in iter_unit(job.sources, unit, text_field=job.text_field, errors=job.errors,
+                          bad=bad):
+        docs += 1
+        chars += len(text)
+    return docs, chars, bad
+
+
+def _scan_units(o: _Options, sources: Sequence[Source], scan: _Scan, workers: int,
+                bar: _Bar) -> None:
+    """Pass 1 by the workers, unit by unit (a given tokenizer, no dedup)."""
+    assert scan.units is not None
+    job = _UnitJob(list(sources), o.text_field, o.errors)
+    units = scan.units
+
+    def planned() -> Iterator[Unit]:  # planned while the workers read (lazily)
+        for unit in iter_units(sources):
+            units.append(unit)
+            yield unit
+    for k, (docs, chars, bad) in enumerate(_pooled(workers, _scan_unit, planned(), job)):
+        unit = units[k]
+        scan.unit_docs.append(docs)
+        scan.documents += docs
+        scan.chars += chars
+        if bad.count:
+            scan.bad.first = scan.bad.first or bad.first
+            scan.bad.count += bad.count
+            for why, n in bad.reasons.items():
+                scan.bad.reasons[why] = scan.bad.reasons.get(why, 0) + n
+        scan.read += unit.size
+        bar(unit.size)
+
+
 def _scan(o: _Options, sources: Sequence[Source]) -> _Scan:
     """Pass 1: hash the inputs, count documents, build the char alphabet or train BPE."""
     scan = _Scan()
     _hash_sources(sources, scan)
     total = sum(s.size for s in sources)
+    workers = _workers(o, sources)
+    if workers > 1 and not o.dedup and units_apply(sources):
+        scan.units = []
     bar = _Bar(total, "train bpe" if o.tok_spec == "bpe" else "scan", o.progress)
     try:
+        if scan.units is not None and o.tok_spec not in ("char", "bpe"):
+            _scan_units(o, sources, scan, workers, bar)
+            scan.tokenizer = o.given
+            return scan
+        scan.units = None  # the tokenizer is built from pass 1's stream: read it here
         texts = _documents_pass(o, sources, scan, bar)
         if o.tok_spec == "char":
             seen = np.zeros(0x110000, dtype=bool)
@@ -674,6 +736,13 @@ class _Route:
         if self.mode == "tokens":
             return 0
         return int((rank + 1) * self.n_val // self.kept > rank * self.n_val // self.kept)
+
+    def val_before(self, rank: int, val_source: bool) -> int:
+        """How many of the documents ranked [0, rank) of a source like this one go to val
+        (documents mode: split_of summed; files mode: all or none of them)."""
+        if self.mode == "files":
+            return rank if val_source else 0
+        return 0 if self.mode == "tokens" else rank * self.n_val // self.kept
 
 
 def _route(o: _Options, scan: _Scan) -> _Route:
@@ -819,18 +888,74 @@ def _encode_pieces(enc: _Encoder, pieces: list[str], splits: bytes, seps: bytes
                  else np.zeros(0, dtype=dtype) for p in out)
 
 
-_WORKER: _Encoder | None = None
+class _UnitJob(NamedTuple):
+    """What a worker needs to read units (pass 1) and encode them (pass 2)."""
+
+    sources: list[Source]
+    text_field: str
+    errors: str
+    route: Any = None  # _Route, pass 2
+    val_source: list[bool] | None = None
+    enc: _Encoder | None = None
 
 
-def _init_worker(enc: _Encoder) -> None:
+_WORKER: _Encoder | _UnitJob | None = None
+
+
+def _init_worker(state: _Encoder | _UnitJob) -> None:
     global _WORKER
     os.environ[_PARALLELISM] = "false"  # one core per worker: the pool is the parallelism
-    _WORKER = enc
+    _WORKER = state
 
 
 def _encode_task(task: tuple[list[str], bytes, bytes]) -> tuple[np.ndarray, np.ndarray]:
-    assert _WORKER is not None
+    assert isinstance(_WORKER, _Encoder)
     return _encode_pieces(_WORKER, *task)
+
+
+def _encode_unit(item: tuple[Unit, int, tuple[bool, bool]]) -> tuple[np.ndarray, np.ndarray]:
+    """Pass 2 of one unit in a worker: read, route (the unit's first document has rank
+    ``rank``; ``started``: whether each split has documents before it), cut, encode."""
+    unit, rank, started_before = item
+    job = _WORKER
+    assert isinstance(job, _UnitJob) and job.enc is not None and job.val_source is not None
+    tasks = _Tasks(bpe=not isinstance(job.enc.tok, CharTokenizer))
+    started, val = list(started_before), job.val_source[unit.source]
+    out: tuple[list[np.ndarray], list[np.ndarray]] = ([], [])
+
+    def flush() -> None:
+        for part, ids in zip(out, _encode_pieces(job.enc, *tasks.take()), strict=True):
+            part.append(ids)
+    for text in iter_unit(job.sources, unit, text_field=job.text_field, errors=job.errors):
+        split = job.route.split_of(rank, val)
+        rank += 1
+        tasks.start(split, started[split])
+        started[split] = True
+        tasks.add(text)
+        tasks.end()
+        if tasks.full():
+            flush()
+    if tasks.pieces:
+        flush()
+    dtype = job.enc.dtype
+    return tuple(np.concatenate(p) if p else np.zeros(0, dtype)  # type: ignore[return-value]
+                 for p in out)
+
+
+def _unit_items(scan: _Scan, route: _Route, val_source: Sequence[bool], docs: list[int],
+                bar: _Bar) -> Iterator[tuple[Unit, int, tuple[bool, bool]]]:
+    """Pass 2's units with the rank of their first document and which splits started
+    before them; counts the documents of each split into ``docs``."""
+    assert scan.units is not None
+    rank = 0
+    for unit, n in zip(scan.units, scan.unit_docs, strict=True):
+        yield unit, rank, (docs[0] > 0, docs[1] > 0)
+        vs = val_source[unit.source]
+        val = route.val_before(rank + n, vs) - route.val_before(rank, vs)
+        docs[0] += n - val
+        docs[1] += val
+        rank += n
+        bar(unit.size)
 
 
 def default_workers() -> int:
@@ -853,23 +978,18 @@ class _SerialTokenizers:
             os.environ[_PARALLELISM] = self.old
 
 
-def _encoded(enc: _Encoder, workers: int, tasks: Iterator[tuple[list[str], bytes, bytes]]
-             ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """The tasks' ids in order, encoded in-process (1 worker) or by a process pool with at
-    most 2 tasks per worker in flight (memory stays flat)."""
-    if workers == 1:
-        with _SerialTokenizers():
-            for task in tasks:
-                yield _encode_pieces(enc, *task)
-        return
+def _pooled(workers: int, fn: Any, items: Iterator[Any], state: _Encoder | _UnitJob
+            ) -> Iterator[Any]:
+    """``fn(item)`` for every item, in order, by a pool of ``workers`` processes (their
+    ``_WORKER`` is ``state``), at most 2 items per worker in flight (memory stays flat)."""
     methods = multiprocessing.get_all_start_methods()
     ctx = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
     with _SerialTokenizers():  # also silences tokenizers' warning about forking
-        pool = ctx.Pool(workers, _init_worker, (enc,))
+        pool = ctx.Pool(workers, _init_worker, (state,))
     try:
         pending: deque[Any] = deque()
-        for task in tasks:
-            pending.append(pool.apply_async(_encode_task, (task,)))
+        for item in items:
+            pending.append(pool.apply_async(fn, (item,)))
             if len(pending) >= 2 * workers:
                 yield pending.popleft().get()
         while pending:
@@ -877,6 +997,17 @@ def _encoded(enc: _Encoder, workers: int, tasks: Iterator[tuple[list[str], bytes
     finally:
         pool.terminate()
         pool.join()
+
+
+def _encoded(enc: _Encoder, workers: int, tasks: Iterator[tuple[list[str], bytes, bytes]]
+             ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """The tasks' ids in order, encoded in-process (1 worker) or by a process pool."""
+    if workers == 1:
+        with _SerialTokenizers():
+            for task in tasks:
+                yield _encode_pieces(enc, *task)
+        return
+    yield from _pooled(workers, _encode_task, tasks, enc)
 
 
 @dataclass
@@ -899,7 +1030,7 @@ def _encode(o: _Options, sources: Sequence[Source], val_source: Sequence[bool], 
     sep = _separator_ids(o, tok, scan.documents - scan.duplicates)
     route = _route(o, scan)
     total = sum(s.size for s in sources)
-    workers = o.workers or (default_workers() if total >= PARALLEL_MIN_BYTES else 1)
+    workers = _workers(o, sources)
     if getattr(tok, "split_safe", True) is False:
         log.warning("the tokenizer is not GPT-2 byte-level BPE; documents over %d characters "
                     "are encoded in pieces cut at spaces and line breaks", PIECE_CHARS)
@@ -907,8 +1038,15 @@ def _encode(o: _Options, sources: Sequence[Source], val_source: Sequence[bool], 
     docs, top = [0, 0], 0
     bar = _Bar(total, f"encode {tok.kind}", o.progress)
     try:
-        tasks = _task_stream(o, sources, val_source, scan, route, docs, bar)
-        results = _encoded(_encoder(tok, sep, dtype, o.allow_special), workers, tasks)
+        encoder = _encoder(tok, sep, dtype, o.allow_special)
+        if scan.units is not None and workers > 1:  # the workers read too
+            job = _UnitJob(list(sources), o.text_field, o.errors, route, list(val_source),
+                           encoder)
+            results = _pooled(workers, _encode_unit,
+                              _unit_items(scan, route, val_source, docs, bar), job)
+        else:
+            tasks = _task_stream(o, sources, val_source, scan, route, docs, bar)
+            results = _encoded(encoder, workers, tasks)
         try:
             for pair in results:
                 for writer, ids in zip(writers, pair, strict=True):

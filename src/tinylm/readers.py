@@ -36,6 +36,7 @@ Progress = Callable[[int], None]
 _JSONL = (".jsonl", ".ndjson")
 _COMPRESSION = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
 _GLOB_CHARS = set("*?[")
+UNIT_BYTES = 8 << 20  # input bytes per unit that a worker reads on its own
 
 
 def display_path(path: str | Path) -> str:
@@ -302,30 +303,37 @@ def _clean(text: str, where: str, errors: str) -> str:
     return text
 
 
+def _record(line: bytes, where: str, path: Sequence[str], errors: str, bad: BadRecords
+            ) -> str | None:
+    """The text of one JSONL line, or None (blank, or a bad record, counted)."""
+    if not line.strip():
+        return None
+    try:
+        record = json.loads(line)
+    except UnicodeDecodeError:
+        if errors == "strict":
+            raise DataError(f"{where} is not UTF-8; convert the file or pass "
+                            f"--errors replace") from None
+        record = _loads(line.decode("utf-8", "replace"), where, bad)
+    except (ValueError, RecursionError):
+        bad.add(where, "not valid JSON")
+        return None
+    text, reason = _field(record, path)
+    if text is None:
+        bad.add(where, reason)
+        return None
+    if b"\\ud" in line or b"\\uD" in line:
+        text = _clean(text, where, errors)
+    return text
+
+
 def _jsonl(src: Source, path: Sequence[str], errors: str, bad: BadRecords,
            on_bytes: Progress | None) -> Iterator[str]:
     with _open(src, on_bytes) as f:
         for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{src.name} line {lineno}"
-            try:
-                record = json.loads(line)
-            except UnicodeDecodeError:
-                if errors == "strict":
-                    raise DataError(f"{where} is not UTF-8; convert the file or pass "
-                                    f"--errors replace") from None
-                record = _loads(line.decode("utf-8", "replace"), where, bad)
-            except (ValueError, RecursionError):
-                bad.add(where, "not valid JSON")
-                continue
-            text, reason = _field(record, path)
-            if text is None:
-                bad.add(where, reason)
-                continue
-            if b"\\ud" in line or b"\\uD" in line:
-                text = _clean(text, where, errors)
-            yield text
+            text = _record(line, f"{src.name} line {lineno}", path, errors, bad)
+            if text is not None:
+                yield text
 
 
 def _loads(line: str, where: str, bad: BadRecords) -> Any:
@@ -378,7 +386,10 @@ def _arrow_texts(column: Any, path: Sequence[str], where: Callable[[int], str],
 
 
 def _parquet(src: Source, path: Sequence[str], errors: str, bad: BadRecords,
-             on_bytes: Progress | None) -> Iterator[str]:
+             on_bytes: Progress | None, groups: range | None = None, row: int = 0
+             ) -> Iterator[str]:
+    """The texts of a Parquet file (of its row groups ``groups``, the first being row
+    ``row``, when given)."""
     pq = _require("pyarrow.parquet", "Parquet files")
     try:
         pf = pq.ParquetFile(src.path)
@@ -386,9 +397,9 @@ def _parquet(src: Source, path: Sequence[str], errors: str, bad: BadRecords,
         raise DataError(f"{src.name} is not a readable Parquet file ({_first_line(exc)}); "
                         f"check the file or leave it out") from None
     names = pf.schema_arrow.names
-    total, done, row = max(src.size, 1), 0, 0
+    total, done = max(src.size, 1), 0
     n_rows = max(pf.metadata.num_rows, 1)
-    for g in range(pf.num_row_groups):
+    for g in range(pf.num_row_groups) if groups is None else groups:
         size = pf.metadata.row_group(g).num_rows
         if on_bytes is not None:  # counted as the group is read, before its records
             step = total * (row + size) // n_rows - done
@@ -466,5 +477,100 @@ def iter_documents(sources: Sequence[Source], *, text_field: str = "text",
                 yield text, True, k
 
 
-__all__ = ["BadRecords", "Source", "display_path", "file_source", "iter_documents",
-           "resolve_inputs"]
+# --- units: parts of a source that worker processes read on their own ---------------------
+
+
+@dataclass(frozen=True)
+class Unit:
+    """A part of source ``source`` that a worker reads by itself: bytes [start, stop) of
+    an uncompressed JSONL file, whose first line is number ``first``, or the row groups
+    [start, stop) of a Parquet file, whose first row is ``first``. ``size``: the input
+    bytes it stands for (progress)."""
+
+    source: int
+    start: int
+    stop: int
+    first: int
+    size: int
+
+
+def _jsonl_units(k: int, src: Source, unit_bytes: int) -> Iterator[Unit]:
+    """Cut at the last line break in each ``unit_bytes`` (or after, for longer lines)."""
+    start, line = 0, 1
+    with src.open_raw() as f:
+        while True:
+            f.seek(start)
+            block = f.read(unit_bytes)
+            while len(block) >= unit_bytes and b"\n" not in block:  # a very long line
+                more = f.read(unit_bytes)
+                if not more:
+                    break
+                block += more
+            if not block:
+                return
+            short = len(block) < unit_bytes or not f.read(1)
+            cut = len(block) if short else block.rfind(b"\n") + 1
+            yield Unit(k, start, start + cut, line, cut)
+            line += block.count(b"\n", 0, cut)
+            start += cut
+
+
+def _parquet_units(k: int, src: Source, unit_bytes: int) -> Iterator[Unit]:
+    pq = _require("pyarrow.parquet", "Parquet files")
+    try:
+        meta = pq.ParquetFile(src.path).metadata
+    except Exception as exc:
+        raise DataError(f"{src.name} is not a readable Parquet file ({_first_line(exc)}); "
+                        f"check the file or leave it out") from None
+    n_rows, row, g0, size, done = max(meta.num_rows, 1), 0, 0, 0, 0
+    for g in range(meta.num_row_groups):
+        size += meta.row_group(g).total_byte_size
+        rows = meta.row_group(g).num_rows
+        if size >= unit_bytes or g == meta.num_row_groups - 1:
+            end = src.size * (row + rows) // n_rows
+            yield Unit(k, g0, g + 1, row, end - done)
+            g0, size, done = g + 1, 0, end
+        row += rows
+    return
+
+
+def units_apply(sources: Sequence[Source]) -> bool:
+    """Whether every source can be read in units: uncompressed JSONL or Parquet files."""
+    return all(s.path is not None and s.compression is None
+               and s.format in ("jsonl", "parquet") for s in sources)
+
+
+def iter_units(sources: Sequence[Source], unit_bytes: int | None = None) -> Iterator[Unit]:
+    """The units of ``sources`` (see :func:`units_apply`) in reading order, of about
+    ``unit_bytes`` (default UNIT_BYTES) each."""
+    unit_bytes = unit_bytes or UNIT_BYTES
+    for k, src in enumerate(sources):
+        if src.format == "jsonl":
+            yield from _jsonl_units(k, src, unit_bytes)
+        else:
+            yield from _parquet_units(k, src, unit_bytes)
+
+
+def iter_unit(sources: Sequence[Source], unit: Unit, *, text_field: str = "text",
+              errors: str = "strict", bad: BadRecords | None = None) -> Iterator[str]:
+    """The documents of one unit (what :func:`iter_documents` yields for that part)."""
+    src, path = sources[unit.source], text_field.split(".")
+    bad = bad if bad is not None else BadRecords()
+    if src.format == "parquet":
+        yield from _parquet(src, path, errors, bad, None, range(unit.start, unit.stop),
+                            unit.first)
+        return
+    with src.open_raw() as f:
+        f.seek(unit.start)
+        data = f.read(unit.stop - unit.start)
+    lines = data.split(b"\n")
+    if lines and not lines[-1]:
+        lines.pop()
+    for lineno, line in enumerate(lines, unit.first):
+        text = _record(line, f"{src.name} line {lineno}", path, errors, bad)
+        if text is not None:
+            yield text
+
+
+__all__ = ["BadRecords", "Source", "Unit", "display_path", "file_source", "iter_documents",
+           "iter_unit", "iter_units", "resolve_inputs", "units_apply"]
