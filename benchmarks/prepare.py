@@ -14,10 +14,12 @@ peak memory (the proportional set size of the process and its workers, sampled):
 1. ``prepare()`` for every format x tokenizer (char: alphabet scan + encode; bpe: the
    trained tokenizer.json, encode only) x ``--workers`` (1 and all cores);
 2. for comparison, the same documents already in memory encoded with the same BPE by
-   Hugging Face ``tokenizers`` (``encode_batch_fast``, 1 thread and all) and by
-   ``tiktoken`` (an ``Encoding`` built from tinylm's vocabulary: ranks = ids, GPT-2's
-   pattern; ``encode_ordinary_batch``, 1 thread and all). Only encoding is timed for
-   these: no reading, no JSON, no writing, so they are an upper bound for prepare.
+   Hugging Face ``tokenizers`` (``encode_batch_fast``, 1 thread and all: RAYON_NUM_THREADS)
+   and by ``tiktoken`` (an ``Encoding`` built from tinylm's vocabulary: ranks = ids,
+   GPT-2's pattern; ``encode_ordinary_batch``, 1 thread and all), and by tinylm's native
+   encoder (tinylm.native.bpe, what prepare's workers run; one thread). Only encoding is
+   timed for these: no reading, no JSON, no writing, so they are an upper bound for
+   prepare on the same cores (the "workers / threads" column: the cores each row used).
 
 MB/s is of the documents' UTF-8 text for every row, so formats compare fairly. The table
 is printed and written to BENCHMARKS.md under ``## Prepare throughput``.
@@ -92,7 +94,17 @@ ENCODE = MONITOR + textwrap.dedent("""
     docs = [json.loads(line)["text"] for line in open(src, encoding="utf-8")]
     sys.path.insert(0, sys.argv[5])
     from prepare import tiktoken_encoding
-    if engine == "hf":
+    if engine == "native":
+        from tinylm.native import bpe_encoder
+        from tinylm.tokenizers import load_tokenizer
+        enc = bpe_encoder(load_tokenizer(tok_path))
+        assert enc is not None, "the native BPE encoder is unavailable here"
+        def run():
+            n = 0
+            for i in range(0, len(docs), 1024):
+                n += len(enc.encode_lengths(docs[i:i + 1024])[0])
+            return n
+    elif engine == "hf":
         from tokenizers import Tokenizer
         tok = Tokenizer.from_file(tok_path)
         def run():
@@ -248,9 +260,11 @@ def main() -> None:
     if "bpe" in args.tokenizers.split(","):
         here = str(Path(__file__).resolve().parent)
         for engine, label in (("hf", "HF `tokenizers` encode_batch_fast"),
-                              ("tiktoken", "`tiktoken` encode_ordinary_batch")):
-            for n in counts:
-                row("in memory", "bpe", label, n,
+                              ("tiktoken", "`tiktoken` encode_ordinary_batch"),
+                              ("native", "tinylm's native BPE encoder (one thread)")):
+            for n in counts if engine != "native" else [1]:
+                what = label if engine == "native" else f"{label}, {n} thread(s)"
+                row("in memory", "bpe", what, n,
                     child(ENCODE, engine, str(work / "docs.jsonl"), str(tok_path), str(n), here))
     report(args, rows, mb, n_docs, cores, load, same)
 
@@ -281,12 +295,13 @@ def report(args, rows, mb, n_docs, cores, load, same) -> None:
     for fmt in args.formats.split(","):
         one, all_ = speed.get((fmt, "bpe", "`tinylm prepare`", 1)), \
             speed.get((fmt, "bpe", "`tinylm prepare`", top))
-        best = max((v for (f, t, w, n), v in speed.items() if f == "in memory" and n == top),
-                   default=None)
+        best = max((v for (f, t, w, n), v in speed.items() if f == "in memory" and n == top
+                    and "native" not in w), default=None)
         if one and all_ and top > 1:
             body.append(f"- {fmt} BPE: {top} workers are **{all_ / one:.2f}x** one worker "
                         f"(target >= 1.8x)" + (f"; {all_ / best:.2f}x the fastest encoder on "
-                                              f"{top} threads (target >= 1)" if best else ""))
+                                              f"{top} threads (HF or tiktoken, target >= 1)"
+                                              if best else ""))
     body += ["", f"Command: `python benchmarks/prepare.py --size-mb {args.size_mb:g} --workers "
                  f"{args.workers}" + (f" --source-text {args.source_text}" if args.source_text
                                       else "") + "`"]
