@@ -237,6 +237,9 @@ def main() -> None:
     mb = n_bytes / 1e6
     tok_path = train_bpe(work)
     same = check_tiktoken(work, tok_path)
+    import tinylm.native  # build the native library here, not inside a timed row
+
+    tinylm.native.load()
     load = os.getloadavg()[0]
     sizes = {f: (work / f"docs.{f}").stat().st_size / 1e6 for f in ("jsonl", "parquet")}
     print(f"{n_docs:,} documents, {mb:.1f} MB of text (jsonl {sizes['jsonl']:.0f} MB, parquet "

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from tinylm import native
+from tinylm.attention import RMSNorm, apply_rope, repeat_kv, rope_angles
 from tinylm.native import build, ops
 from tinylm.native.decoding import packed_weight
 from tinylm.native.functions import FeedForwardFn
@@ -35,8 +36,8 @@ def test_the_kernel_builds_and_loads_here(lib) -> None:
 
 def test_signatures_come_from_the_header_and_cover_every_export(lib) -> None:
     sigs = ops.parse_header(ops.HEADER.read_text())
-    assert len(sigs) == 20  # 12 + quant.c: tl_q8_packed_size, _scales_size, _pack, tl_linear_q8
-    # + bpe.c: tl_bpe_new (returns a pointer), _free, _encode, _split
+    assert len(sigs) == 26  # 12 + quant.c's 4 + variants.c's 6 (RMSNorm, QK-norm/RoPE, ReLU²)
+    # + bpe.c's 4: tl_bpe_new (returns a pointer), _free, _encode, _split
     assert sigs["tl_bpe_new"][0] is ctypes.c_void_p
     assert sigs["tl_linear"][1][:2] == [ctypes.c_void_p, ctypes.c_long]
     assert sigs["tl_attn_fwd"][0] is ctypes.c_int  # allocates: reports out of memory
@@ -256,6 +257,86 @@ def test_layer_norm_training_kernels_equal_torch(lib, M: int, E: int, affine: bo
     torch.testing.assert_close(dx_res, want_grads[0] + residual, rtol=1e-4, atol=1e-4)
     with pytest.raises(ops.OpError, match="shape"):
         lib.layer_norm_backward(grad, x, w, mean, rstd, False, False, residual[1:])
+
+
+@pytest.mark.parametrize(("M", "E", "affine"), [(768, 128, True), (5, 37, True), (3, 300, False)])
+def test_rms_norm_training_kernels_equal_the_reference_module(lib, M: int, E: int,
+                                                              affine: bool) -> None:
+    norm = RMSNorm(E, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.normal_()
+    x, grad = torch.randn(M, E) * 3 + 1, torch.randn(M, E)
+    xr = x.clone().requires_grad_()
+    want = norm(xr) if affine else xr * torch.rsqrt(xr.pow(2).mean(-1, keepdim=True) + 1e-6)
+    leaves = [xr, norm.weight] if affine else [xr]
+    want_grads = torch.autograd.grad(want, leaves, grad)
+    w = norm.weight.detach() if affine else None
+    y, rs = lib.rms_norm(x, w, 1e-6)
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(rs, torch.rsqrt(x.pow(2).mean(-1) + 1e-6))
+    residual = torch.randn(M, E)  # a residual path's gradient, added in the same pass
+    dx, dw = lib.rms_norm_backward(grad, x, w, rs, True, residual)
+    torch.testing.assert_close(dx, want_grads[0] + residual, rtol=1e-4, atol=1e-4)
+    if affine:
+        torch.testing.assert_close(dw, want_grads[1], rtol=1e-4, atol=1e-4)
+    else:
+        assert dw is None
+    with pytest.raises(ops.OpError, match="shape"):
+        lib.rms_norm_backward(grad, x, w, rs[1:], False)
+
+
+@pytest.mark.parametrize(("H", "Hkv", "D", "norm", "rope"), [
+    (4, 4, 32, True, True), (6, 2, 16, True, True), (3, 1, 18, False, True),
+    (4, 2, 16, True, False), (2, 1, 16, False, False), (2, 2, 6, True, True)])
+def test_qk_norm_rope_kernels_equal_the_reference_math(lib, H: int, Hkv: int, D: int,
+                                                       norm: bool, rope: bool) -> None:
+    """One pass from qkv to the attention kernel's input, against attention.py's own
+    RMSNorm, apply_rope and repeat_kv; and its backward against autograd's."""
+    from tinylm.native.variants import rope_tables
+
+    B, C = 2, 7
+    qkv = torch.randn(B, C, (H + 2 * Hkv) * D) * 2
+    qn, kn = RMSNorm(D, eps=1e-6), RMSNorm(D, eps=1e-6)
+    with torch.no_grad():
+        qn.weight.normal_(), kn.weight.normal_()
+    cos, sin = rope_angles(0, C, D, 10000.0)
+    leaf = qkv.clone().requires_grad_()
+    q, k, v = leaf.view(B, C, H + 2 * Hkv, D).transpose(1, 2).split([H, Hkv, Hkv], dim=1)
+    if norm:
+        q, k = qn(q), kn(k)
+    if rope:
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    k, v = repeat_kv(k, H // Hkv), repeat_kv(v, H // Hkv)
+    want = torch.cat([t.transpose(1, 2).reshape(B, C, H * D) for t in (q, k, v)], dim=-1)
+    grad = torch.randn_like(want)
+    params = [qn.weight, kn.weight] if norm else []
+    want_grads = torch.autograd.grad(want, [leaf, *params], grad)
+    tables = rope_tables(C, D, 10000.0, torch.device("cpu")) if rope else (None, None)
+    gains = (qn.weight.detach(), kn.weight.detach()) if norm else (None, None)
+    got, rs = lib.qk_rope(qkv, H, Hkv, *gains, *tables, 1e-6)
+    torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-5)
+    got_grad, dw = lib.qk_rope_backward(grad, qkv, H, Hkv, *gains, rs, *tables, True)
+    torch.testing.assert_close(got_grad, want_grads[0], rtol=1e-4, atol=1e-4)
+    if norm:
+        torch.testing.assert_close(dw[0], want_grads[1], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(dw[1], want_grads[2], rtol=1e-4, atol=1e-4)
+    else:
+        assert dw is None
+    with pytest.raises(ops.OpError, match="key/value heads"):
+        lib.qk_rope(qkv, H + 1, Hkv, *gains, *tables, 1e-6)
+
+
+def test_relu_squared_kernels_equal_torch(lib) -> None:
+    h = torch.randn(37, 101) * 3  # 3737 elements: vector body and scalar tail
+    h[0, :5] = 0.0
+    grad = torch.randn_like(h)
+    hr = h.clone().requires_grad_()
+    want = F.relu(hr).square()
+    (want_grad,) = torch.autograd.grad(want, hr, grad)
+    torch.testing.assert_close(lib.relu2(h), want.detach())
+    got_grad, g = lib.relu2_backward(grad.clone(), h)
+    torch.testing.assert_close(got_grad, want_grad)
+    torch.testing.assert_close(g, want.detach())
 
 
 @pytest.mark.parametrize("bias", [True, False])

@@ -316,6 +316,102 @@ class Library:
             "layer_norm_backward")
         return dx, dw, db
 
+    def rms_norm(self, x: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
+        """RMSNorm over the last dim of x (..., E): (x·rs·weight, rs (M,)) with
+        rs = (mean(x²) + eps)^(-1/2) per row."""
+        E = x.shape[-1]
+        M = x.numel() // E
+        check("x", x)
+        w = _opt("weight", weight, (E,))
+        y, rs = torch.empty_like(x), torch.empty(M)
+        self.raw.tl_rms_fwd(x.data_ptr(), w, y.data_ptr(), rs.data_ptr(), M, E, eps, _threads())
+        return y, rs
+
+    def rms_norm_backward(self, grad_y: Tensor, x: Tensor, weight: Tensor | None, rs: Tensor,
+                          need_weight: bool, residual: Tensor | None = None
+                          ) -> tuple[Tensor, Tensor | None]:
+        """(dL/dx (+ ``residual``, x's shape, in the same pass), dL/dweight or None) of
+        :meth:`rms_norm`."""
+        E = x.shape[-1]
+        M = x.numel() // E
+        check("x", x)
+        grad_y = grad_y.contiguous()
+        check("grad_y", grad_y, tuple(x.shape))
+        check("rs", rs, (M,))
+        w = _opt("weight", weight, (E,))
+        res = _opt("residual", residual, tuple(x.shape))
+        dx = torch.empty_like(x)
+        dw = torch.empty(E) if need_weight and weight is not None else None
+        self.raw.tl_rms_bwd(x.data_ptr(), w, rs.data_ptr(), grad_y.data_ptr(), res,
+                            dx.data_ptr(), dw.data_ptr() if dw is not None else None, M, E,
+                            _threads())
+        return dx, dw
+
+    def qk_rope(self, qkv: Tensor, n_head: int, n_kv_head: int, q_gain: Tensor | None,
+                k_gain: Tensor | None, cos: Tensor | None, sin: Tensor | None, eps: float
+                ) -> tuple[Tensor, Tensor]:
+        """The attention kernel's input (B, C, 3·H·D) from qkv (B, C, (H + 2·H_kv)·D):
+        RoPE(QKNorm(q)), then k (likewise) and v with each key/value head repeated for
+        its H / H_kv query heads; and QK-norm's 1/RMS per head (B, C, H + H_kv).
+        ``q_gain``/``k_gain`` (D,) None: no QK-norm; ``cos``/``sin`` (C, 1, D) as
+        :func:`tinylm.native.variants.rope_tables` makes them, None: no rotation."""
+        B, C, H, Hkv, D = _qk_shape(qkv, n_head, n_kv_head)
+        check("qkv", qkv)
+        norm = q_gain is not None
+        qw, kw = (_opt("q_gain", q_gain, (D,)), _opt("k_gain", k_gain, (D,))) if norm \
+            else (None, None)
+        if norm and k_gain is None:
+            raise OpError("k_gain must be given with q_gain")
+        c, s = _rope_pointers(cos, sin, C, D)
+        out, rs = torch.empty(B, C, 3 * H * D), torch.empty(B, C, H + Hkv)
+        _ok(self.raw.tl_qk_fwd(qkv.data_ptr(), qw, kw, c, s, out.data_ptr(), rs.data_ptr(),
+                               B * C, C, H, Hkv, D, eps, int(norm), _threads()), "qk_rope")
+        return out, rs
+
+    def qk_rope_backward(self, grad_out: Tensor, qkv: Tensor, n_head: int, n_kv_head: int,
+                         q_gain: Tensor | None, k_gain: Tensor | None, rs: Tensor,
+                         cos: Tensor | None, sin: Tensor | None, need_gains: bool
+                         ) -> tuple[Tensor, Tensor | None]:
+        """(dL/dqkv (B, C, (H + 2·H_kv)·D), the q and k gains' gradients as one (2, D)
+        tensor or None) of :meth:`qk_rope`, from dL/d(its output) (B, C, 3·H·D)."""
+        B, C, H, Hkv, D = _qk_shape(qkv, n_head, n_kv_head)
+        check("qkv", qkv)
+        grad_out = grad_out.contiguous()
+        check("grad_out", grad_out, (B, C, 3 * H * D))
+        check("rs", rs, (B, C, H + Hkv))
+        norm = q_gain is not None
+        qw, kw = (_opt("q_gain", q_gain, (D,)), _opt("k_gain", k_gain, (D,))) if norm \
+            else (None, None)
+        if norm and k_gain is None:
+            raise OpError("k_gain must be given with q_gain")
+        c, s = _rope_pointers(cos, sin, C, D)
+        grad_qkv = torch.empty_like(qkv)
+        dw = torch.empty(2, D) if norm and need_gains else None
+        _ok(self.raw.tl_qk_bwd(grad_out.data_ptr(), qkv.data_ptr(), qw, kw, rs.data_ptr(), c,
+                               s, grad_qkv.data_ptr(),
+                               dw.data_ptr() if dw is not None else None, B * C, C, H, Hkv,
+                               D, int(norm), _threads()), "qk_rope_backward")
+        return grad_qkv, dw
+
+    def relu2(self, h: Tensor) -> Tensor:
+        """relu(h)² as a new tensor."""
+        check("h", h)
+        g = torch.empty_like(h)
+        self.raw.tl_relu2(h.data_ptr(), g.data_ptr(), h.numel(), _threads())
+        return g
+
+    def relu2_backward(self, grad: Tensor, h: Tensor, out: Tensor | None = None
+                       ) -> tuple[Tensor, Tensor]:
+        """(dL/dh = grad·2·relu(h), written over ``grad``; relu(h)² recomputed, into
+        ``out`` if given)."""
+        check("h", h)
+        check("grad", grad, tuple(h.shape))
+        y = torch.empty_like(h) if out is None else out
+        check("out", y, tuple(h.shape))
+        self.raw.tl_relu2_backward(h.data_ptr(), grad.data_ptr(), y.data_ptr(), h.numel(),
+                                   _threads())
+        return grad, y
+
     def causal_attention(self, qkv: Tensor, n_head: int, bias: Tensor | None = None
                          ) -> tuple[Tensor, Tensor]:
         """Causal attention of every head from qkv (B, C, 3·H·D), laid out (B, C, 3, H, D):
@@ -365,6 +461,27 @@ def attention_shape(qkv: Tensor, n_head: int) -> tuple[int, int, int, int]:
         raise OpError(f"causal attention takes (B, C <= {ATTENTION_MAX_CONTEXT}, 3·H·D) with "
                       f"D a multiple of 16, got {tuple(qkv.shape)} for {n_head} heads")
     return B, C, n_head, three_hd // (3 * n_head)
+
+
+def _qk_shape(qkv: Tensor, n_head: int, n_kv_head: int) -> tuple[int, int, int, int, int]:
+    """(B, C, H, H_kv, D) of a (B, C, (H + 2·H_kv)·D) qkv with an even D."""
+    check("qkv", qkv, (-1, -1, -1))
+    B, C, width = qkv.shape
+    H, Hkv = n_head, n_kv_head
+    if Hkv < 1 or H < 1 or H % Hkv or width % (H + 2 * Hkv) or (width // (H + 2 * Hkv)) % 2:
+        raise OpError(f"qkv {tuple(qkv.shape)} is not (B, C, (H + 2·H_kv)·D) with an even D "
+                      f"for {H} query and {Hkv} key/value heads")
+    return B, C, H, Hkv, width // (H + 2 * Hkv)
+
+
+def _rope_pointers(cos: Tensor | None, sin: Tensor | None, C: int, D: int
+                   ) -> tuple[int | None, int | None]:
+    """The (C, 1, D) rotary tables' pointers (both None: no rotation)."""
+    if (cos is None) != (sin is None):
+        raise OpError("cos and sin must be given together")
+    if cos is None:
+        return None, None
+    return check("cos", cos, (C, 1, D)), check("sin", sin, (C, 1, D))
 
 
 # --- the library of this process, and the switch -----------------------------------------

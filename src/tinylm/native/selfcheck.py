@@ -108,6 +108,22 @@ def _layer_norm(lib: Any, g: torch.Generator) -> None:
         "LayerNorm")
 
 
+def _variants(lib: Any, g: torch.Generator) -> None:
+    x, w = torch.randn(5, 37, generator=g) * 3, torch.randn(37, generator=g)
+    y, rs = lib.rms_norm(x, w, 1e-6)
+    want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+    dx, dw = lib.rms_norm_backward(torch.ones_like(x), x, w, rs, True)
+    _expect(torch.allclose(y, want, atol=1e-5) and torch.isfinite(dx).all().item()
+            and torch.allclose(dw, (x * rs[:, None]).sum(0), atol=1e-4), "RMSNorm")
+    B, C, H, Hkv, D = 1, 3, 2, 1, 18  # grouped-query, a head size with a scalar tail
+    qkv = torch.randn(B, C, (H + 2 * Hkv) * D, generator=g)
+    out, _ = lib.qk_rope(qkv, H, Hkv, None, None, None, None, 1e-6)
+    q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
+    _expect(torch.equal(out, torch.cat((q, k, k, v, v), dim=-1)), "QK-norm/RoPE layout")
+    h = torch.randn(3, 37, generator=g)
+    _expect(torch.allclose(lib.relu2(h), F.relu(h).square()), "ReLU²")
+
+
 def _bpe(lib: Any, g: torch.Generator) -> None:
     """Merges by rank, not by id: abc = ab + c, but b c merges first, so "abc" is a, bc."""
     raw = lib.raw
@@ -135,5 +151,5 @@ def run(lib: Any) -> None:
     g = torch.Generator().manual_seed(0)
     with torch.inference_mode(False), torch.no_grad():
         for part in (_linear_and_argmax, _linear_q8, _decode_attention, _gelu,
-                     _training_attention, _layer_norm, _bpe):
+                     _training_attention, _layer_norm, _variants, _bpe):
             part(lib, g)

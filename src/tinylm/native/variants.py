@@ -12,12 +12,14 @@ its gradient summed back), GELU / ReLU² / SwiGLU MLPs, with or without biases. 
     y  = x1 + MLP(Norm2(x1))
 
 The attention runs on the native kernel (``Library.causal_attention``: the heads read in
-place from one (B, C, 3·H·D) buffer, one log-sum-exp kept per query), LayerNorm and GELU on
-the native kernels, the rest as a few torch operations with their backward written out
-(RMSNorm's, the rotation's transpose, the MLP's), instead of a graph of dozens of small
-autograd steps per block. What is kept for backward is what those steps need: the norms'
-inputs and statistics, qkv before and after QK-norm/RoPE, the heads' outputs, the MLP's
-pre-activations; activations are recomputed from them. Applied by
+place from one (B, C, 3·H·D) buffer, one log-sum-exp kept per query); LayerNorm, RMSNorm,
+QK-norm with the rotation and the grouped-query repeat (one pass from qkv to the kernel's
+input), GELU and ReLU² on native kernels with their backward written out
+(csrc/variants.c, csrc/layernorm.c, csrc/gelu.c); the GEMMs and SwiGLU's few passes in
+torch; instead of a graph of dozens of small autograd steps per block. What is kept for
+backward is what those steps need: the norms' inputs and statistics, qkv before and after
+QK-norm/RoPE, the heads' outputs, the MLP's pre-activations; activations are recomputed
+from them. Applied by
 :class:`tinylm.native.plan.NativeVariantBlock`; tests/test_variant_block.py holds its
 outputs and every gradient to the reference modules'.
 """
@@ -64,80 +66,36 @@ def norm_forward(lib: Library, kind: str, x: Tensor, w: Tensor | None, b: Tensor
     if kind == "layernorm":
         y, mean, rstd = lib.layer_norm(x, w, b, eps)
         return y, (mean, rstd)
-    y, rs = rms_forward(x, w, eps)
+    y, rs = lib.rms_norm(x, w, eps)
     return y, (rs,)
 
 
 def norm_backward(lib: Library, kind: str, grad_y: Tensor, x: Tensor, w: Tensor | None,
-                  stats: tuple[Tensor, ...], need_w: bool, need_b: bool
+                  stats: tuple[Tensor, ...], need_w: bool, need_b: bool, residual: Tensor
                   ) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """(dL/dx, dL/dw, dL/db) of :func:`norm_forward` from dL/dy."""
+    """(dL/dx + ``residual`` (the residual path's gradient, added in the same pass),
+    dL/dw, dL/db) of :func:`norm_forward` from dL/dy."""
     if kind == "layernorm":
         mean, rstd = stats
         return lib.layer_norm_backward(grad_y, x, w, mean, rstd, w is not None and need_w,
-                                       need_b)
-    return rms_backward(grad_y, x, w, stats[0], need_w) + (None,)
+                                       need_b, residual)
+    return lib.rms_norm_backward(grad_y, x, w, stats[0], need_w, residual) + (None,)
 
 
-def rms_forward(x: Tensor, w: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
-    """(x·rs·w, rs) with rs = (mean(x²) + ε)^(-1/2) over the last dim; ``w`` broadcasts
-    over x's leading dims ((E,), or (2H, D) for the q and k heads)."""
-    ss = torch.linalg.vecdot(x, x, dim=-1).unsqueeze(-1)  # Σ x², (…, 1)
-    rs = ss.div_(x.shape[-1]).add_(eps).rsqrt_()
-    y = x * rs
-    return (y.mul_(w) if w is not None else y), rs
-
-
-def rms_backward(grad_y: Tensor, x: Tensor, w: Tensor | None, rs: Tensor, need_w: bool
-                 ) -> tuple[Tensor, Tensor | None]:
-    """The backward of :func:`rms_forward`: with g = dL/dy·w and x̂ = x·rs,
-    dL/dx = rs·(g − x̂·mean(g·x̂)) = rs·g − x·(rs³·mean(g·x)), and
-    dL/dw = Σ dL/dy·x̂ over x's leading dims."""
-    grad_w = None
-    if need_w and w is not None:
-        lead = tuple(range(x.dim() - w.dim()))
-        grad_w = (grad_y * x).mul_(rs).sum(lead)
-    g = grad_y * w if w is not None else grad_y.clone()
-    c = torch.linalg.vecdot(g, x, dim=-1).unsqueeze(-1)  # Σ g·x, (…, 1)
-    c.mul_(rs.pow(3)).div_(x.shape[-1])
-    return g.mul_(rs).addcmul_(x, c, value=-1), grad_w
-
-
-# --- QK-norm and the rotation, on the q and k parts of qkv -----------------------------------
+# --- QK-norm and the rotation ---------------------------------------------------------------
 #
 # RoPE's y = x·cos + R(x)·sin with R(x₁, x₂) = (−x₂, x₁) (attention.apply_rope). The two
 # halves of cos and sin are equal (rope_angles repeats the D/2 angles), so R(x)·sin =
-# S(x)·sin± with S the swap of halves (x₂, x₁) and sin± = (−sin₁, sin₂): one roll and one
-# multiply-add. Its transpose gives dL/dx = dL/dy·cos − S(dL/dy)·sin±.
+# S(x)·sin± with S the swap of halves (x₂, x₁) and sin± = (−sin₁, sin₂). Its transpose
+# gives dL/dx = dL/dy·cos − S(dL/dy)·sin±. Both, with QK-norm before the rotation and the
+# grouped-query repeat of k and v, are one native pass over the rows of qkv
+# (Library.qk_rope and qk_rope_backward, csrc/variants.c).
 
 
 def signed_sin(sin: Tensor) -> Tensor:
     """sin± = (−sin₁, sin₂) of a sin table (…, D) whose halves are equal."""
     half = sin.shape[-1] // 2
     return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-
-
-def qk_forward(qk: Tensor, qk_w: Tensor | None, eps: float, cos: Tensor | None,
-               sin: Tensor | None) -> tuple[Tensor, Tensor | None]:
-    """q and k as one (B, C, 2H, D) tensor -> RoPE(QKNorm(·)) and QK-norm's 1/RMS (or
-    None); ``cos`` (C, 1, D) and ``sin`` as :func:`signed_sin` gives it."""
-    rs = None
-    if qk_w is not None:
-        qk, rs = rms_forward(qk, qk_w, eps)  # (2H, D) gains: the q heads' then the k heads'
-    if cos is not None:
-        qk = (qk * cos).addcmul_(qk.roll(qk.shape[-1] // 2, -1), sin)
-    return qk, rs
-
-
-def qk_backward(grad: Tensor, qk: Tensor, qk_w: Tensor | None, rs: Tensor | None,
-                cos: Tensor | None, sin: Tensor | None, need_w: bool
-                ) -> tuple[Tensor, Tensor | None]:
-    """(dL/dqk, dL/d(QK-norm gains) (2H, D) or None) of :func:`qk_forward`."""
-    if cos is not None:
-        grad = (grad * cos).addcmul_(grad.roll(grad.shape[-1] // 2, -1), sin, value=-1)
-    if qk_w is None:
-        return grad, None
-    return rms_backward(grad, qk, qk_w, rs, need_w)
 
 
 # --- the MLPs -------------------------------------------------------------------------------
@@ -152,7 +110,7 @@ def mlp_forward(lib: Library, kind: str, f_in: Tensor, t: dict[str, Tensor | Non
     if t["b_up"] is not None:
         h += t["b_up"]
     if kind == "relu2":
-        return F.relu(h).square(), (h,)
+        return lib.relu2(h), (h,)
     gate = f_in @ t["w_gate"].t()
     if t["b_gate"] is not None:
         gate += t["b_gate"]
@@ -166,8 +124,8 @@ def mlp_backward(lib: Library, kind: str, grad_g: Tensor, kept: tuple[Tensor, ..
         grad_h, g, _ = gelu_backward(lib, grad_g, kept[0], False)
         return g, grad_h, None
     if kind == "relu2":
-        r = F.relu(kept[0])
-        return r.square(), grad_g.mul_(r).mul_(2.0), None  # grad_g: this step's own
+        grad_h, g = lib.relu2_backward(grad_g, kept[0])  # grad_g: this step's own
+        return g, grad_h, None
     gate, h = kept
     sig = torch.sigmoid(gate)
     s = gate * sig  # SiLU(gate)
@@ -196,7 +154,9 @@ class VariantBlockFn(torch.autograd.Function):
         if t["q_norm"] is not None or t["cos"] is not None or layout.n_kv_head != H:
             if t["b_qkv"] is not None:
                 qkv += t["b_qkv"]
-            qk, rs_qk, att_in = _attention_input(qkv, layout, t)
+            qk = qkv  # kept: QK-norm's backward needs its input
+            att_in, rs_qk = lib.qk_rope(qkv, H, layout.n_kv_head, t["q_norm"], t["k_norm"],
+                                        t["cos"], t["sin"], layout.qk_eps)
             r, lse = lib.causal_attention(att_in, H, None)  # (B, C, H·D), (B, H, C)
         else:  # GPT-2's attention: the kernel adds the QKV bias in place
             att_in = qkv
@@ -228,10 +188,9 @@ class VariantBlockFn(torch.autograd.Function):
         layout, lib = ctx.layout, ctx.lib
         gy = grad_y.contiguous().view(x0.shape)  # (B·C, E)
         grads = _mlp_grads(lib, layout.mlp, gy, f_in, kept, t, need)
-        grad_x1, grads["ln2_w"], grads["ln2_b"] = norm_backward(
+        grad_x1, grads["ln2_w"], grads["ln2_b"] = norm_backward(  # + gy: the residual path
             lib, layout.norm, grads.pop("f_in"), x1, t["ln2_w"], st2, need["ln2_w"],
-            need["ln2_b"])
-        grad_x1 += gy  # the residual path
+            need["ln2_b"], gy)
         grads["w_out"] = grad_x1.t() @ r2 if need["w_out"] else None
         grads["b_out"] = grad_x1.sum(0) if t["b_out"] is not None and need["b_out"] else None
         grad_r = (grad_x1 @ t["w_out"]).view(*ctx.shape[:2], -1)  # (B, C, H·D)
@@ -239,37 +198,10 @@ class VariantBlockFn(torch.autograd.Function):
                                     grads)
         g2 = grad_qkv.view(x0.shape[0], -1)  # (B·C, 3·H·D)
         grads["w_qkv"] = g2.t() @ a_in if need["w_qkv"] else None
-        grad_x, grads["ln1_w"], grads["ln1_b"] = norm_backward(
+        grad_x, grads["ln1_w"], grads["ln1_b"] = norm_backward(  # + grad_x1: the residual
             lib, layout.norm, g2 @ t["w_qkv"], x0, t["ln1_w"], st1, need["ln1_w"],
-            need["ln1_b"])
-        grad_x += grad_x1  # the residual path
+            need["ln1_b"], grad_x1)
         return (grad_x.view(ctx.shape), None, None, *(grads.get(n) for n in TENSORS))
-
-
-def _qk_gains(t: dict[str, Tensor | None], H: int, Hkv: int) -> Tensor | None:
-    """QK-norm's gains as one (H + H_kv, D) table: the q heads' D gains H times, then k's."""
-    if t["q_norm"] is None:
-        return None
-    D = t["q_norm"].shape[0]
-    return torch.cat((t["q_norm"].expand(H, D), t["k_norm"].expand(Hkv, D)))
-
-
-def _attention_input(qkv: Tensor, layout: Layout, t: dict[str, Tensor | None]
-                     ) -> tuple[Tensor, Tensor | None, Tensor]:
-    """From qkv (B, C, (H + 2·H_kv)·D): the q and k heads as one (B, C, H + H_kv, D) copy,
-    QK-norm's 1/RMS, and the kernel's input (B, C, 3·H·D): RoPE(QKNorm(q)), then k and v
-    with each key/value head repeated for the H / H_kv query heads it serves."""
-    B, C, _ = qkv.shape
-    H, Hkv = layout.n_head, layout.n_kv_head
-    D = qkv.shape[-1] // (H + 2 * Hkv)
-    qk = qkv[..., :(H + Hkv) * D].reshape(B, C, H + Hkv, D)  # q and k heads, a copy
-    qk_out, rs = qk_forward(qk, _qk_gains(t, H, Hkv), layout.qk_eps, t["cos"], t["sin"])
-    k, v = qk_out[:, :, H:], qkv[..., (H + Hkv) * D:].view(B, C, Hkv, D)
-    if Hkv != H:  # query head i reads key/value head i // (H / H_kv), as repeat_kv
-        k, v = k.repeat_interleave(H // Hkv, dim=2), v.repeat_interleave(H // Hkv, dim=2)
-    att_in = torch.cat((qk_out[:, :, :H].reshape(B, C, H * D), k.reshape(B, C, H * D),
-                        v.reshape(B, C, H * D)), dim=-1)
-    return qk, rs, att_in
 
 
 @functools.lru_cache(maxsize=16)
@@ -281,7 +213,6 @@ def rope_tables(C: int, head_dim: int, theta: float, device: torch.device
     with torch.inference_mode(False):  # made in an evaluation, still saved in training
         cos, sin = rope_angles(0, C, head_dim, theta, device)
         return cos[:, None], signed_sin(sin)[:, None]
-
 
 
 def _mlp_grads(lib: Library, kind: str, gy: Tensor, f_in: Tensor, kept: tuple[Tensor, ...],
@@ -318,15 +249,11 @@ def _attention_grads(lib: Library, layout: Layout, grad_r: Tensor, att_in: Tenso
             grad_r, att_in, r, lse, H, bias_grad=t["b_qkv"] is not None and need["b_qkv"])
         return grad_qkv
     grad_att, _ = lib.causal_attention_backward(grad_r, att_in, r, lse, H)
-    D = HD // H
-    g_q = grad_att[..., :HD].reshape(B, C, H, D)
-    g_k = grad_att[..., HD:2 * HD].reshape(B, C, Hkv, H // Hkv, D).sum(3)  # a shared head
-    g_v = grad_att[..., 2 * HD:].reshape(B, C, Hkv, H // Hkv, D).sum(3)  # sums its group
-    g_in, g_w = qk_backward(torch.cat((g_q, g_k), dim=2), qk, _qk_gains(t, H, Hkv), rs_qk,
-                            t["cos"], t["sin"], need["q_norm"] or need["k_norm"])
-    grad_qkv = torch.cat((g_in.reshape(B, C, -1), g_v.reshape(B, C, -1)), dim=-1)
+    grad_qkv, g_w = lib.qk_rope_backward(grad_att, qk, H, Hkv, t["q_norm"], t["k_norm"],
+                                         rs_qk, t["cos"], t["sin"],
+                                         need["q_norm"] or need["k_norm"])
     if g_w is not None:
-        grads["q_norm"], grads["k_norm"] = g_w[:H].sum(0), g_w[H:].sum(0)
+        grads["q_norm"], grads["k_norm"] = g_w[0], g_w[1]
     if t["b_qkv"] is not None and need["b_qkv"]:
         grads["b_qkv"] = grad_qkv.view(B * C, -1).sum(0)
     return grad_qkv

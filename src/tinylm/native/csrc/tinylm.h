@@ -210,6 +210,22 @@ TL_API int tl_ln_bwd(const float *x, const float *w, const float *mean, const fl
                      const float *dy, const float *res, float *dx, float *dw, float *db,
                      long M, long E, int threads);
 
+/* variants.c: RMSNorm, QK-norm + rotary positions (with the grouped-query repeat into
+ * the attention kernel's layout), ReLU²; forward and backward. */
+TL_API void tl_rms_fwd(const float *x, const float *w, float *y, float *rs, long M, long E,
+                       float eps, int threads);
+TL_API void tl_rms_bwd(const float *x, const float *w, const float *rs, const float *dy,
+                       const float *res, float *dx, float *dw, long M, long E, int threads);
+TL_API int tl_qk_fwd(const float *qkv, const float *qw, const float *kw, const float *cos,
+                     const float *sinpm, float *out, float *rs, long N, long C, long H,
+                     long Hkv, long D, float eps, int norm, int threads);
+TL_API int tl_qk_bwd(const float *dout, const float *qkv, const float *qw, const float *kw,
+                     const float *rs, const float *cos, const float *sinpm, float *dqkv,
+                     float *dw, long N, long C, long H, long Hkv, long D, int norm,
+                     int threads);
+TL_API void tl_relu2(const float *h, float *g, long n, int threads);
+TL_API void tl_relu2_backward(const float *h, float *grad, float *y, long n, int threads);
+
 /* bpe.c: byte-level BPE encoding (GPT-2's pre-tokenization, merges by rank, a word cache);
  * merges holds (left id, right id, merged id) per rank, classes one byte per code point
  * (0 other, 1 letter, 2 number, 3 whitespace). tl_bpe_new returns NULL when out of memory,
