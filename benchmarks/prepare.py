@@ -2,6 +2,7 @@
 
     python benchmarks/prepare.py [--size-mb 500] [--workers 1,all] [--formats jsonl,parquet]
                                  [--tokenizers char,bpe] [--source-text FILE] [--no-write]
+                                 [--encoder-mb 100]
 
 Generates documents (:func:`tinylm.corpora.synthetic_documents`: 8 random paragraphs each
 of python-docs, or of ``--source-text`` such as ../shared/data/tinyshakespeare/input.txt,
@@ -89,9 +90,16 @@ PREPARE = MONITOR + textwrap.dedent("""
 
 ENCODE = MONITOR + textwrap.dedent("""
     engine, src, tok_path, threads = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    limit = float(sys.argv[6]) * 1e6 if sys.argv[6] != "all" else float("inf")
     os.environ["TOKENIZERS_PARALLELISM"] = "true" if threads > 1 else "false"
     os.environ["RAYON_NUM_THREADS"] = str(threads)
-    docs = [json.loads(line)["text"] for line in open(src, encoding="utf-8")]
+    docs, size = [], 0
+    for line in open(src, encoding="utf-8"):
+        docs.append(json.loads(line)["text"])
+        size += len(docs[-1].encode("utf-8"))
+        if size >= limit:
+            break
+    print(json.dumps({"mb": size / 1e6}))
     sys.path.insert(0, sys.argv[5])
     from prepare import tiktoken_encoding
     if engine == "native":
@@ -157,11 +165,18 @@ def _bytes_to_unicode() -> dict[int, str]:
     return table
 
 
+def _formats(args: argparse.Namespace) -> list[str]:
+    """The --formats to prepare ("none": only the in-memory encoder rows)."""
+    return [f for f in args.formats.split(",") if f and f != "none"]
+
+
 def child(script: str, *args: str) -> dict:
+    """The child's last JSON line (its measure), with "mb" from an earlier line if any."""
     proc = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"benchmark child failed:\n{proc.stderr}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    lines = [json.loads(line) for line in proc.stdout.strip().splitlines()]
+    return {k: v for line in lines for k, v in line.items()}
 
 
 def write_corpus(work: Path, size_mb: float, source_text: str | None) -> tuple[int, int]:
@@ -218,13 +233,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--size-mb", type=float, default=500, help="text in the corpus (MB)")
     ap.add_argument("--workers", default="1,all", help="worker counts to time ('all': cores)")
-    ap.add_argument("--formats", default="jsonl,parquet")
+    ap.add_argument("--formats", default="jsonl,parquet",
+                    help="inputs to prepare: jsonl,parquet (none: the encoder rows only)")
     ap.add_argument("--tokenizers", default="char,bpe")
     ap.add_argument("--source-text", metavar="FILE",
                     help="take paragraphs from this text (e.g. ../shared/data/"
                     "tinyshakespeare/input.txt) instead of python-docs")
     ap.add_argument("--workdir", help="folder for the corpus and outputs (default: a temp dir)")
     ap.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md")
+    ap.add_argument("--encoder-mb", default="all",
+                    help="time the in-memory encoders on the first this many MB of the "
+                    "documents (rates compare as MB/s; 'all' for every document)")
     args = ap.parse_args()
 
     from tinylm.config import available_cpus
@@ -250,10 +269,12 @@ def main() -> None:
 
     def row(fmt: str, tok: str, what: str, n: int, r: dict) -> None:
         rows.append((fmt, tok, what, n, r))
-        print(f"{fmt} {tok} {what} x{n}: {mb / r['seconds']:.2f} MB/s ({r['seconds']:.1f} s, "
-              f"cpu {r['cpu']:.1f} s, peak {r['peak_mb']:.0f} MB)", flush=True)
+        m = r.get("mb", mb)  # the encoder rows may time the first --encoder-mb only
+        print(f"{fmt} {tok} {what} x{n}: {m / r['seconds']:.2f} MB/s ({r['seconds']:.1f} s, "
+              f"{m:.0f} MB, cpu {r['cpu']:.1f} s = {m / r['cpu']:.2f} MB per CPU s, peak "
+              f"{r['peak_mb']:.0f} MB)", flush=True)
 
-    for fmt in args.formats.split(","):
+    for fmt in _formats(args):
         for tok in args.tokenizers.split(","):
             spec = "char" if tok == "char" else str(tok_path)
             for n in counts:
@@ -267,8 +288,9 @@ def main() -> None:
                               ("native", "tinylm's native BPE encoder (one thread)")):
             for n in counts if engine != "native" else [1]:
                 what = label if engine == "native" else f"{label}, {n} thread(s)"
-                row("in memory", "bpe", what, n,
-                    child(ENCODE, engine, str(work / "docs.jsonl"), str(tok_path), str(n), here))
+                r = child(ENCODE, engine, str(work / "docs.jsonl"), str(tok_path), str(n), here,
+                          args.encoder_mb)
+                row("in memory", "bpe", what, n, r)
     report(args, rows, mb, n_docs, cores, load, same)
 
 
@@ -282,20 +304,24 @@ def report(args, rows, mb, n_docs, cores, load, same) -> None:
         f"{load:.2f} at the start. Each row is a fresh process; peak MB is the proportional "
         f"set size of it and its workers, sampled; CPU seconds include the workers. BPE is "
         f"the same trained vocabulary (4096) everywhere; tiktoken ids equal tinylm's: {same}. "
-        f"The encoder rows time encoding only (documents already in memory).",
+        f"The encoder rows time encoding only (documents already in memory"
+        + (f", the first {args.encoder_mb} MB of them" if args.encoder_mb != "all" else "")
+        + "); the workers / threads column is the cores each row used.",
         "",
-        "| input | tokenizer | what | workers / threads | seconds | MB/s | CPU s | peak MB | "
-        "tokens |",
-        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| input | tokenizer | what | workers / threads | seconds | MB/s | CPU s | MB per CPU s "
+        "| peak MB | tokens |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for fmt, tok, what, n, r in rows:
+        m = r.get("mb", mb)
         body.append(f"| {fmt} | {tok} | {what} | {n} | {r['seconds']:.1f} | "
-                    f"**{mb / r['seconds']:.2f}** | {r['cpu']:.1f} | {r['peak_mb']:.0f} | "
+                    f"**{m / r['seconds']:.2f}** | {r['cpu']:.1f} | {m / r['cpu']:.2f} | "
+                    f"{r['peak_mb']:.0f} | "
                     f"{r['tokens']:,} |")
-    speed = {(f, t, w, n): mb / r["seconds"] for f, t, w, n, r in rows}
+    speed = {(f, t, w, n): r.get("mb", mb) / r["seconds"] for f, t, w, n, r in rows}
     top = max(n for *_, n, _ in rows)
     body.append("")
-    for fmt in args.formats.split(","):
+    for fmt in _formats(args):
         one, all_ = speed.get((fmt, "bpe", "`tinylm prepare`", 1)), \
             speed.get((fmt, "bpe", "`tinylm prepare`", top))
         best = max((v for (f, t, w, n), v in speed.items() if f == "in memory" and n == top
@@ -307,7 +333,8 @@ def report(args, rows, mb, n_docs, cores, load, same) -> None:
                                               if best else ""))
     body += ["", f"Command: `python benchmarks/prepare.py --size-mb {args.size_mb:g} --workers "
                  f"{args.workers}" + (f" --source-text {args.source_text}" if args.source_text
-                                      else "") + "`"]
+                                      else "")
+             + (f" --encoder-mb {args.encoder_mb}" if args.encoder_mb != "all" else "") + "`"]
     text = "\n".join(body)
     print(text)
     if not args.no_write:
