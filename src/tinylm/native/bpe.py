@@ -52,23 +52,33 @@ def code_point_classes() -> np.ndarray:
     From :mod:`unicodedata`, except for the code points this Python's Unicode database
     does not assign (it may be older than the regex engine's): those are classed by
     Hugging Face's own engine (onig), matching their runs of ``\\p{L}``, ``\\p{N}``, ``\\s``."""
-    classes = np.zeros(N_CODES, dtype=np.uint8)
+    table = bytearray(N_CODES)
     category = unicodedata.category
     unassigned = []
     for c in range(ASSIGNED_END):
         cat = category(chr(c))
         cls = _CLASS_OF.get(cat[0])
         if cls:
-            classes[c] = cls
+            table[c] = cls
         elif cat == "Cn":
             unassigned.append(c)
+    classes = np.frombuffer(bytes(table), dtype=np.uint8).copy()
     classes[list(WHITE_SPACE)] = SPACE
-    codes = np.array(unassigned, dtype=np.int64)
-    text = "".join(map(chr, unassigned))
+    return _engine_classes(classes, unassigned)
+
+
+def _engine_classes(classes: np.ndarray, codes: list[int]) -> np.ndarray:
+    """``classes`` with ``codes`` classed by HF's regex engine: first the runs of any of
+    the three classes (one scan), then each class among those few."""
+    def runs(pattern: str, text: str) -> list[tuple[int, int]]:
+        split = tokenizers.pre_tokenizers.Split(tokenizers.Regex(pattern), behavior="removed")
+        return [span for _, span in split.pre_tokenize_str(text)]
+    found = [c for a, b in runs(r"[^\p{L}\p{N}\s]+", "".join(map(chr, codes)))
+             for c in codes[a:b]]
+    text, where = "".join(map(chr, found)), np.array(found, dtype=np.int64)
     for cls, outside in ((LETTER, r"[^\p{L}]+"), (NUMBER, r"[^\p{N}]+"), (SPACE, r"[^\s]+")):
-        split = tokenizers.pre_tokenizers.Split(tokenizers.Regex(outside), behavior="removed")
-        for _, (a, b) in split.pre_tokenize_str(text):  # the runs of the class
-            classes[codes[a:b]] = cls
+        for a, b in runs(outside, text):
+            classes[where[a:b]] = cls
     return classes
 
 
@@ -208,7 +218,7 @@ class NativeBPE:
 
 
 def _rebuild(config: str, kind: str) -> NativeBPE | None:
-    lib = ops.load()
+    lib = ops.load_bpe()
     if lib is None:
         raise RuntimeError("the native library is unavailable in this process")
     return NativeBPE(lib, json.loads(config), kind)
@@ -226,5 +236,5 @@ def bpe_encoder(tokenizer: Any) -> NativeBPE | None:
     if why is not None:
         ops.log.debug("native BPE steps aside: %s", why)
         return None
-    lib = ops.load()
+    lib = ops.load_bpe()
     return None if lib is None else NativeBPE(lib, config, getattr(tokenizer, "kind", "bpe"))

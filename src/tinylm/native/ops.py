@@ -25,7 +25,7 @@ import os
 import re
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NamedTuple
 
@@ -489,6 +489,8 @@ def _rope_pointers(cos: Tensor | None, sin: Tensor | None, C: int, D: int
 _lock = threading.Lock()
 _library: Library | None = None
 _tried = False
+_bpe_library: Library | None = None  # load_bpe(): checked on the BPE case only
+_bpe_tried = False
 _off = threading.local()
 
 
@@ -511,13 +513,13 @@ def disabled() -> Iterator[None]:
         _off.depth -= 1
 
 
-def _load() -> Library | None:
+def _load(check: Callable[[Library], None] = selfcheck.run) -> Library | None:
     if sys.platform not in ("linux", "darwin") or sys.byteorder != "little":
         log.info("native kernels: not built on %s; using torch's kernels", sys.platform)
         return None
     try:
         cdll = build.load_library(build.SOURCES, build.cache_root(),
-                                  lambda lib: selfcheck.run(Library(lib)))
+                                  lambda lib: check(Library(lib)))
     except build.NativeUnavailable as e:
         quiet = "no C compiler" in str(e)  # the usual state of a machine without one
         (log.info if quiet else log.warning)("native kernels unavailable: %s; using "
@@ -537,6 +539,22 @@ def load() -> Library | None:
             _tried = True
             _library = _load()
     return _library
+
+
+def load_bpe() -> Library | None:
+    """The library for the BPE encoder alone (prepare): the same build, self-checked on
+    its BPE case only (about a millisecond, not the torch ops' second); the full
+    :func:`load` still checks everything before any other op is used."""
+    global _bpe_library, _bpe_tried
+    if not env_enabled():
+        return None
+    if _library is not None:
+        return _library
+    with _lock:
+        if not _bpe_tried:
+            _bpe_tried = True
+            _bpe_library = _load(selfcheck.run_bpe)
+    return _bpe_library
 
 
 def loaded() -> Library | None:

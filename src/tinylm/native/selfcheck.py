@@ -124,7 +124,7 @@ def _variants(lib: Any, g: torch.Generator) -> None:
     _expect(torch.allclose(lib.relu2(h), F.relu(h).square()), "ReLU²")
 
 
-def _bpe(lib: Any, g: torch.Generator) -> None:
+def _bpe(lib: Any, g: torch.Generator | None) -> None:
     """Merges by rank, not by id: abc = ab + c, but b c merges first, so "abc" is a, bc."""
     raw = lib.raw
     merges = (ctypes.c_uint * 12)(98, 99, 256, 97, 98, 257, 257, 99, 258, 32, 97, 259)
@@ -144,6 +144,11 @@ def _bpe(lib: Any, g: torch.Generator) -> None:
                 and list(lengths) == [4, 0, 2], "BPE")
     finally:
         raw.tl_bpe_free(handle)
+
+
+def run_bpe(lib: Any) -> None:
+    """Check the BPE encoder only (what ``prepare`` loads the library for)."""
+    _bpe(lib, None)
 
 
 def run(lib: Any) -> None:
