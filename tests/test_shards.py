@@ -145,6 +145,7 @@ def test_workers_reading_units_write_what_one_process_writes(jsonl, tmp_path, mo
             tmp_path / "w1")) > 3
         assert d1.meta["documents"] == d3.meta["documents"]
         assert d1.meta["input_chars"] == d3.meta["input_chars"]
+        assert d1.meta["inputs"] == d3.meta["inputs"]  # the workers' sha256 of each input
         assert d3.meta["documents"]["first_skipped"].endswith(
             "mixed.jsonl line 6: field 'text' is null")
     assert len(scans) == 2 and prepared.vocab_size > 0

@@ -544,13 +544,17 @@ class _Scan:
     unit_docs: list[int] = field(default_factory=list)  # documents of each unit
 
 
+def _digest(src: Source) -> str:
+    h = hashlib.sha256()
+    with src.open_raw() as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
 def _hash_sources(sources: Sequence[Source], scan: _Scan) -> None:
     for src in sources:
-        h = hashlib.sha256()
-        with src.open_raw() as f:
-            while block := f.read(1 << 20):
-                h.update(block)
-        scan.digests.append(h.hexdigest())
+        scan.digests.append(_digest(src))
         scan.stamps.append(src.stamp())
 
 
@@ -594,10 +598,13 @@ def _workers(o: _Options, sources: Sequence[Source]) -> int:
     return o.workers or (default_workers() if total >= PARALLEL_MIN_BYTES else 1)
 
 
-def _scan_unit(unit: Unit) -> tuple[int, int, BadRecords]:
-    """Pass 1 of one unit in a worker: its documents, characters and bad records."""
+def _scan_unit(unit: Unit | int) -> tuple[int, int, BadRecords] | str:
+    """Pass 1 of one unit in a worker: its documents, characters and bad records (or, for
+    a source's index, the sha256 of that source)."""
     job = _WORKER
     assert isinstance(job, _UnitJob)
+    if isinstance(unit, int):
+        return _digest(job.sources[unit])
     bad, docs, chars = BadRecords(), 0, 0
     for text in iter_unit(job.sources, unit, text_field=job.text_field, errors=job.errors,
                           bad=bad):
@@ -608,16 +615,21 @@ def _scan_unit(unit: Unit) -> tuple[int, int, BadRecords]:
 
 def _scan_units(o: _Options, sources: Sequence[Source], scan: _Scan, workers: int,
                 bar: _Bar) -> None:
-    """Pass 1 by the workers, unit by unit (a given tokenizer, no dedup)."""
+    """Pass 1 by the workers, unit by unit (a given tokenizer, no dedup); they hash the
+    sources too, first."""
     assert scan.units is not None
     job = _UnitJob(list(sources), o.text_field, o.errors)
     units = scan.units
+    scan.stamps = [s.stamp() for s in sources]
 
     def planned() -> Iterator[Unit]:  # planned while the workers read (lazily)
         for unit in iter_units(sources):
             units.append(unit)
             yield unit
-    for k, (docs, chars, bad) in enumerate(_pooled(workers, _scan_unit, planned(), job)):
+    results = _pooled(workers, _scan_unit, itertools.chain(range(len(sources)), planned()),
+                      job)
+    scan.digests = [next(results) for _ in sources]
+    for k, (docs, chars, bad) in enumerate(results):
         unit = units[k]
         scan.unit_docs.append(docs)
         scan.documents += docs
@@ -634,18 +646,20 @@ def _scan_units(o: _Options, sources: Sequence[Source], scan: _Scan, workers: in
 def _scan(o: _Options, sources: Sequence[Source]) -> _Scan:
     """Pass 1: hash the inputs, count documents, build the char alphabet or train BPE."""
     scan = _Scan()
-    _hash_sources(sources, scan)
     total = sum(s.size for s in sources)
     workers = _workers(o, sources)
-    if workers > 1 and not o.dedup and units_apply(sources):
+    # A tokenizer built from pass 1's stream (char, bpe) needs it here, in one process.
+    if workers > 1 and not o.dedup and o.tok_spec not in ("char", "bpe") \
+            and units_apply(sources):
         scan.units = []
+    else:
+        _hash_sources(sources, scan)
     bar = _Bar(total, "train bpe" if o.tok_spec == "bpe" else "scan", o.progress)
     try:
-        if scan.units is not None and o.tok_spec not in ("char", "bpe"):
+        if scan.units is not None:
             _scan_units(o, sources, scan, workers, bar)
             scan.tokenizer = o.given
             return scan
-        scan.units = None  # the tokenizer is built from pass 1's stream: read it here
         texts = _documents_pass(o, sources, scan, bar)
         if o.tok_spec == "char":
             seen = np.zeros(0x110000, dtype=bool)
