@@ -544,11 +544,12 @@ def load() -> Library | None:
 def load_bpe() -> Library | None:
     """The library for the BPE encoder alone (prepare): the same build, self-checked on
     its BPE case only (about a millisecond, not the torch ops' second); the full
-    :func:`load` still checks everything before any other op is used."""
+    :func:`load` still checks everything before any other op is used. A library that
+    failed :func:`load`'s full check is not used for BPE either."""
     global _bpe_library, _bpe_tried
     if not env_enabled():
         return None
-    if _library is not None:
+    if _tried:
         return _library
     with _lock:
         if not _bpe_tried:
