@@ -334,6 +334,8 @@ def report(args, rows, mb, n_docs, cores, load, same) -> None:
     body += ["", f"Command: `python benchmarks/prepare.py --size-mb {args.size_mb:g} --workers "
                  f"{args.workers}" + (f" --source-text {args.source_text}" if args.source_text
                                       else "")
+             + (f" --formats {args.formats}" if args.formats != "jsonl,parquet" else "")
+             + (f" --tokenizers {args.tokenizers}" if args.tokenizers != "char,bpe" else "")
              + (f" --encoder-mb {args.encoder_mb}" if args.encoder_mb != "all" else "") + "`"]
     text = "\n".join(body)
     print(text)
