@@ -99,8 +99,12 @@ def test_argmax_equals_torch_with_ties_and_nan(lib, V: int, B: int) -> None:
     assert torch.equal(lib.argmax(strided), strided.argmax(-1))
 
 
-@pytest.mark.parametrize(("B", "H", "D", "pos"), [(1, 1, 16, 0), (2, 3, 64, 9), (3, 2, 20, 30)])
+@pytest.mark.parametrize(("B", "H", "D", "pos"), [(1, 1, 16, 0), (2, 3, 64, 9), (3, 2, 20, 30),
+                                                 (2, 2, 70, 17), (1, 2, 136, 31)])
 def test_attend_one_equals_sdpa_over_the_cache(lib, B: int, H: int, D: int, pos: int) -> None:
+    """Keys 4 at a time and the rest, exponentials a vector at a time and the rest, the
+    output AV·VL features at a time in registers (D past one such chunk, D not a
+    multiple of the vector width)."""
     qkv = torch.randn(B, 1, 3, H, D).permute(2, 0, 3, 1, 4)  # views, as MultiHeadAttention
     q, k, v = qkv.unbind(0)  # 3 × (B, H, 1, D), not contiguous
     k_cache, v_cache = torch.randn(B, H, 32, D), torch.randn(B, H, 32, D)
