@@ -469,10 +469,20 @@ def test_every_vector_width_this_cpu_runs_computes_the_same(tmp_path, monkeypatc
         q = torch.randint(-127, 128, (45, 300), generator=g, dtype=torch.int8)
         s = torch.rand(45, -(-300 // G), generator=g) / 100
         W = q.float() * s.repeat_interleave(G, dim=1)[:, :300]
-        for M in (1, 2, 3, 4, 5, 16):
+        for M in (1, 2, 3, 4, 5, 8, 16):  # tiles of 4 rows, walks of 8
             x = torch.randn(M, 300, generator=g)
             torch.testing.assert_close(narrow.linear_q8(x, q, s, G, b), F.linear(x, W, b),
                                        rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(narrow.linear_q8(x, q, s, G, b, 1),  # vector GELU
+                                       F.gelu(F.linear(x, W, b), approximate="tanh"),
+                                       rtol=1e-4, atol=1e-4)
+    for B, H, D, pos in ((2, 3, 20, 9), (1, 2, 70, 30)):  # one-token attention over a cache
+        q, k, v = (torch.randn(B, H, 1, D, generator=g) for _ in range(3))
+        k_cache, v_cache = torch.randn(B, H, 32, D, generator=g), torch.randn(B, H, 32, D)
+        out = narrow.attend_one(q, k, v, k_cache, v_cache, pos, torch.empty(B * H * 32))
+        want = F.scaled_dot_product_attention(q, k_cache[:, :, :pos + 1],
+                                              v_cache[:, :, :pos + 1])
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.skipif(os.uname().machine != "x86_64", reason="an x86 target")
