@@ -47,13 +47,16 @@ from tinylm.config import ARCH_PRESETS, ModelConfig, TrainConfig, resolve_arch  
 from tinylm.data import get_batch, load_prepared, prepare  # noqa: E402
 from tinylm.evaluation import evaluate  # noqa: E402
 from tinylm.model import GPT  # noqa: E402
-from tinylm.training import build_optimizer, lr_at  # noqa: E402
+from tinylm.training import build_optimizer, lr_at, set_lr  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 # The best settings found for this 2-core CPU (see BENCHMARKS.md for the search).
 MODEL = dict(n_layer=4, n_head=4, n_embd=128, context_length=64, dropout=0.0)
+# embedding_lr_ratio only moves an untied token embedding (llama, modern): gpt2's is its
+# head and keeps the lr (BENCHMARKS.md has the probe of both).
 TRAIN = dict(optimizer="muon", lr=3e-3, batch_size=12, warmup_steps=100, max_steps=800,
-             min_lr_ratio=0.1, weight_decay=0.1, beta1=0.9, beta2=0.95, grad_clip=1.0)
+             min_lr_ratio=0.1, weight_decay=0.1, beta1=0.9, beta2=0.95, grad_clip=1.0,
+             embedding_lr_ratio=10.0)
 
 
 def run_once(data, target: float, seed: int, eval_every: int, threads: int,
@@ -74,8 +77,7 @@ def run_once(data, target: float, seed: int, eval_every: int, threads: int,
     for step in range(cfg.max_steps):
         lr = lr_at(step, lr=cfg.lr, warmup_steps=cfg.warmup_steps,
                    total_steps=cfg.max_steps, min_lr_ratio=cfg.min_lr_ratio)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+        set_lr(optimizer, lr)
         x, y = get_batch(data.train, B, C, gen)  # (B, C), (B, C)
         loss = model.loss(x, y)
         loss.backward()
@@ -142,7 +144,8 @@ def render(runs: list[dict], target: float, args: argparse.Namespace, vocab: int
         f"Char tokenizer (V={vocab}), {n_train:,} train / {n_val:,} val tokens (last 10 %). "
         f"Model {m['n_layer']} layers, {m['n_head']} heads, E={m['n_embd']}, "
         f"C={m['context_length']}; optimizer `{TRAIN['optimizer']}` (Muon for weight "
-        f"matrices at 10× the lr, AdamW for the rest), lr {TRAIN['lr']:g}, batch "
+        f"matrices at 10× the lr, AdamW for the rest; an untied token embedding at "
+        f"{TRAIN['embedding_lr_ratio']:g}× the lr), lr {TRAIN['lr']:g}, batch "
         f"{TRAIN['batch_size']}, warm-up {TRAIN['warmup_steps']} + cosine over "
         f"{TRAIN['max_steps']} steps, grad clip {TRAIN['grad_clip']}, fp32, "
         f"{args.threads} threads. Validation: exact mean over the whole split. Presets "

@@ -101,8 +101,12 @@ def test_argmax_equals_torch_with_ties_and_nan(lib, V: int, B: int) -> None:
     assert torch.equal(lib.argmax(strided), strided.argmax(-1))
 
 
-@pytest.mark.parametrize(("B", "H", "D", "pos"), [(1, 1, 16, 0), (2, 3, 64, 9), (3, 2, 20, 30)])
+@pytest.mark.parametrize(("B", "H", "D", "pos"), [(1, 1, 16, 0), (2, 3, 64, 9), (3, 2, 20, 30),
+                                                 (2, 2, 70, 17), (1, 2, 136, 31)])
 def test_attend_one_equals_sdpa_over_the_cache(lib, B: int, H: int, D: int, pos: int) -> None:
+    """Keys 4 at a time and the rest, exponentials a vector at a time and the rest, the
+    output AV·VL features at a time in registers (D past one such chunk, D not a
+    multiple of the vector width)."""
     qkv = torch.randn(B, 1, 3, H, D).permute(2, 0, 3, 1, 4)  # views, as MultiHeadAttention
     q, k, v = qkv.unbind(0)  # 3 × (B, H, 1, D), not contiguous
     k_cache, v_cache = torch.randn(B, H, 32, D), torch.randn(B, H, 32, D)
@@ -467,10 +471,20 @@ def test_every_vector_width_this_cpu_runs_computes_the_same(tmp_path, monkeypatc
         q = torch.randint(-127, 128, (45, 300), generator=g, dtype=torch.int8)
         s = torch.rand(45, -(-300 // G), generator=g) / 100
         W = q.float() * s.repeat_interleave(G, dim=1)[:, :300]
-        for M in (1, 2, 3, 4, 5, 16):
+        for M in (1, 2, 3, 4, 5, 8, 16):  # tiles of 4 rows, walks of 8
             x = torch.randn(M, 300, generator=g)
             torch.testing.assert_close(narrow.linear_q8(x, q, s, G, b), F.linear(x, W, b),
                                        rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(narrow.linear_q8(x, q, s, G, b, 1),  # vector GELU
+                                       F.gelu(F.linear(x, W, b), approximate="tanh"),
+                                       rtol=1e-4, atol=1e-4)
+    for B, H, D, pos in ((2, 3, 20, 9), (1, 2, 70, 30)):  # one-token attention over a cache
+        q, k, v = (torch.randn(B, H, 1, D, generator=g) for _ in range(3))
+        k_cache, v_cache = torch.randn(B, H, 32, D, generator=g), torch.randn(B, H, 32, D)
+        out = narrow.attend_one(q, k, v, k_cache, v_cache, pos, torch.empty(B * H * 32))
+        want = F.scaled_dot_product_attention(q, k_cache[:, :, :pos + 1],
+                                              v_cache[:, :, :pos + 1])
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.skipif(os.uname().machine != "x86_64", reason="an x86 target")

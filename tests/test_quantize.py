@@ -152,9 +152,10 @@ NATIVE_LIB = native.load() if os.environ.get("TINYLM_NATIVE") != "0" else None
                                      (17, 129, 32), (100, 45, 45), (70, 300, None),
                                      (33, 521, 100), (9, 300, 7)])
 def test_int8_kernel_equals_the_reference_layer_at_odd_shapes(O, I, G) -> None:
-    """Rows 1-16 (the kernel's row blocks of 4 and their remainders), outputs that do not
-    fill the last panel of 32, inputs past one block of 256 (and groups that straddle
-    blocks), per channel and per group."""
+    """Rows 1-16 (the kernel's register tiles of 4 rows and their remainders, walks of 8
+    rows over a panel and a second walk past 8), outputs that do not fill the last panel
+    of 32, inputs past one block of 256 (and groups that straddle blocks), per channel and
+    per group; the epilogue's bias, GELU and residual alone and together."""
     ql = QuantizedLinear.from_linear(nn.Linear(I, O), 8, G)
     res = torch.randn(16, O)
     for M in range(1, 17):
@@ -167,6 +168,23 @@ def test_int8_kernel_equals_the_reference_layer_at_odd_shapes(O, I, G) -> None:
         got = NATIVE_LIB.linear_q8(x, ql.qweight, ql.scale, G_, None, 1, res[:M])
         want = F.gelu(F.linear(x, ql.weight), approximate="tanh") + res[:M]
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        got = NATIVE_LIB.linear_q8(x, ql.qweight, ql.scale, G_, ql.bias, 1, res[:M])
+        want = F.gelu(F.linear(x, ql.weight, ql.bias), approximate="tanh") + res[:M]
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(NATIVE_LIB is None, reason="TINYLM_NATIVE=0 or no C compiler: no kernel")
+def test_int8_kernel_gelu_equals_f_gelu_over_its_range() -> None:
+    """The epilogue's GELU (a vector at a time, as x·σ(2u), for full panels; the scalar
+    tanh form for the last partial panel) against F.gelu(approximate="tanh") on outputs
+    from -30 to 30: the tails (σ near 0 and 1, exp clamped) and the middle."""
+    O = 70  # two full panels of 32 and a partial one
+    q = torch.eye(O, dtype=torch.int8)  # y = x·diag(s) exactly: the GELU sees x·s
+    s = torch.full((O, 1), 0.5)
+    x = torch.linspace(-60, 60, 16 * O).view(16, O)
+    got = NATIVE_LIB.linear_q8(x, q, s, O, None, 1)
+    want = F.gelu(x * 0.5, approximate="tanh")
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.skipif(NATIVE_LIB is None, reason="TINYLM_NATIVE=0 or no C compiler: no kernel")

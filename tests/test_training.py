@@ -886,3 +886,34 @@ def test_default_threads_keep_every_core_on_a_quiet_machine(monkeypatch) -> None
         assert cfg.default_threads() == want, load
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert cfg.default_threads() == 3
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_an_untied_token_embedding_trains_at_its_own_lr_ratio(optimizer: str) -> None:
+    """AdamW's first step moves each looked-up row by lr·g/(|g| + eps) ≈ ±lr per
+    element: ratio × lr for an untied token embedding; a tied one is the head and keeps
+    the lr (its groups are unchanged)."""
+    from tinylm.training import build_optimizer, set_lr
+
+    cfg = dict(vocab_size=23, n_layer=1, n_head=2, n_embd=16, context_length=8, dropout=0.0)
+    ids = torch.randint(0, 23, (2, 9), generator=torch.Generator().manual_seed(0))
+    moved = {}
+    for tie, ratio in ((False, 1.0), (False, 10.0), (True, 10.0)):
+        torch.manual_seed(0)
+        model = GPT(ModelConfig(**cfg, tie_embeddings=tie))
+        train_cfg = TrainConfig(lr=1e-3, weight_decay=0.0, optimizer=optimizer,
+                                embedding_lr_ratio=ratio)
+        opt = build_optimizer(model, train_cfg, torch.device("cpu"))
+        ratios = [g.get("lr_ratio", 1.0) for g in opt.param_groups]
+        assert ratios.count(ratio) == (1 if ratio != 1.0 and not tie else 0 if ratio != 1.0
+                                       else len(ratios))
+        set_lr(opt, 1e-3)
+        before = model.tok_emb.weight.detach().clone()
+        model.loss(ids[:, :-1], ids[:, 1:]).backward()
+        opt.step()
+        moved[tie, ratio] = (model.tok_emb.weight.detach() - before).abs().max().item()
+    assert moved[False, 1.0] == pytest.approx(1e-3, rel=1e-3)
+    assert moved[False, 10.0] == pytest.approx(1e-2, rel=1e-3)
+    assert moved[True, 10.0] == pytest.approx(1e-3, rel=1e-3)  # tied: the head's lr
+    with pytest.raises(ConfigError, match="embedding_lr_ratio"):
+        TrainConfig(embedding_lr_ratio=0)

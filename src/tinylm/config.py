@@ -308,6 +308,10 @@ class TrainConfig(_JSONMixin):
     max_steps: int = _field(2000, "optimizer steps to train")
     time_budget: float | None = _field(
         None, "stop after this many seconds of training; the cosine is stretched over it")
+    embedding_lr_ratio: float = _field(
+        1.0, "lr multiplier for an untied token embedding (its own table, not the LM "
+             "head): such tables learn from sparse lookups only; nanochat trains its at "
+             "50x the head's lr")
     weight_decay: float = _field(0.1, "AdamW decoupled weight decay on weight matrices")
     beta1: float = _field(0.9, "AdamW beta1")
     beta2: float = _field(0.95, "AdamW beta2")
@@ -345,6 +349,7 @@ class TrainConfig(_JSONMixin):
         _check_int("max_steps", self.max_steps)
         if self.time_budget is not None:
             _check_positive("time_budget", self.time_budget)
+        _check_positive("embedding_lr_ratio", self.embedding_lr_ratio)
         _check_positive("weight_decay", self.weight_decay, allow_zero=True)
         _check_fraction("beta1", self.beta1)
         _check_fraction("beta2", self.beta2)

@@ -141,6 +141,13 @@ def lr_at(step: int, *, lr: float, warmup_steps: int, total_steps: float,
     return floor + 0.5 * (lr - floor) * (1.0 + math.cos(math.pi * progress))
 
 
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Set every parameter group's lr to ``lr`` times the group's ``lr_ratio`` (1 unless
+    :func:`optimizer_recipe` gave it one: an untied token embedding's)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr * group.get("lr_ratio", 1.0)
+
+
 # --- optimizer ----------------------------------------------------------------------------
 
 
@@ -163,7 +170,8 @@ def optimizer_recipe(model: nn.Module, config: TrainConfig, device: torch.device
                      ) -> tuple[type, list[dict[str, Any]], dict[str, Any]]:
     """(class, parameter groups, keyword arguments) of the optimizer named by
     ``config.optimizer``: see :func:`build_optimizer`."""
-    groups = decay_groups(model, config.weight_decay)
+    groups = _embedding_group(model, decay_groups(model, config.weight_decay),
+                              config.embedding_lr_ratio)
     kwargs = {"lr": config.lr, "betas": (config.beta1, config.beta2),
               "fused": device.type in ("cuda", "cpu")}
     if config.optimizer == "adamw":
@@ -179,6 +187,26 @@ def optimizer_recipe(model: nn.Module, config: TrainConfig, device: torch.device
                    "weight_decay": config.weight_decay}, groups[1]]
         return MuonAdamW, [g for g in groups if g["params"]], kwargs
     raise ConfigError(f"unknown optimizer {config.optimizer!r}")  # config validates first
+
+
+def _embedding_group(model: nn.Module, groups: list[dict[str, Any]], ratio: float
+                     ) -> list[dict[str, Any]]:
+    """``groups`` with an untied token embedding (a table of its own, not the LM head)
+    moved into a group of its own at ``ratio`` × the lr (``lr_ratio``, see :func:`set_lr`).
+    With ratio 1 (the default) the groups are unchanged, so older runs resume."""
+    weight = getattr(getattr(model, "tok_emb", None), "weight", None)
+    head = getattr(getattr(model, "lm_head", None), "weight", None)
+    if ratio == 1.0 or not isinstance(weight, Tensor) or weight is head \
+            or not weight.requires_grad:
+        return groups
+    out = []
+    for group in groups:
+        rest = [p for p in group["params"] if p is not weight]
+        if len(rest) < len(group["params"]):
+            out.append({**group, "params": [weight], "lr_ratio": ratio})
+        if rest:
+            out.append({**group, "params": rest})
+    return out
 
 
 def build_optimizer(model: nn.Module, config: TrainConfig,
@@ -1027,8 +1055,7 @@ def _train_step(run: _Run) -> None:
     cfg, ctx = run.cfg, run.ctx
     run.lr = lr_at(run.step, lr=cfg.lr, warmup_steps=cfg.warmup_steps,
                    total_steps=run.total_steps, min_lr_ratio=cfg.min_lr_ratio)
-    for group in run.optimizer.param_groups:
-        group["lr"] = run.lr
+    set_lr(run.optimizer, run.lr)
     step_loss = torch.zeros((), device=run.device)
     for micro in range(run.accum):
         x, y = _draw_batch(run.data.train, run.train_mask, run.B * ctx.world_size, run.C,

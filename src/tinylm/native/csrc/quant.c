@@ -12,22 +12,25 @@
  * (zero past O), so a panel is one contiguous (I, QPW) block of bytes that a step streams
  * once, front to back. For each input feature i the kernel converts VL consecutive bytes
  * to floats (one sign-extending 64-bit load + convert with AVX2) and adds them times the
- * broadcast x[m, i] into VL accumulators of output features, for every row m of a block
+ * broadcast x[m, i] into VL accumulators of output features, for every row m of a tile
  * of up to QMB = 4 rows: each converted weight vector serves all those rows, each
- * broadcast all the vectors of the column group, and there are no horizontal sums. A
- * block of QKB input features is read from memory once (software prefetch ahead) and
- * reread from L1 by the other column groups; a batch past 4 rows rereads the panel
- * (I·QPW bytes) from cache per further block of 4. The integer sums of a
- * group are scaled once per group with a vector of its QPW scales (per-channel scales:
- * once, at the end). Panels are split among the threads. y may be res (a residual stream
- * updated in place), never x.
+ * broadcast all the vectors of the column group, and there are no horizontal sums.
+ * A panel is read in blocks of QKB input features, software prefetch ahead; each block
+ * is read from memory once and reread from L1 by its other passes: the other column
+ * groups, and for 5-8 rows the second tile of rows (up to QSB = 8 rows share one walk
+ * over the panel, block by block; more rows walk it again, from cache). The integer
+ * sums of a group are scaled once per group with a vector of its QPW scales
+ * (per-channel scales: once, at the end); the bias, GELU (the vector form of GPT-2's
+ * tanh approximation, x·σ(2u)) and residual are added a vector at a time. Panels are
+ * split among the threads. y may be res (a residual stream updated in place), never x.
  */
 #include "tinylm.h"
 
 #define QPW 32              /* output features per panel */
 #define QPV (QPW / VL)      /* vectors per panel row: 2 (AVX-512), 4 (AVX2), 8 */
 #define QKB 256             /* input features per block: QKB·QPW bytes (8 KiB) stay in L1 */
-#define QMB 4               /* rows of x per pass over a panel block */
+#define QMB 4               /* rows of x per register tile */
+#define QSB (2 * QMB)       /* rows of x per walk over a panel */
 #define QPF 4096            /* prefetch distance, bytes: 128 panel rows ahead */
 
 /* VL int8 -> VL floats. GCC lowers a vector-extension conversion from chars lane by lane,
@@ -119,41 +122,65 @@ static inline __attribute__((always_inline)) void q8_cols(
         }
 }
 
-/* The whole panel row block (QPV vectors) for MR rows, NV vectors at a time. */
-static inline __attribute__((always_inline)) void q8_block_rows(
-        const float *x, long ldx, const signed char *w, long n, float *t, int add,
-        const int MR, const int NV, const int CH) {
-    for (int c = 0; c < QPV; c += NV)
-        q8_cols(x, ldx, w + c * VL, n, t + c * VL, add, MR, NV, CH);
-}
-
 /* The register blocking of mr <= QMB rows: (rows, vectors per column group, chains), at
- * most 12 accumulators plus the weight vectors and a broadcast in 16 registers. (Eight
- * rows in one pass, 8 × 1 vectors, measured slower on Zen 3 than two passes of 4 × 2:
- * a broadcast per FMA.) */
+ * most 12 accumulators plus the weight vectors and a broadcast in 16 registers. (On Zen 3
+ * eight rows in one tile, 8 × 1 vectors, measured slower than two tiles of 4 × 2: a
+ * broadcast per FMA; 6 × 2 and 4 × 3 tiles, 24-feature panels, measured no faster; a
+ * dot-product layout, 8 features of 8 outputs per 64-byte chunk with 8 features of each
+ * row loaded instead of one broadcast, measured 0.9×.) */
 #define NVC(n) ((n) < QPV ? (n) : QPV)
+#define Q8_TILES(X) \
+    X(1, 4, 2) X(2, 4, 1) X(3, 2, 2) X(4, 2, 1)
+
+/* The whole panel row block (QPV vectors) for mr <= QMB rows, one pass per column group. */
 static void q8_block(const float *x, long ldx, const signed char *w, long n, float *t,
                      int add, long mr) {
-#define QB(MR_, NV_, CH_) q8_block_rows(x, ldx, w, n, t, add, MR_, NVC(NV_), CH_)
-    switch (mr) {
-        case 1: QB(1, 4, 2); break;
-        case 2: QB(2, 4, 1); break;
-        case 3: QB(3, 2, 2); break;
-        default: QB(4, 2, 1); break;
-    }
-#undef QB
+#define Q8_CASE(MR_, NV_, CH_)                                                           \
+    case MR_:                                                                            \
+        for (int c = 0; c < QPV; c += NVC(NV_))                                          \
+            q8_cols(x, ldx, w + c * VL, n, t + c * VL, add, MR_, NVC(NV_), CH_);         \
+        break;
+    switch (mr) { Q8_TILES(Q8_CASE) }
+#undef Q8_CASE
 }
 
-/* One panel (nc <= QPW output features) for mr <= QMB rows of x. */
+/* GELU (tanh approximation) of VL values: x·σ(2u) = x / (1 + e^(-2u)). */
+static inline vf q8_gelu(vf x) {
+    return x / (1.0f + vexp(x * (-2.0f * GELU_C) * (1.0f + GELU_K * x * x)));
+}
+
+/* The end of a panel for one row: y = act(tot + b) (+ res), nc <= QPW values. */
+static void q8_epilogue(const float *tot, float *y, long nc, const float *b, int act,
+                        const float *res) {
+    long j = 0;
+    if (nc == QPW)
+        for (; j < QPW; j += VL) {
+            vf v = loadv(tot + j);
+            if (b) v += loadv(b + j);
+            if (act) v = q8_gelu(v);
+            if (res) v += loadv(res + j);
+            storev(y + j, v);
+        }
+    for (; j < nc; j++) {
+        float v = tot[j] + (b ? b[j] : 0.0f);
+        if (act) v = gelu_tanh(v);
+        if (res) v += res[j];
+        y[j] = v;
+    }
+}
+
+/* One panel (nc <= QPW output features) for mr <= QSB rows of x: for each block of input
+ * features, every tile of rows (the block is read from memory once, by the first). */
 static void q8_panel(const float *x, long ldx, const signed char *qp, const float *sp,
                      long G, long I, long mr, float *y, long ldy, long nc, const float *b,
                      int act, const float *res) {
-    float part[QMB][QPW], tot[QMB][QPW];
+    float part[QSB][QPW], tot[QSB][QPW];
     for (long i0 = 0, g = 0; i0 < I; i0 += G, g++) {
         long i1 = i0 + G < I ? i0 + G : I;
         for (long k = i0; k < i1; k += QKB)
-            q8_block(x + k, ldx, qp + k * QPW, (i1 - k < QKB ? i1 - k : QKB), part[0], k > i0,
-                     mr);
+            for (long m0 = 0; m0 < mr; m0 += QMB)
+                q8_block(x + m0 * ldx + k, ldx, qp + k * QPW, (i1 - k < QKB ? i1 - k : QKB),
+                         part[m0], k > i0, mr - m0 < QMB ? mr - m0 : QMB);
         vf s[QPV];
         for (int c = 0; c < QPV; c++) s[c] = loadv(sp + g * QPW + c * VL);
         for (long m = 0; m < mr; m++)
@@ -163,12 +190,7 @@ static void q8_panel(const float *x, long ldx, const signed char *qp, const floa
             }
     }
     for (long m = 0; m < mr; m++)
-        for (long j = 0; j < nc; j++) {
-            float v = tot[m][j] + (b ? b[j] : 0.0f);
-            if (act) v = gelu_tanh(v);
-            if (res) v += res[m * ldy + j];
-            y[m * ldy + j] = v;
-        }
+        q8_epilogue(tot[m], y + m * ldy, nc, b, act, res ? res + m * ldy : 0);
 }
 
 /* y (M, O) = act(x (M, I; row stride ldx)·(q·s)ᵀ + b) (+ res), q and s packed by
@@ -180,8 +202,8 @@ void tl_linear_q8(const float *x, long ldx, const signed char *qp, const float *
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (long p = 0; p < panels; p++) {
         long o0 = p * QPW, nc = O - o0 < QPW ? O - o0 : QPW;
-        for (long m0 = 0; m0 < M; m0 += QMB) {
-            long mr = M - m0 < QMB ? M - m0 : QMB;
+        for (long m0 = 0; m0 < M; m0 += QSB) {
+            long mr = M - m0 < QSB ? M - m0 : QSB;
             q8_panel(x + m0 * ldx, ldx, qp + p * I * QPW, sp + p * groups * QPW, G, I, mr,
                      y + m0 * O + o0, O, nc, b ? b + o0 : 0, act, res ? res + m0 * O + o0 : 0);
         }
