@@ -140,29 +140,16 @@ def tiktoken_encoding(tokenizer_json: str):
     its id (merges were learned in id order) and GPT-2's pre-tokenization pattern."""
     import tiktoken
 
+    from tinylm.native.bpe import byte_symbols
     from tinylm.tokenizers import load_tokenizer
 
     tok = load_tokenizer(tokenizer_json)
-    decoder = {c: b for b, c in _bytes_to_unicode().items()}
+    decoder = {c: b for b, c in byte_symbols().items()}
     vocab = tok.hf.get_vocab(with_added_tokens=False)
     ranks = {bytes(decoder[c] for c in token): i for token, i in vocab.items()}
     specials = {t: tok.token_to_id(t) for t in tok.special_tokens}
     return tiktoken.Encoding("tinylm-bpe", pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
                              special_tokens=specials)
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character table (the byte-level alphabet)."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-            *range(ord("®"), ord("ÿ") + 1)]
-    table, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
 
 
 def _formats(args: argparse.Namespace) -> list[str]:

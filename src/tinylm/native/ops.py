@@ -357,11 +357,7 @@ class Library:
         :func:`tinylm.native.variants.rope_tables` makes them, None: no rotation."""
         B, C, H, Hkv, D = _qk_shape(qkv, n_head, n_kv_head)
         check("qkv", qkv)
-        norm = q_gain is not None
-        qw, kw = (_opt("q_gain", q_gain, (D,)), _opt("k_gain", k_gain, (D,))) if norm \
-            else (None, None)
-        if norm and k_gain is None:
-            raise OpError("k_gain must be given with q_gain")
+        norm, qw, kw = _qk_gains(q_gain, k_gain, D)
         c, s = _rope_pointers(cos, sin, C, D)
         out, rs = torch.empty(B, C, 3 * H * D), torch.empty(B, C, H + Hkv)
         _ok(self.raw.tl_qk_fwd(qkv.data_ptr(), qw, kw, c, s, out.data_ptr(), rs.data_ptr(),
@@ -379,11 +375,7 @@ class Library:
         grad_out = grad_out.contiguous()
         check("grad_out", grad_out, (B, C, 3 * H * D))
         check("rs", rs, (B, C, H + Hkv))
-        norm = q_gain is not None
-        qw, kw = (_opt("q_gain", q_gain, (D,)), _opt("k_gain", k_gain, (D,))) if norm \
-            else (None, None)
-        if norm and k_gain is None:
-            raise OpError("k_gain must be given with q_gain")
+        norm, qw, kw = _qk_gains(q_gain, k_gain, D)
         c, s = _rope_pointers(cos, sin, C, D)
         grad_qkv = torch.empty_like(qkv)
         dw = torch.empty(2, D) if norm and need_gains else None
@@ -472,6 +464,16 @@ def _qk_shape(qkv: Tensor, n_head: int, n_kv_head: int) -> tuple[int, int, int, 
         raise OpError(f"qkv {tuple(qkv.shape)} is not (B, C, (H + 2·H_kv)·D) with an even D "
                       f"for {H} query and {Hkv} key/value heads")
     return B, C, H, Hkv, width // (H + 2 * Hkv)
+
+
+def _qk_gains(q_gain: Tensor | None, k_gain: Tensor | None, D: int
+              ) -> tuple[bool, int | None, int | None]:
+    """(QK-norm on?, the q and k gains' (D,) pointers); q_gain None: no QK-norm."""
+    if q_gain is None:
+        return False, None, None
+    if k_gain is None:
+        raise OpError("k_gain must be given with q_gain")
+    return True, check("q_gain", q_gain, (D,)), check("k_gain", k_gain, (D,))
 
 
 def _rope_pointers(cos: Tensor | None, sin: Tensor | None, C: int, D: int
