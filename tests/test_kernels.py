@@ -185,6 +185,35 @@ def test_the_elementwise_and_attention_kernels_write_into_given_buffers(lib) -> 
             call()
 
 
+def test_the_forward_kernels_write_into_given_buffers(lib) -> None:
+    """The ``out`` buffers of the forward kernels (the inference block's reused scratch,
+    tinylm.native.variants.block_inference) get the values of a fresh output (the
+    statistics too); a buffer of another shape is refused."""
+    from tinylm.native.variants import rope_tables
+
+    x, w, b = torch.randn(6, 32), torch.randn(32), torch.randn(32)
+    qkv, H = torch.randn(2, 5, 3 * 2 * 16), 2
+    cos, sin = rope_tables(5, 16, 10000.0, torch.device("cpu"))
+    gains = torch.rand(16) + 0.5, torch.rand(16) + 0.5
+    calls = {  # name: (call with out, out's shape)
+        "layer_norm": (lambda out: lib.layer_norm(x, w, b, 1e-5, out), (6, 32)),
+        "rms_norm": (lambda out: lib.rms_norm(x, w, 1e-5, out), (6, 32)),
+        "qk_rope": (lambda out: lib.qk_rope(qkv, H, H, *gains, cos, sin, 1e-6, out),
+                    (2, 5, 96)),
+        "causal_attention": (lambda out: lib.causal_attention(qkv, H, None, out), (2, 5, 32)),
+        "relu2": (lambda out: (lib.relu2(x, out),), (6, 32)),
+    }
+    for name, (call, shape) in calls.items():
+        fresh = call(None)
+        into = torch.full(shape, float("nan"))
+        got = call(into)
+        assert got[0] is into, name
+        for g, f in zip(got, fresh, strict=True):
+            torch.testing.assert_close(g, f, rtol=0, atol=0, msg=name)
+        with pytest.raises(ops.OpError, match="shape"):
+            call(torch.empty(shape[:-1] + (shape[-1] + 1,)))
+
+
 def _sdpa_from_qkv(qkv: torch.Tensor, n_head: int) -> torch.Tensor:
     """The oracle: split the fused projection into heads and run torch's causal SDPA."""
     B, C, three_hd = qkv.shape

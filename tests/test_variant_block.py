@@ -12,8 +12,10 @@ import torch
 
 from tinylm import native
 from tinylm.config import ModelConfig, resolve_arch
+from tinylm.evaluation import evaluate
 from tinylm.lora import apply_lora
 from tinylm.model import GPT
+from tinylm.native import variants
 
 pytestmark = pytest.mark.skipif(not native.enabled() or native.load() is None,
                                 reason="the native library is off (TINYLM_NATIVE=0)")
@@ -122,3 +124,35 @@ def test_rope_tables_made_in_an_evaluation_serve_training() -> None:
     _, got = _grads(fused, ids)
     for n in want:
         torch.testing.assert_close(got[n], want[n], atol=2e-5, rtol=1e-4, msg=n)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "modern", "llama-gqa-2-of-4",
+                                  "rope-layernorm-qkv-bias", "qknorm-learned-relu2-bias"])
+def test_blocks_without_gradients_run_the_inference_block_and_equal_the_reference(
+        name: str) -> None:
+    """Without gradients every block (GPT-2's too) is variants.block_inference: its
+    temporaries in the reused per-thread buffers, the reference's logits, an output that
+    a later call (another batch shape, then the same) does not overwrite, and
+    ``evaluate``'s loss over a split equal to the reference model's."""
+    reference, fused = _pair({"head_dim": 16, **LAYOUTS.get(name, {})})
+    assert type(fused.blocks[0]).__name__ == ("NativeBlock" if name == "gpt2"
+                                              else "NativeVariantBlock")
+    g = torch.Generator().manual_seed(5)
+    a, b = torch.randint(0, 37, (3, 20), generator=g), torch.randint(0, 37, (2, 24), generator=g)
+    variants.INFERENCE.buffers.clear()
+    with torch.inference_mode():
+        got_a = fused(a)
+        assert variants.INFERENCE.buffers["qkv"].shape[0] == 3 * 20  # the path ran
+        got_b, again = fused(b), fused(a)
+    with torch.no_grad():
+        want_a, want_b = reference(a), reference(b)
+        torch.testing.assert_close(fused(b), want_b, atol=1e-5, rtol=1e-5)
+    for got, want in ((got_a, want_a), (got_b, want_b), (again, want_a)):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    tokens = torch.randint(0, 37, (300,), generator=g)
+    want = evaluate(reference, tokens, context_length=24, batch_size=4)
+    with native.disabled():  # the reference modules of the same model, as a second check
+        off = evaluate(fused, tokens, context_length=24, batch_size=4)
+    got = evaluate(fused, tokens, context_length=24, batch_size=4)
+    assert got.tokens == want.tokens == 299
+    assert got.loss == pytest.approx(want.loss, rel=1e-5) == off.loss

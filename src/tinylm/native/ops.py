@@ -125,6 +125,14 @@ def _opt(name: str, t: Tensor | None, shape: tuple[int, ...]) -> int | None:
     return None if t is None else check(name, t, shape)
 
 
+def _out(out: Tensor | None, shape: tuple[int, ...] | torch.Size) -> Tensor:
+    """``out`` (checked: float32, contiguous, of ``shape``) or a new tensor of that shape."""
+    if out is None:
+        return torch.empty(shape)
+    check("out", out, tuple(shape))
+    return out
+
+
 def _ok(code: int, op: str) -> None:
     if code == _NOMEM:
         raise MemoryError(f"native {op}: out of memory")
@@ -278,14 +286,15 @@ class Library:
                                   x.numel() // N if N else 0, N, _threads())
         return grad, y, colsum
 
-    def layer_norm(self, x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
-                   ) -> tuple[Tensor, Tensor, Tensor]:
-        """F.layer_norm over the last dim of x (..., E), with each row's mean and 1/std."""
+    def layer_norm(self, x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float,
+                   out: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """F.layer_norm over the last dim of x (..., E) (into ``out``, of x's shape, if
+        given), with each row's mean and 1/std."""
         E = x.shape[-1]
         M = x.numel() // E
         check("x", x)
         w, b = _opt("weight", weight, (E,)), _opt("bias", bias, (E,))
-        y, mean, rstd = torch.empty_like(x), torch.empty(M), torch.empty(M)
+        y, mean, rstd = _out(out, x.shape), torch.empty(M), torch.empty(M)
         self.raw.tl_ln_fwd(x.data_ptr(), w, b, y.data_ptr(), mean.data_ptr(), rstd.data_ptr(),
                            M, E, eps, _threads())
         return y, mean, rstd
@@ -316,14 +325,15 @@ class Library:
             "layer_norm_backward")
         return dx, dw, db
 
-    def rms_norm(self, x: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
-        """RMSNorm over the last dim of x (..., E): (x·rs·weight, rs (M,)) with
-        rs = (mean(x²) + eps)^(-1/2) per row."""
+    def rms_norm(self, x: Tensor, weight: Tensor | None, eps: float,
+                 out: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """RMSNorm over the last dim of x (..., E): (x·rs·weight (into ``out``, of x's
+        shape, if given), rs (M,)) with rs = (mean(x²) + eps)^(-1/2) per row."""
         E = x.shape[-1]
         M = x.numel() // E
         check("x", x)
         w = _opt("weight", weight, (E,))
-        y, rs = torch.empty_like(x), torch.empty(M)
+        y, rs = _out(out, x.shape), torch.empty(M)
         self.raw.tl_rms_fwd(x.data_ptr(), w, y.data_ptr(), rs.data_ptr(), M, E, eps, _threads())
         return y, rs
 
@@ -348,18 +358,19 @@ class Library:
         return dx, dw
 
     def qk_rope(self, qkv: Tensor, n_head: int, n_kv_head: int, q_gain: Tensor | None,
-                k_gain: Tensor | None, cos: Tensor | None, sin: Tensor | None, eps: float
-                ) -> tuple[Tensor, Tensor]:
+                k_gain: Tensor | None, cos: Tensor | None, sin: Tensor | None, eps: float,
+                out: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """The attention kernel's input (B, C, 3·H·D) from qkv (B, C, (H + 2·H_kv)·D):
         RoPE(QKNorm(q)), then k (likewise) and v with each key/value head repeated for
         its H / H_kv query heads; and QK-norm's 1/RMS per head (B, C, H + H_kv).
         ``q_gain``/``k_gain`` (D,) None: no QK-norm; ``cos``/``sin`` (C, 1, D) as
-        :func:`tinylm.native.variants.rope_tables` makes them, None: no rotation."""
+        :func:`tinylm.native.variants.rope_tables` makes them, None: no rotation. The
+        input goes into ``out`` if given."""
         B, C, H, Hkv, D = _qk_shape(qkv, n_head, n_kv_head)
         check("qkv", qkv)
         norm, qw, kw = _qk_gains(q_gain, k_gain, D)
         c, s = _rope_pointers(cos, sin, C, D)
-        out, rs = torch.empty(B, C, 3 * H * D), torch.empty(B, C, H + Hkv)
+        out, rs = _out(out, (B, C, 3 * H * D)), torch.empty(B, C, H + Hkv)
         _ok(self.raw.tl_qk_fwd(qkv.data_ptr(), qw, kw, c, s, out.data_ptr(), rs.data_ptr(),
                                B * C, C, H, Hkv, D, eps, int(norm), _threads()), "qk_rope")
         return out, rs
@@ -385,10 +396,10 @@ class Library:
                                D, int(norm), _threads()), "qk_rope_backward")
         return grad_qkv, dw
 
-    def relu2(self, h: Tensor) -> Tensor:
-        """relu(h)² as a new tensor."""
+    def relu2(self, h: Tensor, out: Tensor | None = None) -> Tensor:
+        """relu(h)² as a new tensor (or into ``out``, of h's shape)."""
         check("h", h)
-        g = torch.empty_like(h)
+        g = _out(out, h.shape)
         self.raw.tl_relu2(h.data_ptr(), g.data_ptr(), h.numel(), _threads())
         return g
 
@@ -404,14 +415,14 @@ class Library:
                                    _threads())
         return grad, y
 
-    def causal_attention(self, qkv: Tensor, n_head: int, bias: Tensor | None = None
-                         ) -> tuple[Tensor, Tensor]:
+    def causal_attention(self, qkv: Tensor, n_head: int, bias: Tensor | None = None,
+                         out: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Causal attention of every head from qkv (B, C, 3·H·D), laid out (B, C, 3, H, D):
-        -> (B, C, H·D) and each query's log-sum-exp (B, H, C). ``bias`` (3·H·D,) is first
-        added to qkv in place."""
+        -> (B, C, H·D) (into ``out`` if given) and each query's log-sum-exp (B, H, C).
+        ``bias`` (3·H·D,) is first added to qkv in place."""
         B, C, H, D = attention_shape(qkv, n_head)
         b = None if bias is None else _opt("bias", bias.detach().contiguous(), (3 * H * D,))
-        out, lse = torch.empty(B, C, H * D), torch.empty(B, H, C)
+        out, lse = _out(out, (B, C, H * D)), torch.empty(B, H, C)
         _ok(self.raw.tl_attn_fwd(qkv.data_ptr(), b, out.data_ptr(), lse.data_ptr(), B, C, H,
                                  D, D**-0.5, _threads()), "causal_attention")
         return out, lse

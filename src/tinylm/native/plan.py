@@ -14,7 +14,9 @@ modules' declared types and the config, never hooks or private registries:
   attention and FFN are both eligible as above; for an architecture variant instead
   (:func:`variant_block_reason`) :class:`~tinylm.native.variants.VariantBlockFn`:
   LayerNorm or RMSNorm, learned or rotary positions, QK-norm, GELU / ReLU² / SwiGLU,
-  grouped-query attention, any biases, also without gradients (evaluation);
+  grouped-query attention, any biases. Without gradients (evaluation) either kind of
+  block runs :func:`~tinylm.native.variants.block_inference`: the variants' forward
+  with its temporaries in reused per-thread buffers, nothing kept for backward;
 - **decode** (the fused decoding step of :mod:`tinylm.native.decoding`): a
   :class:`~tinylm.model.GPT` whose every block is eligible for **block** (any head size)
   with plain embeddings, final norm and LM head -- except that here each Linear layer
@@ -38,11 +40,11 @@ subclass of their own class (``NativeBlock``, ``NativeAttention``, ``NativeFeedF
 the technique of ``torch.nn.utils.parametrize``): parameters, state_dict keys,
 ``isinstance`` and DDP are unchanged, and :meth:`Plan.restore` gives the classes back.
 At run time each accelerated forward still steps aside for what only a call can tell:
-gradients off (GPT-2's block), active dropout, other dtypes, CPU autocast, a context longer
+active dropout, other dtypes, CPU autocast, a context longer
 than the kernel takes, ``tinylm.native.disabled()``, or a part replaced after the
 decision. An accelerated block computes its sub-modules' math itself, so forward hooks
-on those sub-modules do not fire in training; :meth:`Plan.restore` (or not accelerating)
-keeps every module call, as the reference model does.
+on those sub-modules do not fire (in training, nor in evaluation); :meth:`Plan.restore`
+(or not accelerating) keeps every module call, as the reference model does.
 """
 
 from __future__ import annotations
@@ -361,7 +363,9 @@ class NativeAttention(MultiHeadAttention):
 
 
 class NativeBlock(Block):
-    """:class:`Block` whose training forward is one :class:`BlockFn` (CPU)."""
+    """:class:`Block` whose training forward is one :class:`BlockFn` (CPU); without
+    gradients (evaluation) :func:`tinylm.native.variants.block_inference` runs it, the
+    variants' block on GPT-2's layout, its temporaries in reused buffers."""
 
     reference_class = Block
 
@@ -369,10 +373,10 @@ class NativeBlock(Block):
         a, f = self.attn, self.ffn
         return self.ln1, a, a.qkv, a.out, self.ln2, f, f.up, f.act, f.down
 
-    def _fused_lib(self, x: Tensor, need_grad: bool = True) -> ops.Library | None:
+    def _fused_lib(self, x: Tensor) -> ops.Library | None:
         lib = ops.loaded()
         drops = (self.drop, self.ffn.drop)
-        if lib is None or (need_grad and not torch.is_grad_enabled()) or not _cpu_float32(x) \
+        if lib is None or not _cpu_float32(x) \
                 or any(d.training and d.p > 0 for d in drops) \
                 or (self.attn.training and self.attn.dropout > 0) \
                 or not ops.attention_fits(x.shape[1], self.attn.n_head, self.attn.head_dim) \
@@ -385,6 +389,9 @@ class NativeBlock(Block):
         lib = self._fused_lib(x) if cache is None and not return_weights else None
         if lib is None:
             return super().forward(x, cache, layer, return_weights)
+        if not torch.is_grad_enabled():
+            layout, tensors = _variant_args(self, x)
+            return variants.block_inference(lib, layout, x, *tensors)
         return self._fused(x, lib)
 
     def _fused(self, x: Tensor, lib: ops.Library) -> Tensor:
@@ -408,31 +415,31 @@ class NativeVariantBlock(NativeBlock):
         return (self.ln1, a, a.qkv, a.out, a.q_norm, a.k_norm, self.ln2, f, f.up, f.down,
                 getattr(f, "gate", None), getattr(f, "act", None))
 
-    def _fused_lib(self, x: Tensor) -> ops.Library | None:
-        """As :meth:`NativeBlock._fused_lib`, but also without gradients (evaluation):
-        the variants' reference modules are a dozen small steps each."""
-        return super()._fused_lib(x, need_grad=False)
-
     def _fused(self, x: Tensor, lib: ops.Library) -> Tensor:
-        attn, ffn, ln1, ln2 = self.attn, self.ffn, self.ln1, self.ln2
-        cos, sin = variants.rope_tables(x.shape[1], attn.head_dim, attn.rope_theta,
-                                        x.device) if attn.rope_theta is not None \
-            else (None, None)
-        gate = getattr(ffn, "gate", None)
-        mlp = "swiglu" if gate is not None else (
-            "relu2" if type(ffn.act) is ReLUSquared else "gelu")
-        norm = "rmsnorm" if type(ln1) is RMSNorm else "layernorm"
-        layout = variants.Layout(attn.n_head, attn.n_kv_head, norm, mlp, ln1.eps, ln2.eps,
-                                 attn.q_norm.eps if attn.q_norm is not None else 0.0)
-        qn, kn = attn.q_norm, attn.k_norm
-        return variants.VariantBlockFn.apply(
-            x, layout, lib, ln1.weight, getattr(ln1, "bias", None), weight_of(attn.qkv),
-            attn.qkv.bias, qn.weight if qn is not None else None,
-            kn.weight if kn is not None else None, weight_of(attn.out), attn.out.bias,
-            ln2.weight, getattr(ln2, "bias", None),
-            weight_of(gate) if gate is not None else None,
-            gate.bias if gate is not None else None, weight_of(ffn.up), ffn.up.bias,
-            weight_of(ffn.down), ffn.down.bias, cos, sin)
+        layout, tensors = _variant_args(self, x)
+        return variants.VariantBlockFn.apply(x, layout, lib, *tensors)
+
+
+def _variant_args(block: Block, x: Tensor) -> tuple[variants.Layout, tuple]:
+    """(layout, tensors in variants.TENSORS order) of ``block`` (any layout the variants'
+    block takes, GPT-2's too) for VariantBlockFn and block_inference on input x."""
+    attn, ffn, ln1, ln2 = block.attn, block.ffn, block.ln1, block.ln2
+    cos, sin = variants.rope_tables(x.shape[1], attn.head_dim, attn.rope_theta,
+                                    x.device) if attn.rope_theta is not None else (None, None)
+    gate = getattr(ffn, "gate", None)
+    mlp = "swiglu" if gate is not None else (
+        "relu2" if type(ffn.act) is ReLUSquared else "gelu")
+    norm = "rmsnorm" if type(ln1) is RMSNorm else "layernorm"
+    layout = variants.Layout(attn.n_head, attn.n_kv_head, norm, mlp, ln1.eps, ln2.eps,
+                             attn.q_norm.eps if attn.q_norm is not None else 0.0)
+    qn, kn = attn.q_norm, attn.k_norm
+    return layout, (ln1.weight, getattr(ln1, "bias", None), weight_of(attn.qkv),
+                    attn.qkv.bias, qn.weight if qn is not None else None,
+                    kn.weight if kn is not None else None, weight_of(attn.out),
+                    attn.out.bias, ln2.weight, getattr(ln2, "bias", None),
+                    weight_of(gate) if gate is not None else None,
+                    gate.bias if gate is not None else None, weight_of(ffn.up), ffn.up.bias,
+                    weight_of(ffn.down), ffn.down.bias, cos, sin)
 
 
 # --- the plan -------------------------------------------------------------------------------

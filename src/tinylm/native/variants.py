@@ -27,6 +27,7 @@ outputs and every gradient to the reference modules'.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -34,8 +35,16 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from tinylm.attention import rope_angles
-from tinylm.native.functions import bias_gelu_, gelu_backward
+from tinylm.native.functions import Scratch, gelu_backward
 from tinylm.native.ops import Library
+
+#: ``buf(name, shape) -> Tensor``: where :func:`block_forward` puts a large temporary.
+Buffers = Callable[[str, tuple[int, ...]], Tensor]
+
+
+def fresh(name: str, shape: tuple[int, ...]) -> Tensor:
+    """A new tensor for each temporary (training: backward keeps them)."""
+    return torch.empty(shape)
 
 #: The tensors of one block, in the order :meth:`VariantBlockFn.apply` takes them
 #: (after x); a missing one (no bias, no QK-norm, no gate) is None.
@@ -61,12 +70,12 @@ class Layout:
 
 
 def norm_forward(lib: Library, kind: str, x: Tensor, w: Tensor | None, b: Tensor | None,
-                 eps: float) -> tuple[Tensor, tuple[Tensor, ...]]:
-    """(Norm(x), the statistics backward needs) for x (N, E)."""
+                 eps: float, out: Tensor | None = None) -> tuple[Tensor, tuple[Tensor, ...]]:
+    """(Norm(x) (into ``out`` if given), the statistics backward needs) for x (N, E)."""
     if kind == "layernorm":
-        y, mean, rstd = lib.layer_norm(x, w, b, eps)
+        y, mean, rstd = lib.layer_norm(x, w, b, eps, out)
         return y, (mean, rstd)
-    y, rs = lib.rms_norm(x, w, eps)
+    y, rs = lib.rms_norm(x, w, eps, out)
     return y, (rs,)
 
 
@@ -101,17 +110,19 @@ def signed_sin(sin: Tensor) -> Tensor:
 # --- the MLPs -------------------------------------------------------------------------------
 
 
-def mlp_forward(lib: Library, kind: str, f_in: Tensor, t: dict[str, Tensor | None]
-                ) -> tuple[Tensor, tuple[Tensor, ...]]:
-    """(the MLP's activation g (N, F), the pre-activations backward recomputes it from)."""
-    h = f_in @ t["w_up"].t()  # (N, E)·(E, F) -> (N, F)
-    if kind == "gelu":
-        return bias_gelu_(lib, h, t["b_up"]), (h,)  # h += b_up; GELU(h)
+def mlp_forward(lib: Library, kind: str, f_in: Tensor, t: dict[str, Tensor | None],
+                buf: Buffers = fresh) -> tuple[Tensor, tuple[Tensor, ...]]:
+    """(the MLP's activation g (N, F), the pre-activations backward recomputes it from);
+    ``buf`` gives the memory of h and g."""
+    N, F_ = f_in.shape[0], t["w_up"].shape[0]
+    h = torch.mm(f_in, t["w_up"].t(), out=buf("h", (N, F_)))  # (N, E)·(E, F) -> (N, F)
+    if kind == "gelu":  # h += b_up; GELU(h)
+        return lib.bias_gelu_(h, t["b_up"], buf("g", (N, F_))), (h,)
     if t["b_up"] is not None:
         h += t["b_up"]
     if kind == "relu2":
-        return lib.relu2(h), (h,)
-    gate = f_in @ t["w_gate"].t()
+        return lib.relu2(h, buf("g", (N, F_))), (h,)
+    gate = torch.mm(f_in, t["w_gate"].t(), out=buf("gate", (N, F_)))
     if t["b_gate"] is not None:
         gate += t["b_gate"]
     return F.silu(gate).mul_(h), (gate, h)  # SwiGLU: SiLU(gate) ⊙ up
@@ -136,6 +147,71 @@ def mlp_backward(lib: Library, kind: str, grad_g: Tensor, kept: tuple[Tensor, ..
 # --- the block ------------------------------------------------------------------------------
 
 
+def block_forward(lib: Library, layout: Layout, x: Tensor, t: dict[str, Tensor | None],
+                  buf: Buffers = fresh) -> tuple[Tensor, tuple[Tensor | None, ...],
+                                                 tuple[tuple[Tensor, ...], ...]]:
+    """The block's forward on x (B, C, E) (see the module docstring): (y (B, C, E), the
+    intermediates (x0, a_in, qk, rs_qk, att_in, r2, lse, x1, f_in), the statistics of
+    both norms and the MLP's kept pre-activations). ``buf(name, shape)`` gives the memory
+    of each large temporary: :func:`fresh` in training (backward keeps them), per-thread
+    buffers without gradients (:func:`block_inference`). y is always a new tensor."""
+    B, C, E = x.shape
+    H, N = layout.n_head, B * C
+    x0 = x.contiguous().view(N, E)
+    a_in, st1 = norm_forward(lib, layout.norm, x0, t["ln1_w"], t["ln1_b"], layout.eps1,
+                             buf("a_in", (N, E)))
+    qkv = torch.mm(a_in, t["w_qkv"].t(), out=buf("qkv", (N, t["w_qkv"].shape[0])))
+    qkv = qkv.view(B, C, -1)  # (B, C, 3·H·D), [q | k | v]
+    HD = t["w_out"].shape[1]
+    qk = rs_qk = None
+    if t["q_norm"] is not None or t["cos"] is not None or layout.n_kv_head != H:
+        if t["b_qkv"] is not None:
+            qkv += t["b_qkv"]
+        qk = qkv  # kept: QK-norm's backward needs its input
+        att_in, rs_qk = lib.qk_rope(qkv, H, layout.n_kv_head, t["q_norm"], t["k_norm"],
+                                    t["cos"], t["sin"], layout.qk_eps,
+                                    buf("att_in", (B, C, 3 * HD)))
+        r, lse = lib.causal_attention(att_in, H, None, buf("r", (B, C, HD)))
+    else:  # GPT-2's attention: the kernel adds the QKV bias in place
+        att_in = qkv
+        r, lse = lib.causal_attention(qkv, H, t["b_qkv"], buf("r", (B, C, HD)))
+    r2 = r.view(N, HD)  # r (B, C, H·D), lse (B, H, C)
+    x1 = torch.addmm(x0, r2, t["w_out"].t(), out=buf("x1", (N, E)))  # x + R·W_oᵀ
+    if t["b_out"] is not None:
+        x1 += t["b_out"]
+    f_in, st2 = norm_forward(lib, layout.norm, x1, t["ln2_w"], t["ln2_b"], layout.eps2,
+                             buf("f_in", (N, E)))
+    g, kept = mlp_forward(lib, layout.mlp, f_in, t, buf)
+    y = torch.addmm(x1, g, t["w_down"].t())  # x1 + MLP·W_downᵀ
+    if t["b_down"] is not None:
+        y += t["b_down"]
+    return y.view(B, C, E), (x0, a_in, qk, rs_qk, att_in, r2, lse, x1, f_in), (st1, st2, kept)
+
+
+#: The per-thread buffers of :func:`block_inference` (apart from the training block's).
+INFERENCE = Scratch()
+
+
+def block_inference(lib: Library, layout: Layout, x: Tensor, *tensors: Tensor | None
+                    ) -> Tensor:
+    """The block without gradients (evaluation): :func:`block_forward`, the training
+    step's math on the same kernels, with its temporaries in per-thread buffers that
+    every block and call reuses (:data:`INFERENCE`) and nothing kept for backward.
+
+    A new tensor of MiBs is memory the allocator maps anew, one page fault per 4 KiB page
+    on first touch: at the speedrun's evaluation shape (64 windows of 64 tokens, E = 128)
+    those were ~300,000 faults per whole-split evaluation, ~1/5 of its CPU time.
+    ``tensors`` in :data:`TENSORS` order; returns a new tensor (B, C, E)."""
+    t = dict(zip(TENSORS, tensors, strict=True))
+    with torch.no_grad():
+        return block_forward(lib, layout, x, t, _inference_buffer)[0]
+
+
+def _inference_buffer(name: str, shape: tuple[int, ...]) -> Tensor:
+    with torch.inference_mode(False):  # a plain tensor, writable in and out of the mode
+        return INFERENCE.get(name, shape)
+
+
 class VariantBlockFn(torch.autograd.Function):
     """One variant block for CPU training as one autograd step (see the module docstring):
     ``VariantBlockFn.apply(x, layout, lib, *tensors)`` with ``tensors`` in
@@ -144,37 +220,12 @@ class VariantBlockFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, layout: Layout, lib: Library, *tensors: Tensor | None
                 ) -> Tensor:
-        t = dict(zip(TENSORS, tensors, strict=True))
-        B, C, E = x.shape
-        H = layout.n_head
-        x0 = x.contiguous().view(B * C, E)
-        a_in, st1 = norm_forward(lib, layout.norm, x0, t["ln1_w"], t["ln1_b"], layout.eps1)
-        qkv = (a_in @ t["w_qkv"].t()).view(B, C, -1)  # (B, C, 3·H·D), [q | k | v]
-        qk = rs_qk = None
-        if t["q_norm"] is not None or t["cos"] is not None or layout.n_kv_head != H:
-            if t["b_qkv"] is not None:
-                qkv += t["b_qkv"]
-            qk = qkv  # kept: QK-norm's backward needs its input
-            att_in, rs_qk = lib.qk_rope(qkv, H, layout.n_kv_head, t["q_norm"], t["k_norm"],
-                                        t["cos"], t["sin"], layout.qk_eps)
-            r, lse = lib.causal_attention(att_in, H, None)  # (B, C, H·D), (B, H, C)
-        else:  # GPT-2's attention: the kernel adds the QKV bias in place
-            att_in = qkv
-            r, lse = lib.causal_attention(qkv, H, t["b_qkv"])
-        r2 = r.view(B * C, -1)
-        x1 = torch.addmm(x0, r2, t["w_out"].t())  # x + R·W_oᵀ
-        if t["b_out"] is not None:
-            x1 += t["b_out"]
-        f_in, st2 = norm_forward(lib, layout.norm, x1, t["ln2_w"], t["ln2_b"], layout.eps2)
-        g, kept = mlp_forward(lib, layout.mlp, f_in, t)
-        y = torch.addmm(x1, g, t["w_down"].t())  # x1 + MLP·W_downᵀ
-        if t["b_down"] is not None:
-            y += t["b_down"]
-        ctx.layout, ctx.lib, ctx.shape = layout, lib, (B, C, E)
+        y, main, (st1, st2, kept) = block_forward(lib, layout, x,
+                                                  dict(zip(TENSORS, tensors, strict=True)))
+        ctx.layout, ctx.lib, ctx.shape = layout, lib, tuple(x.shape)
         ctx.counts = (len(st1), len(st2), len(kept))
-        ctx.save_for_backward(x0, a_in, qk, rs_qk, att_in, r2, lse, x1, f_in, *st1, *st2,
-                              *kept, *tensors)
-        return y.view(B, C, E)
+        ctx.save_for_backward(*main, *st1, *st2, *kept, *tensors)
+        return y
 
     @staticmethod
     def backward(ctx, grad_y: Tensor) -> tuple[Tensor | None, ...]:
