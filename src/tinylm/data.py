@@ -34,6 +34,8 @@ and ``val.bin``) load too.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import hashlib
 import itertools
 import json
@@ -43,9 +45,10 @@ import multiprocessing
 import os
 import shutil
 import sys
+import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -616,18 +619,21 @@ def _scan_unit(unit: Unit | int) -> tuple[int, int, BadRecords] | str:
 def _scan_units(o: _Options, sources: Sequence[Source], scan: _Scan, workers: int,
                 bar: _Bar) -> None:
     """Pass 1 by the workers, unit by unit (a given tokenizer, no dedup); they hash the
-    sources too, first."""
+    sources too, first. Meanwhile a thread here builds what pass 2's encoder needs
+    (the native BPE encoder's tables), which would otherwise wait between the passes."""
     assert scan.units is not None
     job = _UnitJob(list(sources), o.text_field, o.errors)
     units = scan.units
     scan.stamps = [s.stamp() for s in sources]
 
     def planned() -> Iterator[Unit]:  # planned while the workers read (lazily)
-        for unit in iter_units(sources):
+        for unit in iter_units(sources, parts=2 * workers):
             units.append(unit)
             yield unit
+    warm = threading.Thread(target=_encoder, args=(o.given, np.zeros(0), np.uint32,
+                                                   o.allow_special), daemon=True)
     results = _pooled(workers, _scan_unit, itertools.chain(range(len(sources)), planned()),
-                      job)
+                      job, started=warm.start)
     scan.digests = [next(results) for _ in sources]
     for k, (docs, chars, bad) in enumerate(results):
         unit = units[k]
@@ -641,6 +647,8 @@ def _scan_units(o: _Options, sources: Sequence[Source], scan: _Scan, workers: in
                 scan.bad.reasons[why] = scan.bad.reasons.get(why, 0) + n
         scan.read += unit.size
         bar(unit.size)
+    if warm.ident is not None:  # pass 2's workers fork after it has finished
+        warm.join()
 
 
 def _scan(o: _Options, sources: Sequence[Source]) -> _Scan:
@@ -992,14 +1000,17 @@ class _SerialTokenizers:
             os.environ[_PARALLELISM] = self.old
 
 
-def _pooled(workers: int, fn: Any, items: Iterator[Any], state: _Encoder | _UnitJob
-            ) -> Iterator[Any]:
+def _pooled(workers: int, fn: Any, items: Iterator[Any], state: _Encoder | _UnitJob,
+            started: Callable[[], None] | None = None) -> Iterator[Any]:
     """``fn(item)`` for every item, in order, by a pool of ``workers`` processes (their
-    ``_WORKER`` is ``state``), at most 2 items per worker in flight (memory stays flat)."""
+    ``_WORKER`` is ``state``), at most 2 items per worker in flight (memory stays flat);
+    ``started()`` is called once the workers exist (a thread started then is not forked)."""
     methods = multiprocessing.get_all_start_methods()
     ctx = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
     with _SerialTokenizers():  # also silences tokenizers' warning about forking
         pool = ctx.Pool(workers, _init_worker, (state,))
+    if started is not None:
+        started()
     try:
         pending: deque[Any] = deque()
         for item in items:
@@ -1166,6 +1177,22 @@ def _meta(o: _Options, sources: Sequence[Source], scan: _Scan, enc: _Encoded) ->
     }
 
 
+@contextlib.contextmanager
+def _frozen_heap() -> Iterator[None]:
+    """The objects that exist before prepare (torch's modules and the like: ~200k) are
+    left out of the garbage collector's passes until it returns (``gc.freeze``): a full
+    pass over them costs ~0.2 s, and in a forked worker it would write to every page
+    that holds them. Nothing is freed later than it would be but cycles made before."""
+    if gc.get_freeze_count():  # the program manages freezing itself
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 def _phases(o: _Options, stage: Path, old_meta: dict[str, Any] | None) -> int:
     """scan -> encode (+ split) -> commit, staged in ``stage``; returns the input bytes."""
     sources, val_source = _sources(o, stage)  # what to read
@@ -1246,25 +1273,26 @@ def prepare(
     """
     t0 = time.perf_counter()
     kw = {k: v for k, v in locals().items() if k not in ("out_dir", "inputs", "tokenizer", "t0")}
-    o = _options(out_dir, inputs, tokenizer, kw)
-    old_meta = _check_out(o)
-    created = not o.out.exists()
-    o.out.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temps(o.out)
-    stage = _stage_name(o.out)
-    stage.mkdir()
-    try:
-        total = _phases(o, stage, old_meta)
-    except BaseException:
+    with _frozen_heap():
+        o = _options(out_dir, inputs, tokenizer, kw)
+        old_meta = _check_out(o)
+        created = not o.out.exists()
+        o.out.mkdir(parents=True, exist_ok=True)
+        _remove_stale_temps(o.out)
+        stage = _stage_name(o.out)
+        stage.mkdir()
+        try:
+            total = _phases(o, stage, old_meta)
+        except BaseException:
+            shutil.rmtree(stage, ignore_errors=True)
+            if created:
+                shutil.rmtree(o.out, ignore_errors=True)
+            raise
         shutil.rmtree(stage, ignore_errors=True)
-        if created:
-            shutil.rmtree(o.out, ignore_errors=True)
-        raise
-    shutil.rmtree(stage, ignore_errors=True)
-    seconds = time.perf_counter() - t0
-    log.debug("prepared %s in %.2f s (%.1f MB/s)", display_path(o.out), seconds,
-              total / 1e6 / max(seconds, 1e-9))
-    return load_prepared(o.out)
+        seconds = time.perf_counter() - t0
+        log.debug("prepared %s in %.2f s (%.1f MB/s)", display_path(o.out), seconds,
+                  total / 1e6 / max(seconds, 1e-9))
+        return load_prepared(o.out)
 
 
 # --- batches for training ------------------------------------------------------------------

@@ -11,7 +11,9 @@ sharding (a window may run across a shard boundary, exactly as in one file).
 
 from __future__ import annotations
 
+import os
 import re
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -23,8 +25,46 @@ DTYPES = ("uint16", "uint32")
 SHARD_RE = re.compile(r"^(train|val)-\d{5}\.bin$")
 
 
+#: A shard's bytes go to disk in the background every this many bytes written (and when
+#: it is full), so the fsync before the commit finds little left to write.
+SYNC_BYTES = 16 << 20
+
+
 def shard_name(split: str, index: int) -> str:
     return f"{split}-{index:05d}.bin"
+
+
+class _SyncBehind:
+    """fsyncs of written files, one at a time in a background thread: the disk writes
+    while the caller goes on. :meth:`wait` re-raises the first error."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._error: OSError | None = None
+
+    def start(self, path: Path) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            return  # one in flight is enough: the next call or the commit catches up
+        self._thread = threading.Thread(target=self._sync, args=(path,), daemon=True)
+        self._thread.start()
+
+    def _sync(self, path: Path) -> None:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            self._error = self._error or exc
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
 
 
 class ShardWriter:
@@ -36,12 +76,23 @@ class ShardWriter:
         self.counts: list[int] = []
         self._file: Any = None
         self.tokens = 0
+        self._unsynced = 0
+        self._sync = _SyncBehind()
+
+    def _path(self) -> Path:
+        return self.folder / shard_name(self.split, len(self.counts) - 1)
+
+    def _sync_behind(self) -> None:
+        self._file.flush()
+        self._sync.start(self._path())
+        self._unsynced = 0
 
     def _roll(self) -> None:
         if self._file is not None:
+            self._sync_behind()
             self._file.close()
-        self._file = open(self.folder / shard_name(self.split, len(self.counts)), "wb")
         self.counts.append(0)
+        self._file = open(self._path(), "wb")
 
     def write(self, ids: np.ndarray) -> None:
         ids = ids.astype(self.dtype, copy=False)
@@ -50,16 +101,20 @@ class ShardWriter:
             if self._file is None or self.counts[-1] >= self.shard_tokens:
                 self._roll()
             take = min(ids.size - start, self.shard_tokens - self.counts[-1])
-            self._file.write(ids[start:start + take].tobytes())
+            self._file.write(memoryview(np.ascontiguousarray(ids[start:start + take])))
             self.counts[-1] += take
+            self._unsynced += take * self.dtype.itemsize
             start += take
         self.tokens += ids.size
+        if self._unsynced >= SYNC_BYTES:
+            self._sync_behind()
 
     def close(self) -> list[dict[str, Any]]:
         """The index entries ``[{"file": name, "tokens": n}, ...]`` of the shards written."""
         if self._file is not None:
             self._file.close()
             self._file = None
+        self._sync.wait()
         return [{"file": shard_name(self.split, i), "tokens": n}
                 for i, n in enumerate(self.counts)]
 
