@@ -287,3 +287,33 @@ def test_shard_writer_syncs_behind_and_reports_a_failed_sync(tmp_path, monkeypat
     writer.write(ids)
     with pytest.raises(OSError, match="Input/output"):
         writer.close()
+
+
+@pytest.mark.parametrize("kernel", ["copy_file_range", "exdev", "missing"])
+def test_write_from_a_part_file_across_shards(tmp_path, monkeypatch, kernel) -> None:
+    import errno
+    import os
+
+    import tinylm.shards as shards_mod
+
+    if kernel == "exdev":  # another file system: read and write instead
+        def refuse(*a, **k):
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+        monkeypatch.setattr(shards_mod.os, "copy_file_range", refuse, raising=False)
+    elif kernel == "missing":  # not Linux
+        monkeypatch.delattr(shards_mod.os, "copy_file_range", raising=False)
+    ids = np.arange(7000, dtype=np.uint16) * 7
+    part = tmp_path / "part.bin"
+    part.write_bytes(ids.tobytes())
+    writer = shards_mod.ShardWriter(tmp_path, "train", np.uint16, shard_tokens=1500)
+    writer.write(ids[:100])
+    writer.write_from(part, 200, 5000)  # ids 100..5099, from byte 200
+    writer.write(ids[5100:])
+    entries = writer.close()
+    assert [e["tokens"] for e in entries] == [1500] * 4 + [1000]
+    got = np.concatenate([np.fromfile(tmp_path / e["file"], np.uint16) for e in entries])
+    assert np.array_equal(got, ids)
+    with pytest.raises(OSError, match="ended"):  # a part shorter than it claims
+        w = shards_mod.ShardWriter(tmp_path, "val", np.uint16, shard_tokens=1500)
+        w.write_from(part, 13000, 1000)
+    assert os.path.exists(part)

@@ -70,7 +70,7 @@ from tinylm.readers import (
     resolve_inputs,
     units_apply,
 )
-from tinylm.shards import DTYPES, SHARD_RE, ShardWriter, move_tail, open_split
+from tinylm.shards import DTYPES, SHARD_RE, ShardWriter, move_tail, open_split, write_all
 from tinylm.tokenizers import (
     EOS_NAMES,
     BPETokenizer,
@@ -922,20 +922,62 @@ class _UnitJob(NamedTuple):
 
 
 _WORKER: _Encoder | _UnitJob | None = None
+_PARTS: list[Any] = [None, 0]  # a worker's stage folder and how many part files it wrote
 
 
-def _init_worker(state: _Encoder | _UnitJob) -> None:
+def _init_worker(state: _Encoder | _UnitJob, stage: Path | None = None) -> None:
     global _WORKER
     os.environ[_PARALLELISM] = "false"  # one core per worker: the pool is the parallelism
     _WORKER = state
+    _PARTS[:] = [stage, 0]
 
 
-def _encode_task(task: tuple[list[str], bytes, bytes]) -> tuple[np.ndarray, np.ndarray]:
+class _Part(NamedTuple):
+    """A worker's ids of one task or unit in a file of the stage folder, ``train`` ids
+    then ``val`` ids, that the main process copies into the shards and deletes: the
+    kernel copies them twice, where sending arrays through the pool's pipe (pickled,
+    unpickled) cost more CPU than a third of the encoding."""
+
+    path: str
+    train: int
+    val: int
+    top: int
+
+
+def _part(pair: tuple[np.ndarray, np.ndarray]) -> _Part:
+    stage, n = _PARTS
+    _PARTS[1] = n + 1
+    path = str(stage / f".part-{os.getpid()}-{n}.bin")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        for ids in pair:
+            write_all(fd, ids)
+    finally:
+        os.close(fd)
+    top = max((int(ids.max()) for ids in pair if ids.size), default=0)
+    return _Part(path, pair[0].size, pair[1].size, top)
+
+
+def _take(result: _Part | tuple[np.ndarray, np.ndarray], writers: Sequence[ShardWriter]
+          ) -> int:
+    """Append one task's or unit's ids to the train and val writers; their largest id."""
+    if isinstance(result, _Part):
+        writers[0].write_from(result.path, 0, result.train)
+        writers[1].write_from(result.path, result.train * writers[1].dtype.itemsize,
+                              result.val)
+        os.unlink(result.path)
+        return result.top
+    for writer, ids in zip(writers, result, strict=True):
+        writer.write(ids)
+    return max((int(ids.max()) for ids in result if ids.size), default=0)
+
+
+def _encode_task(task: tuple[list[str], bytes, bytes]) -> _Part:
     assert isinstance(_WORKER, _Encoder)
-    return _encode_pieces(_WORKER, *task)
+    return _part(_encode_pieces(_WORKER, *task))
 
 
-def _encode_unit(item: tuple[Unit, int, tuple[bool, bool]]) -> tuple[np.ndarray, np.ndarray]:
+def _encode_unit(item: tuple[Unit, int, tuple[bool, bool]]) -> _Part:
     """Pass 2 of one unit in a worker: read, route (the unit's first document has rank
     ``rank``; ``started``: whether each split has documents before it), cut, encode."""
     unit, rank, started_before = item
@@ -960,8 +1002,8 @@ def _encode_unit(item: tuple[Unit, int, tuple[bool, bool]]) -> tuple[np.ndarray,
     if tasks.pieces:
         flush()
     dtype = job.enc.dtype
-    return tuple(np.concatenate(p) if p else np.zeros(0, dtype)  # type: ignore[return-value]
-                 for p in out)
+    return _part(tuple(np.concatenate(p) if p else np.zeros(0, dtype)  # type: ignore[arg-type]
+                       for p in out))
 
 
 def _unit_items(scan: _Scan, route: _Route, val_source: Sequence[bool], docs: list[int],
@@ -1001,14 +1043,16 @@ class _SerialTokenizers:
 
 
 def _pooled(workers: int, fn: Any, items: Iterator[Any], state: _Encoder | _UnitJob,
-            started: Callable[[], None] | None = None) -> Iterator[Any]:
+            started: Callable[[], None] | None = None, stage: Path | None = None
+            ) -> Iterator[Any]:
     """``fn(item)`` for every item, in order, by a pool of ``workers`` processes (their
-    ``_WORKER`` is ``state``), at most 2 items per worker in flight (memory stays flat);
-    ``started()`` is called once the workers exist (a thread started then is not forked)."""
+    ``_WORKER`` is ``state``; they write part files into ``stage``), at most 2 items per
+    worker in flight (memory stays flat); ``started()`` is called once the workers exist
+    (a thread started then is not forked)."""
     methods = multiprocessing.get_all_start_methods()
     ctx = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
     with _SerialTokenizers():  # also silences tokenizers' warning about forking
-        pool = ctx.Pool(workers, _init_worker, (state,))
+        pool = ctx.Pool(workers, _init_worker, (state, stage))
     if started is not None:
         started()
     try:
@@ -1024,15 +1068,15 @@ def _pooled(workers: int, fn: Any, items: Iterator[Any], state: _Encoder | _Unit
         pool.join()
 
 
-def _encoded(enc: _Encoder, workers: int, tasks: Iterator[tuple[list[str], bytes, bytes]]
-             ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+def _encoded(enc: _Encoder, workers: int, tasks: Iterator[tuple[list[str], bytes, bytes]],
+             stage: Path) -> Iterator[_Part | tuple[np.ndarray, np.ndarray]]:
     """The tasks' ids in order, encoded in-process (1 worker) or by a process pool."""
     if workers == 1:
         with _SerialTokenizers():
             for task in tasks:
                 yield _encode_pieces(enc, *task)
         return
-    yield from _pooled(workers, _encode_task, tasks, enc)
+    yield from _pooled(workers, _encode_task, tasks, enc, stage=stage)
 
 
 @dataclass
@@ -1068,16 +1112,14 @@ def _encode(o: _Options, sources: Sequence[Source], val_source: Sequence[bool], 
             job = _UnitJob(list(sources), o.text_field, o.errors, route, list(val_source),
                            encoder)
             results = _pooled(workers, _encode_unit,
-                              _unit_items(scan, route, val_source, docs, bar), job)
+                              _unit_items(scan, route, val_source, docs, bar), job,
+                              stage=stage)
         else:
             tasks = _task_stream(o, sources, val_source, scan, route, docs, bar)
-            results = _encoded(encoder, workers, tasks)
+            results = _encoded(encoder, workers, tasks, stage)
         try:
-            for pair in results:
-                for writer, ids in zip(writers, pair, strict=True):
-                    if ids.size:
-                        writer.write(ids)
-                        top = max(top, int(ids.max()))
+            for result in results:
+                top = max(top, _take(result, writers))
         finally:
             results.close()  # type: ignore[attr-defined]
     finally:
