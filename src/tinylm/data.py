@@ -934,9 +934,9 @@ def _init_worker(state: _Encoder | _UnitJob, stage: Path | None = None) -> None:
 
 class _Part(NamedTuple):
     """A worker's ids of one task or unit in a file of the stage folder, ``train`` ids
-    then ``val`` ids, that the main process copies into the shards and deletes: the
-    kernel copies them twice, where sending arrays through the pool's pipe (pickled,
-    unpickled) cost more CPU than a third of the encoding."""
+    then ``val`` ids, that the main process appends to the shards (the kernel copies
+    them: ``copy_file_range``) and deletes. Sending the arrays through the pool's pipe,
+    pickled and unpickled, cost the two sides more CPU than a third of the encoding."""
 
     path: str
     train: int
@@ -1224,7 +1224,7 @@ def _frozen_heap() -> Iterator[None]:
     """The objects that exist before prepare (torch's modules and the like: ~200k) are
     left out of the garbage collector's passes until it returns (``gc.freeze``): a full
     pass over them costs ~0.2 s, and in a forked worker it would write to every page
-    that holds them. Nothing is freed later than it would be but cycles made before."""
+    that holds them. Only garbage cycles made before the call wait for its end to go."""
     if gc.get_freeze_count():  # the program manages freezing itself
         yield
         return
