@@ -485,9 +485,9 @@ def iter_documents(sources: Sequence[Source], *, text_field: str = "text",
 @dataclass(frozen=True)
 class Unit:
     """A part of source ``source`` that a worker reads by itself: bytes [start, stop) of
-    an uncompressed JSONL file, whose first line is number ``first``, or the row groups
-    [start, stop) of a Parquet file, whose first row is ``first`` (None: not counted, see
-    :class:`_LineLabel`). ``size``: the input bytes it stands for (progress)."""
+    an uncompressed JSONL file, whose first line is number ``first`` (None: not counted
+    when planned, see :class:`_UnitLines`), or the row groups [start, stop) of a Parquet
+    file, whose first row is ``first``. ``size``: the input bytes it stands for."""
 
     source: int
     start: int
