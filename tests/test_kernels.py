@@ -259,6 +259,15 @@ def test_layer_norm_training_kernels_equal_torch(lib, M: int, E: int, affine: bo
     residual = torch.randn(M, E)  # a residual path's gradient, added in the same pass
     dx_res, _, _ = lib.layer_norm_backward(grad, x, w, mean, rstd, False, False, residual)
     torch.testing.assert_close(dx_res, want_grads[0] + residual, rtol=1e-4, atol=1e-4)
+    residual_sum = torch.full((E,), float("nan"))  # every entry written
+    dx_sum, dw_sum, db_sum = lib.layer_norm_backward(grad, x, w, mean, rstd, affine, affine,
+                                                     residual, residual_sum)
+    torch.testing.assert_close(residual_sum, residual.sum(0), rtol=1e-4, atol=1e-4)
+    for g, ref in zip([dx_sum] + ([dw_sum, db_sum] if affine else []),
+                      [dx_res] + list(want_grads[1:]), strict=True):
+        torch.testing.assert_close(g, ref, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ops.OpError, match="needs a residual"):
+        lib.layer_norm_backward(grad, x, w, mean, rstd, False, False, None, residual_sum)
     with pytest.raises(ops.OpError, match="shape"):
         lib.layer_norm_backward(grad, x, w, mean, rstd, False, False, residual[1:])
 

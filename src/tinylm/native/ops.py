@@ -292,11 +292,12 @@ class Library:
 
     def layer_norm_backward(self, grad_y: Tensor, x: Tensor, weight: Tensor | None,
                             mean: Tensor, rstd: Tensor, need_weight: bool, need_bias: bool,
-                            residual: Tensor | None = None
+                            residual: Tensor | None = None, residual_sum: Tensor | None = None
                             ) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """(dL/dx, dL/dweight or None, dL/dbias or None) of :meth:`layer_norm`; a
         ``residual`` (x's shape: the gradient of a residual path around the norm) is
-        added to dL/dx in the same pass."""
+        added to dL/dx in the same pass, and summed over the rows into ``residual_sum``
+        (E,) where given (the gradient of a bias added on that path)."""
         E = x.shape[-1]
         M = x.numel() // E
         check("x", x)
@@ -306,13 +307,17 @@ class Library:
         check("rstd", rstd, (M,))
         w = _opt("weight", weight, (E,))
         res = _opt("residual", residual, tuple(x.shape))
+        if residual_sum is not None and residual is None:
+            raise OpError("residual_sum needs a residual")
+        rsum = _opt("residual_sum", residual_sum, (E,))
         dx = torch.empty_like(x)
         dw = torch.empty(E) if need_weight else None
         db = torch.empty(E) if need_bias else None
         _ok(self.raw.tl_ln_bwd(x.data_ptr(), w, mean.data_ptr(), rstd.data_ptr(),
                                grad_y.data_ptr(), res, dx.data_ptr(),
                                dw.data_ptr() if dw is not None else None,
-                               db.data_ptr() if db is not None else None, M, E, _threads()),
+                               db.data_ptr() if db is not None else None, rsum, M, E,
+                               _threads()),
             "layer_norm_backward")
         return dx, dw, db
 
