@@ -251,6 +251,11 @@ def test_layer_norm_training_kernels_equal_torch(lib, M: int, E: int, affine: bo
     torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(mean, x.mean(-1))
     torch.testing.assert_close(rstd, 1 / torch.sqrt(x.var(-1, unbiased=False) + 1e-5))
+    residual_bias = torch.randn(E)  # the same pass also starts a residual sum: x + bias
+    for rb, start in ((residual_bias, x + residual_bias), (None, x)):
+        y_r, mean_r, rstd_r, res = lib.layer_norm_residual(x, w, b, 1e-5, rb)
+        assert torch.equal(y_r, y) and torch.equal(mean_r, mean) and torch.equal(rstd_r, rstd)
+        assert torch.equal(res, start) and res.data_ptr() != x.data_ptr()
     dx, dw, db = lib.layer_norm_backward(grad, x, w, mean, rstd, affine, affine)
     got = [dx] + ([dw, db] if affine else [])
     assert (dw is None and db is None) or affine

@@ -200,13 +200,6 @@ class CausalAttentionFn(torch.autograd.Function):
         return grad_x, grad_w_qkv, grad_b_qkv, grad_w_out, grad_b_out, None, None
 
 
-def _residual(x: Tensor, bias: Tensor | None) -> Tensor:
-    """A new tensor x + bias (or a copy of x): the start of a residual branch's sum,
-    into which the branch's product then accumulates (GEMM with beta = 1) -- one pass
-    over x fewer than a copy, the product and a separate bias add."""
-    return torch.add(x, bias) if bias is not None else x.clone()
-
-
 class BlockFn(torch.autograd.Function):
     """A whole block for CPU training as one autograd step, with native kernels:
 
@@ -214,10 +207,12 @@ class BlockFn(torch.autograd.Function):
 
     The same tensors are kept for backward as the block's separate steps would keep
     (LN inputs, LN outputs, qkv, the heads' outputs, the FFN's pre-activation), but
-    LayerNorm runs natively (:meth:`Library.layer_norm`), each residual add (with the
-    projection's bias) is done by the output projection's product itself (beta = 1),
-    the big temporaries go to reused :class:`Scratch` buffers, and in backward the
-    residual gradient is added by the LayerNorm backward pass itself — where a graph
+    LayerNorm runs natively (:meth:`Library.layer_norm_residual`: the pass that reads x
+    for the norm also writes x + the projection's bias, into which the output
+    projection's product accumulates, beta = 1), the big temporaries go to reused
+    :class:`Scratch` buffers, and in backward the residual gradient is added by the
+    LayerNorm backward pass itself, which also sums it over rows for the projection's
+    bias gradient — where a graph
     of a dozen small autograd steps per block (LN, projections, adds, gradient
     accumulation) costs more than their arithmetic at small sizes. Applied by
     :class:`tinylm.native.plan.NativeBlock` where :func:`tinylm.native.plan.eligibility`
@@ -233,15 +228,16 @@ class BlockFn(torch.autograd.Function):
                 lib: Library) -> Tensor:
         B, C, E = x.shape
         x0 = x.contiguous().view(-1, E)  # (B·C, E)
-        a_in, mu1, rs1 = lib.layer_norm(x0, ln1_w, ln1_b, eps1)
+        # each LayerNorm pass also starts its branch's residual sum: x + b_o, x1 + b_down
+        a_in, mu1, rs1, x1 = lib.layer_norm_residual(x0, ln1_w, ln1_b, eps1, b_out)
         qkv = (a_in @ w_qkv.t()).view(B, C, w_qkv.shape[0])  # (B, C, 3·H·D)
         r, lse = lib.causal_attention(qkv, n_head, b_qkv)  # (B, C, H·D), (B, H, C)
         r2 = r.view(B * C, -1)
-        x1 = _residual(x0, b_out).addmm_(r2, w_out.t())  # x + b_o + R·W_oᵀ
-        f_in, mu2, rs2 = lib.layer_norm(x1, ln2_w, ln2_b, eps2)
+        x1.addmm_(r2, w_out.t())  # x1 = x + b_o + R·W_oᵀ
+        f_in, mu2, rs2, y = lib.layer_norm_residual(x1, ln2_w, ln2_b, eps2, b_down)
         h = f_in @ w_up.t()  # (B·C, 4E)
         g = lib.bias_gelu_(h, b_up, SCRATCH.get("ffn_act", tuple(h.shape)))  # h += b_up
-        y = _residual(x1, b_down).addmm_(g, w_down.t())  # x1 + b_down + GELU(h)·W_downᵀ
+        y.addmm_(g, w_down.t())  # y = x1 + b_down + GELU(h)·W_downᵀ
         ctx.save_for_backward(x0, mu1, rs1, a_in, qkv, r2, lse, x1, mu2, rs2, f_in, h,
                               ln1_w, w_qkv, w_out, ln2_w, w_up, w_down)
         ctx.n_head, ctx.shape, ctx.lib = n_head, (B, C), lib

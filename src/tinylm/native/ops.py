@@ -290,6 +290,23 @@ class Library:
                            M, E, eps, _threads())
         return y, mean, rstd
 
+    def layer_norm_residual(self, x: Tensor, weight: Tensor | None, bias: Tensor | None,
+                            eps: float, residual_bias: Tensor | None
+                            ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """:meth:`layer_norm` of x (M, E), and x + ``residual_bias`` (E,; None: a copy
+        of x) from the same pass: the start of the residual sum around the norm's
+        branch, into which the branch's last product accumulates."""
+        E = x.shape[-1]
+        M = x.numel() // E
+        check("x", x, (-1, E))
+        w, b = _opt("weight", weight, (E,)), _opt("bias", bias, (E,))
+        rb = _opt("residual_bias", residual_bias, (E,))
+        y, mean, rstd, res = torch.empty_like(x), torch.empty(M), torch.empty(M), \
+            torch.empty_like(x)
+        self.raw.tl_ln_fwd_res(x.data_ptr(), w, b, y.data_ptr(), mean.data_ptr(),
+                               rstd.data_ptr(), rb, res.data_ptr(), M, E, eps, _threads())
+        return y, mean, rstd, res
+
     def layer_norm_backward(self, grad_y: Tensor, x: Tensor, weight: Tensor | None,
                             mean: Tensor, rstd: Tensor, need_weight: bool, need_bias: bool,
                             residual: Tensor | None = None, residual_sum: Tensor | None = None

@@ -16,30 +16,48 @@ static inline float hsum_row(const float *x, long E) {
     return s;
 }
 
+/* One row of the forward, keeping its mean and 1/std; with rout, rout = x + rb (rb
+ * NULL: a copy of x) in the same pass. */
+static inline void ln_fwd_row(const float *xm, const float *w, const float *b, float *ym,
+                              float *mean, float *rstd, const float *rb, float *rout,
+                              long E, float eps) {
+    float mu = hsum_row(xm, E) / (float)E;
+    vf acc = {0};
+    long i = 0;
+    for (; i + VL <= E; i += VL) { vf d = loadv(xm + i) - mu; acc += d * d; }
+    float var = hsum(acc);
+    for (; i < E; i++) { float d = xm[i] - mu; var += d * d; }
+    float r = 1.0f / sqrtf(var / (float)E + eps);
+    *mean = mu;
+    *rstd = r;
+    for (i = 0; i + VL <= E; i += VL) {
+        vf xv = loadv(xm + i), v = (xv - mu) * r;
+        if (w) v *= loadv(w + i);
+        if (b) v += loadv(b + i);
+        storev(ym + i, v);
+        if (rout) storev(rout + i, rb ? xv + loadv(rb + i) : xv);
+    }
+    for (; i < E; i++) {
+        ym[i] = (xm[i] - mu) * r * (w ? w[i] : 1.0f) + (b ? b[i] : 0.0f);
+        if (rout) rout[i] = xm[i] + (rb ? rb[i] : 0.0f);
+    }
+}
+
 void tl_ln_fwd(const float *x, const float *w, const float *b, float *y, float *mean,
                float *rstd, long M, long E, float eps, int threads) {
+    tl_ln_fwd_res(x, w, b, y, mean, rstd, NULL, NULL, M, E, eps, threads);
+}
+
+/* tl_ln_fwd that also starts the residual sum around the norm's branch: rout = x + rb
+ * (rb, E floats, may be NULL), into which the branch's last product then accumulates
+ * -- the read of x for it is the norm's own. */
+void tl_ln_fwd_res(const float *x, const float *w, const float *b, float *y, float *mean,
+                   float *rstd, const float *rb, float *rout, long M, long E, float eps,
+                   int threads) {
     #pragma omp parallel for num_threads(threads) schedule(static)
-    for (long m = 0; m < M; m++) {
-        const float *xm = x + m * E;
-        float *ym = y + m * E;
-        float mu = hsum_row(xm, E) / (float)E;
-        vf acc = {0};
-        long i = 0;
-        for (; i + VL <= E; i += VL) { vf d = loadv(xm + i) - mu; acc += d * d; }
-        float var = hsum(acc);
-        for (; i < E; i++) { float d = xm[i] - mu; var += d * d; }
-        float r = 1.0f / sqrtf(var / (float)E + eps);
-        mean[m] = mu;
-        rstd[m] = r;
-        for (i = 0; i + VL <= E; i += VL) {
-            vf v = (loadv(xm + i) - mu) * r;
-            if (w) v *= loadv(w + i);
-            if (b) v += loadv(b + i);
-            storev(ym + i, v);
-        }
-        for (; i < E; i++)
-            ym[i] = (xm[i] - mu) * r * (w ? w[i] : 1.0f) + (b ? b[i] : 0.0f);
-    }
+    for (long m = 0; m < M; m++)
+        ln_fwd_row(x + m * E, w, b, y + m * E, mean + m, rstd + m, rb,
+                   rout ? rout + m * E : NULL, E, eps);
 }
 
 /* One row of the backward: dx = rstd · (g - mean(g) - x̂ · mean(g · x̂)) (+ res) with
