@@ -248,15 +248,38 @@ def test_units_cover_a_jsonl_file_in_whole_lines(tmp_path) -> None:
 
     texts = [f"doc {i} " + "x" * (i * 37 % 300) for i in range(60)] + ["y" * 5000, "last"]
     path = tmp_path / "d.jsonl"
-    body = "\n".join(json.dumps({"text": t}) for t in texts)  # no final line break
+    lines = [json.dumps({"text": t}) for t in texts]
+    lines[49] = '{"text": null}'  # a bad record far into the file: line 50
+    body = "\n".join(lines)  # no final line break
     path.write_text(body.replace('"doc 7', '"doc\\u00a07'), encoding="utf-8")
     src = file_source(path)
     units = list(iter_units([src], unit_bytes=700))
     assert units[0].start == 0 and units[-1].stop == path.stat().st_size > 700 * 8
     assert all(a.stop == b.start for a, b in zip(units, units[1:], strict=False))
+    raw = path.read_bytes()
+    assert all(raw[u.stop - 1:u.stop] == b"\n" for u in units[:-1])  # whole lines
+    assert all(u.first is None for u in units)  # planning does not count lines
     got, bad = [], BadRecords()
     for u in units:
         got += list(iter_unit([src], u, bad=bad))
-    assert got == [t.replace("doc 7", "doc\u00a07") for t in texts] and bad.count == 0
-    raw = path.read_bytes()
-    assert [u.first for u in units] == [1 + raw[:u.start].count(b"\n") for u in units]
+    want = [t.replace("doc 7", "doc\u00a07") for i, t in enumerate(texts) if i != 49]
+    assert got == want and bad.count == 1
+    assert bad.first.endswith("d.jsonl line 50: field 'text' is null")  # counted when shown
+    late = next(u for u in units if u.start > raw.index(b"null"))
+    bad = BadRecords()
+    list(iter_unit([src], late, bad=bad))
+    assert bad.count == 0
+
+
+def test_units_get_smaller_near_the_end(tmp_path) -> None:
+    from tinylm.readers import MIN_UNIT_BYTES, file_source, iter_units
+
+    path = tmp_path / "big.jsonl"
+    line = json.dumps({"text": "z" * 1000}) + "\n"
+    path.write_text(line * (40 * MIN_UNIT_BYTES // len(line)), encoding="utf-8")
+    units = list(iter_units([file_source(path)], unit_bytes=4 * MIN_UNIT_BYTES, parts=4))
+    sizes = [u.size for u in units]
+    assert sum(sizes) == path.stat().st_size
+    assert max(sizes) <= 4 * MIN_UNIT_BYTES + len(line)
+    assert sizes[0] > 3 * MIN_UNIT_BYTES and sizes[-2] < 1.1 * MIN_UNIT_BYTES
+    assert all(a >= b for a, b in zip(sizes[:-2], sizes[1:-1], strict=True))  # shrinking

@@ -255,3 +255,65 @@ def test_bad_meta_or_ids_is_a_one_line_error(case, tmp_path, capsys) -> None:
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and expect.split("'")[0] in err, err
     assert not (tmp_path / "run").exists()
+
+
+def test_shard_writer_syncs_behind_and_reports_a_failed_sync(tmp_path, monkeypatch) -> None:
+    import os
+
+    import tinylm.shards as shards_mod
+
+    synced: list[int] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(os.fstat(fd).st_size)
+        real_fsync(fd)
+    monkeypatch.setattr(shards_mod, "SYNC_BYTES", 1000)
+    monkeypatch.setattr(shards_mod.os, "fsync", fsync)
+    writer = shards_mod.ShardWriter(tmp_path, "train", np.uint16, shard_tokens=2000)
+    ids = np.arange(5000, dtype=np.uint16)
+    for k in range(0, 5000, 700):
+        writer.write(ids[k:k + 700])
+    entries = writer.close()
+    assert [e["tokens"] for e in entries] == [2000, 2000, 1000]
+    assert synced and all(0 < n <= 4000 for n in synced)  # while writing, in the background
+    got = np.concatenate([np.fromfile(tmp_path / e["file"], np.uint16) for e in entries])
+    assert np.array_equal(got, ids)
+
+    def broken(fd: int) -> None:
+        raise OSError(5, "Input/output error")
+    monkeypatch.setattr(shards_mod.os, "fsync", broken)
+    writer = shards_mod.ShardWriter(tmp_path, "val", np.uint16, shard_tokens=2000)
+    writer.write(ids)
+    with pytest.raises(OSError, match="Input/output"):
+        writer.close()
+
+
+@pytest.mark.parametrize("kernel", ["copy_file_range", "exdev", "missing"])
+def test_write_from_a_part_file_across_shards(tmp_path, monkeypatch, kernel) -> None:
+    import errno
+    import os
+
+    import tinylm.shards as shards_mod
+
+    if kernel == "exdev":  # another file system: read and write instead
+        def refuse(*a, **k):
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+        monkeypatch.setattr(shards_mod.os, "copy_file_range", refuse, raising=False)
+    elif kernel == "missing":  # not Linux
+        monkeypatch.delattr(shards_mod.os, "copy_file_range", raising=False)
+    ids = np.arange(7000, dtype=np.uint16) * 7
+    part = tmp_path / "part.bin"
+    part.write_bytes(ids.tobytes())
+    writer = shards_mod.ShardWriter(tmp_path, "train", np.uint16, shard_tokens=1500)
+    writer.write(ids[:100])
+    writer.write_from(part, 200, 5000)  # ids 100..5099, from byte 200
+    writer.write(ids[5100:])
+    entries = writer.close()
+    assert [e["tokens"] for e in entries] == [1500] * 4 + [1000]
+    got = np.concatenate([np.fromfile(tmp_path / e["file"], np.uint16) for e in entries])
+    assert np.array_equal(got, ids)
+    with pytest.raises(OSError, match="ended"):  # a part shorter than it claims
+        w = shards_mod.ShardWriter(tmp_path, "val", np.uint16, shard_tokens=1500)
+        w.write_from(part, 13000, 1000)
+    assert os.path.exists(part)

@@ -34,6 +34,8 @@ and ``val.bin``) load too.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import hashlib
 import itertools
 import json
@@ -43,9 +45,10 @@ import multiprocessing
 import os
 import shutil
 import sys
+import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -67,7 +70,7 @@ from tinylm.readers import (
     resolve_inputs,
     units_apply,
 )
-from tinylm.shards import DTYPES, SHARD_RE, ShardWriter, move_tail, open_split
+from tinylm.shards import DTYPES, SHARD_RE, ShardWriter, move_tail, open_split, write_all
 from tinylm.tokenizers import (
     EOS_NAMES,
     BPETokenizer,
@@ -616,18 +619,21 @@ def _scan_unit(unit: Unit | int) -> tuple[int, int, BadRecords] | str:
 def _scan_units(o: _Options, sources: Sequence[Source], scan: _Scan, workers: int,
                 bar: _Bar) -> None:
     """Pass 1 by the workers, unit by unit (a given tokenizer, no dedup); they hash the
-    sources too, first."""
+    sources too, first. Meanwhile a thread here builds what pass 2's encoder needs
+    (the native BPE encoder's tables), which would otherwise wait between the passes."""
     assert scan.units is not None
     job = _UnitJob(list(sources), o.text_field, o.errors)
     units = scan.units
     scan.stamps = [s.stamp() for s in sources]
 
     def planned() -> Iterator[Unit]:  # planned while the workers read (lazily)
-        for unit in iter_units(sources):
+        for unit in iter_units(sources, parts=2 * workers):
             units.append(unit)
             yield unit
+    warm = threading.Thread(target=_encoder, args=(o.given, np.zeros(0), np.uint32,
+                                                   o.allow_special), daemon=True)
     results = _pooled(workers, _scan_unit, itertools.chain(range(len(sources)), planned()),
-                      job)
+                      job, started=warm.start)
     scan.digests = [next(results) for _ in sources]
     for k, (docs, chars, bad) in enumerate(results):
         unit = units[k]
@@ -641,6 +647,8 @@ def _scan_units(o: _Options, sources: Sequence[Source], scan: _Scan, workers: in
                 scan.bad.reasons[why] = scan.bad.reasons.get(why, 0) + n
         scan.read += unit.size
         bar(unit.size)
+    if warm.ident is not None:  # pass 2's workers fork after it has finished
+        warm.join()
 
 
 def _scan(o: _Options, sources: Sequence[Source]) -> _Scan:
@@ -914,20 +922,62 @@ class _UnitJob(NamedTuple):
 
 
 _WORKER: _Encoder | _UnitJob | None = None
+_PARTS: list[Any] = [None, 0]  # a worker's stage folder and how many part files it wrote
 
 
-def _init_worker(state: _Encoder | _UnitJob) -> None:
+def _init_worker(state: _Encoder | _UnitJob, stage: Path | None = None) -> None:
     global _WORKER
     os.environ[_PARALLELISM] = "false"  # one core per worker: the pool is the parallelism
     _WORKER = state
+    _PARTS[:] = [stage, 0]
 
 
-def _encode_task(task: tuple[list[str], bytes, bytes]) -> tuple[np.ndarray, np.ndarray]:
+class _Part(NamedTuple):
+    """A worker's ids of one task or unit in a file of the stage folder, ``train`` ids
+    then ``val`` ids, that the main process appends to the shards (the kernel copies
+    them: ``copy_file_range``) and deletes. Sending the arrays through the pool's pipe,
+    pickled and unpickled, cost the two sides more CPU than a third of the encoding."""
+
+    path: str
+    train: int
+    val: int
+    top: int
+
+
+def _part(pair: tuple[np.ndarray, np.ndarray]) -> _Part:
+    stage, n = _PARTS
+    _PARTS[1] = n + 1
+    path = str(stage / f".part-{os.getpid()}-{n}.bin")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        for ids in pair:
+            write_all(fd, ids)
+    finally:
+        os.close(fd)
+    top = max((int(ids.max()) for ids in pair if ids.size), default=0)
+    return _Part(path, pair[0].size, pair[1].size, top)
+
+
+def _take(result: _Part | tuple[np.ndarray, np.ndarray], writers: Sequence[ShardWriter]
+          ) -> int:
+    """Append one task's or unit's ids to the train and val writers; their largest id."""
+    if isinstance(result, _Part):
+        writers[0].write_from(result.path, 0, result.train)
+        writers[1].write_from(result.path, result.train * writers[1].dtype.itemsize,
+                              result.val)
+        os.unlink(result.path)
+        return result.top
+    for writer, ids in zip(writers, result, strict=True):
+        writer.write(ids)
+    return max((int(ids.max()) for ids in result if ids.size), default=0)
+
+
+def _encode_task(task: tuple[list[str], bytes, bytes]) -> _Part:
     assert isinstance(_WORKER, _Encoder)
-    return _encode_pieces(_WORKER, *task)
+    return _part(_encode_pieces(_WORKER, *task))
 
 
-def _encode_unit(item: tuple[Unit, int, tuple[bool, bool]]) -> tuple[np.ndarray, np.ndarray]:
+def _encode_unit(item: tuple[Unit, int, tuple[bool, bool]]) -> _Part:
     """Pass 2 of one unit in a worker: read, route (the unit's first document has rank
     ``rank``; ``started``: whether each split has documents before it), cut, encode."""
     unit, rank, started_before = item
@@ -952,8 +1002,8 @@ def _encode_unit(item: tuple[Unit, int, tuple[bool, bool]]) -> tuple[np.ndarray,
     if tasks.pieces:
         flush()
     dtype = job.enc.dtype
-    return tuple(np.concatenate(p) if p else np.zeros(0, dtype)  # type: ignore[return-value]
-                 for p in out)
+    return _part(tuple(np.concatenate(p) if p else np.zeros(0, dtype)  # type: ignore[arg-type]
+                       for p in out))
 
 
 def _unit_items(scan: _Scan, route: _Route, val_source: Sequence[bool], docs: list[int],
@@ -992,14 +1042,19 @@ class _SerialTokenizers:
             os.environ[_PARALLELISM] = self.old
 
 
-def _pooled(workers: int, fn: Any, items: Iterator[Any], state: _Encoder | _UnitJob
+def _pooled(workers: int, fn: Any, items: Iterator[Any], state: _Encoder | _UnitJob,
+            started: Callable[[], None] | None = None, stage: Path | None = None
             ) -> Iterator[Any]:
     """``fn(item)`` for every item, in order, by a pool of ``workers`` processes (their
-    ``_WORKER`` is ``state``), at most 2 items per worker in flight (memory stays flat)."""
+    ``_WORKER`` is ``state``; they write part files into ``stage``), at most 2 items per
+    worker in flight (memory stays flat); ``started()`` is called once the workers exist
+    (a thread started then is not forked)."""
     methods = multiprocessing.get_all_start_methods()
     ctx = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
     with _SerialTokenizers():  # also silences tokenizers' warning about forking
-        pool = ctx.Pool(workers, _init_worker, (state,))
+        pool = ctx.Pool(workers, _init_worker, (state, stage))
+    if started is not None:
+        started()
     try:
         pending: deque[Any] = deque()
         for item in items:
@@ -1013,15 +1068,15 @@ def _pooled(workers: int, fn: Any, items: Iterator[Any], state: _Encoder | _Unit
         pool.join()
 
 
-def _encoded(enc: _Encoder, workers: int, tasks: Iterator[tuple[list[str], bytes, bytes]]
-             ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+def _encoded(enc: _Encoder, workers: int, tasks: Iterator[tuple[list[str], bytes, bytes]],
+             stage: Path) -> Iterator[_Part | tuple[np.ndarray, np.ndarray]]:
     """The tasks' ids in order, encoded in-process (1 worker) or by a process pool."""
     if workers == 1:
         with _SerialTokenizers():
             for task in tasks:
                 yield _encode_pieces(enc, *task)
         return
-    yield from _pooled(workers, _encode_task, tasks, enc)
+    yield from _pooled(workers, _encode_task, tasks, enc, stage=stage)
 
 
 @dataclass
@@ -1057,16 +1112,14 @@ def _encode(o: _Options, sources: Sequence[Source], val_source: Sequence[bool], 
             job = _UnitJob(list(sources), o.text_field, o.errors, route, list(val_source),
                            encoder)
             results = _pooled(workers, _encode_unit,
-                              _unit_items(scan, route, val_source, docs, bar), job)
+                              _unit_items(scan, route, val_source, docs, bar), job,
+                              stage=stage)
         else:
             tasks = _task_stream(o, sources, val_source, scan, route, docs, bar)
-            results = _encoded(encoder, workers, tasks)
+            results = _encoded(encoder, workers, tasks, stage)
         try:
-            for pair in results:
-                for writer, ids in zip(writers, pair, strict=True):
-                    if ids.size:
-                        writer.write(ids)
-                        top = max(top, int(ids.max()))
+            for result in results:
+                top = max(top, _take(result, writers))
         finally:
             results.close()  # type: ignore[attr-defined]
     finally:
@@ -1166,6 +1219,22 @@ def _meta(o: _Options, sources: Sequence[Source], scan: _Scan, enc: _Encoded) ->
     }
 
 
+@contextlib.contextmanager
+def _frozen_heap() -> Iterator[None]:
+    """The objects that exist before prepare (torch's modules and the like: ~200k) are
+    left out of the garbage collector's passes until it returns (``gc.freeze``): a full
+    pass over them costs ~0.2 s, and in a forked worker it would write to every page
+    that holds them. Only garbage cycles made before the call wait for its end to go."""
+    if gc.get_freeze_count():  # the program manages freezing itself
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 def _phases(o: _Options, stage: Path, old_meta: dict[str, Any] | None) -> int:
     """scan -> encode (+ split) -> commit, staged in ``stage``; returns the input bytes."""
     sources, val_source = _sources(o, stage)  # what to read
@@ -1246,25 +1315,26 @@ def prepare(
     """
     t0 = time.perf_counter()
     kw = {k: v for k, v in locals().items() if k not in ("out_dir", "inputs", "tokenizer", "t0")}
-    o = _options(out_dir, inputs, tokenizer, kw)
-    old_meta = _check_out(o)
-    created = not o.out.exists()
-    o.out.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temps(o.out)
-    stage = _stage_name(o.out)
-    stage.mkdir()
-    try:
-        total = _phases(o, stage, old_meta)
-    except BaseException:
+    with _frozen_heap():
+        o = _options(out_dir, inputs, tokenizer, kw)
+        old_meta = _check_out(o)
+        created = not o.out.exists()
+        o.out.mkdir(parents=True, exist_ok=True)
+        _remove_stale_temps(o.out)
+        stage = _stage_name(o.out)
+        stage.mkdir()
+        try:
+            total = _phases(o, stage, old_meta)
+        except BaseException:
+            shutil.rmtree(stage, ignore_errors=True)
+            if created:
+                shutil.rmtree(o.out, ignore_errors=True)
+            raise
         shutil.rmtree(stage, ignore_errors=True)
-        if created:
-            shutil.rmtree(o.out, ignore_errors=True)
-        raise
-    shutil.rmtree(stage, ignore_errors=True)
-    seconds = time.perf_counter() - t0
-    log.debug("prepared %s in %.2f s (%.1f MB/s)", display_path(o.out), seconds,
-              total / 1e6 / max(seconds, 1e-9))
-    return load_prepared(o.out)
+        seconds = time.perf_counter() - t0
+        log.debug("prepared %s in %.2f s (%.1f MB/s)", display_path(o.out), seconds,
+                  total / 1e6 / max(seconds, 1e-9))
+        return load_prepared(o.out)
 
 
 # --- batches for training ------------------------------------------------------------------

@@ -37,6 +37,7 @@ _JSONL = (".jsonl", ".ndjson")
 _COMPRESSION = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
 _GLOB_CHARS = set("*?[")
 UNIT_BYTES = 8 << 20  # input bytes per unit that a worker reads on its own
+MIN_UNIT_BYTES = 1 << 20  # the smallest unit near the end of the input
 
 
 def display_path(path: str | Path) -> str:
@@ -386,10 +387,10 @@ def _arrow_texts(column: Any, path: Sequence[str], where: Callable[[int], str],
 
 
 def _parquet(src: Source, path: Sequence[str], errors: str, bad: BadRecords,
-             on_bytes: Progress | None, groups: range | None = None, row: int = 0
-             ) -> Iterator[str]:
+             on_bytes: Progress | None, groups: range | None = None, row: int = 0,
+             threads: bool = True) -> Iterator[str]:
     """The texts of a Parquet file (of its row groups ``groups``, the first being row
-    ``row``, when given)."""
+    ``row``, when given); ``threads``: pyarrow may decode on its thread pool."""
     pq = _require("pyarrow.parquet", "Parquet files")
     try:
         pf = pq.ParquetFile(src.path)
@@ -409,7 +410,8 @@ def _parquet(src: Source, path: Sequence[str], errors: str, bad: BadRecords,
             bad.add(f"{src.name} row {row}", f"field {path[0]!r} is missing (columns: "
                     f"{', '.join(names[:8])})", size)
         else:
-            column = pf.read_row_group(g, columns=[path[0]]).column(0).combine_chunks()
+            column = pf.read_row_group(g, columns=[path[0]], use_threads=threads
+                                       ).column(0).combine_chunks()
             yield from _arrow_texts(column, path, lambda j, r=row: f"{src.name} row {r + j}",
                                     bad, errors)
         row += size
@@ -483,39 +485,47 @@ def iter_documents(sources: Sequence[Source], *, text_field: str = "text",
 @dataclass(frozen=True)
 class Unit:
     """A part of source ``source`` that a worker reads by itself: bytes [start, stop) of
-    an uncompressed JSONL file, whose first line is number ``first``, or the row groups
-    [start, stop) of a Parquet file, whose first row is ``first``. ``size``: the input
-    bytes it stands for (progress)."""
+    an uncompressed JSONL file, whose first line is number ``first`` (None: not counted
+    when planned, see :class:`_UnitLines`), or the row groups [start, stop) of a Parquet
+    file, whose first row is ``first``. ``size``: the input bytes it stands for."""
 
     source: int
     start: int
     stop: int
-    first: int
+    first: int | None
     size: int
 
 
-def _jsonl_units(k: int, src: Source, unit_bytes: int) -> Iterator[Unit]:
-    """Cut at the last line break in each ``unit_bytes`` (or after, for longer lines)."""
-    start, line = 0, 1
+def _line_end(f: IO[bytes], pos: int, size: int) -> int:
+    """The offset just past the first line break at or after ``pos`` (``size`` if none)."""
+    f.seek(pos)
+    while pos < size:
+        block = f.read(1 << 16)
+        if not block:
+            break
+        nl = block.find(b"\n")
+        if nl >= 0:
+            return pos + nl + 1
+        pos += len(block)
+    return size
+
+
+def _jsonl_units(k: int, src: Source, size: Callable[[int], int]) -> Iterator[Unit]:
+    """Cut at the first line break after ``size(offset)`` bytes from each unit's start
+    (:func:`iter_units`), found by seeking: planning reads a few KB per unit, not the
+    file. A unit's first line number is not known here (``first`` None): a worker
+    counts it only to report a bad record (:class:`_LineLabel`)."""
+    start, end = 0, src.size
     with src.open_raw() as f:
-        while True:
-            f.seek(start)
-            block = f.read(unit_bytes)
-            while len(block) >= unit_bytes and b"\n" not in block:  # a very long line
-                more = f.read(unit_bytes)
-                if not more:
-                    break
-                block += more
-            if not block:
-                return
-            short = len(block) < unit_bytes or not f.read(1)
-            cut = len(block) if short else block.rfind(b"\n") + 1
-            yield Unit(k, start, start + cut, line, cut)
-            line += block.count(b"\n", 0, cut)
-            start += cut
+        while start < end:
+            stop = _line_end(f, start + size(start) - 1, end)
+            yield Unit(k, start, stop, None, stop - start)
+            start = stop
 
 
-def _parquet_units(k: int, src: Source, unit_bytes: int) -> Iterator[Unit]:
+def _parquet_units(k: int, src: Source, size_at: Callable[[int], int]) -> Iterator[Unit]:
+    """Runs of whole row groups of about ``size_at(offset)`` bytes (their uncompressed
+    size, as pyarrow's metadata gives it; the offset is the file's share at that row)."""
     pq = _require("pyarrow.parquet", "Parquet files")
     try:
         meta = pq.ParquetFile(src.path).metadata
@@ -526,8 +536,8 @@ def _parquet_units(k: int, src: Source, unit_bytes: int) -> Iterator[Unit]:
     for g in range(meta.num_row_groups):
         size += meta.row_group(g).total_byte_size
         rows = meta.row_group(g).num_rows
-        if size >= unit_bytes or g == meta.num_row_groups - 1:
-            end = src.size * (row + rows) // n_rows
+        end = src.size * (row + rows) // n_rows
+        if size >= size_at(done) or g == meta.num_row_groups - 1:
             yield Unit(k, g0, g + 1, row, end - done)
             g0, size, done = g + 1, 0, end
         row += rows
@@ -540,25 +550,82 @@ def units_apply(sources: Sequence[Source]) -> bool:
                and s.format in ("jsonl", "parquet") for s in sources)
 
 
-def iter_units(sources: Sequence[Source], unit_bytes: int | None = None) -> Iterator[Unit]:
+def _unit_size(unit_bytes: int, remaining: int, parts: int) -> int:
+    """A unit's bytes: ``unit_bytes``, but at most 1/``parts`` of what remains (down to
+    MIN_UNIT_BYTES), so the last units are small and no worker waits long at the end."""
+    return min(unit_bytes, max(remaining // parts, MIN_UNIT_BYTES))
+
+
+def iter_units(sources: Sequence[Source], unit_bytes: int | None = None, parts: int = 4
+               ) -> Iterator[Unit]:
     """The units of ``sources`` (see :func:`units_apply`) in reading order, of about
-    ``unit_bytes`` (default UNIT_BYTES) each."""
+    ``unit_bytes`` (default UNIT_BYTES) each, smaller near the end (``parts``: the
+    workers that share the tail, times two or so)."""
     unit_bytes = unit_bytes or UNIT_BYTES
+    sizes = [s.size for s in sources]
     for k, src in enumerate(sources):
+        after = sum(sizes[k + 1:])
+
+        def size(offset: int, after: int = after, src_size: int = sizes[k]) -> int:
+            return _unit_size(unit_bytes, src_size - offset + after, parts)
         if src.format == "jsonl":
-            yield from _jsonl_units(k, src, unit_bytes)
+            yield from _jsonl_units(k, src, size)
         else:
-            yield from _parquet_units(k, src, unit_bytes)
+            yield from _parquet_units(k, src, size)
+
+
+#: (path, stamp) -> (offset, line breaks before it): where this process last counted.
+_LINE_MARKS: dict[tuple[str, Any], tuple[int, int]] = {}
+
+
+class _UnitLines:
+    """Line numbers of a JSONL unit whose first line number is not known yet: counted
+    (once, from the last count made in this process) only when a label is shown."""
+
+    def __init__(self, src: Source, unit: Unit) -> None:
+        self.src, self.start, self._first = src, unit.start, unit.first
+
+    def first(self) -> int:
+        if self._first is None:
+            key = (str(self.src.path), self.src.stamp())
+            offset, lines = _LINE_MARKS.get(key, (0, 0))
+            if offset > self.start:
+                offset, lines = 0, 0
+            with self.src.open_raw() as f:
+                f.seek(offset)
+                while offset < self.start:
+                    block = f.read(min(1 << 20, self.start - offset))
+                    if not block:
+                        break
+                    lines += block.count(b"\n")
+                    offset += len(block)
+            _LINE_MARKS[key] = (offset, lines)
+            self._first = lines + 1
+        return self._first
+
+
+class _LineLabel:
+    """``"{file} line {n}"`` for line ``index`` of a unit, formatted only when shown."""
+
+    __slots__ = ("lines", "index")
+
+    def __init__(self, lines: _UnitLines, index: int) -> None:
+        self.lines, self.index = lines, index
+
+    def __str__(self) -> str:
+        return f"{self.lines.src.name} line {self.lines.first() + self.index}"
+
 
 
 def iter_unit(sources: Sequence[Source], unit: Unit, *, text_field: str = "text",
               errors: str = "strict", bad: BadRecords | None = None) -> Iterator[str]:
-    """The documents of one unit (what :func:`iter_documents` yields for that part)."""
+    """The documents of one unit (what :func:`iter_documents` yields for that part), read
+    on the calling thread alone: a worker process is one core of a pool."""
     src, path = sources[unit.source], text_field.split(".")
     bad = bad if bad is not None else BadRecords()
     if src.format == "parquet":
         yield from _parquet(src, path, errors, bad, None, range(unit.start, unit.stop),
-                            unit.first)
+                            unit.first or 0, threads=False)
         return
     with src.open_raw() as f:
         f.seek(unit.start)
@@ -566,8 +633,9 @@ def iter_unit(sources: Sequence[Source], unit: Unit, *, text_field: str = "text"
     lines = data.split(b"\n")
     if lines and not lines[-1]:
         lines.pop()
-    for lineno, line in enumerate(lines, unit.first):
-        text = _record(line, f"{src.name} line {lineno}", path, errors, bad)
+    numbers = _UnitLines(src, unit)
+    for i, line in enumerate(lines):
+        text = _record(line, _LineLabel(numbers, i), path, errors, bad)  # type: ignore[arg-type]
         if text is not None:
             yield text
 

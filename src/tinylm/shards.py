@@ -11,7 +11,10 @@ sharding (a window may run across a shard boundary, exactly as in one file).
 
 from __future__ import annotations
 
+import errno
+import os
 import re
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -23,43 +26,146 @@ DTYPES = ("uint16", "uint32")
 SHARD_RE = re.compile(r"^(train|val)-\d{5}\.bin$")
 
 
+#: A shard's bytes go to disk in the background every this many bytes written (and when
+#: it is full), so the fsync before the commit finds little left to write.
+SYNC_BYTES = 16 << 20
+
+
 def shard_name(split: str, index: int) -> str:
     return f"{split}-{index:05d}.bin"
 
 
+class _SyncBehind:
+    """fsyncs of written files, one at a time in a background thread: the disk writes
+    while the caller goes on. :meth:`wait` re-raises the first error."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._error: OSError | None = None
+
+    def start(self, path: Path) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            return  # one in flight is enough: the next call or the commit catches up
+        self._thread = threading.Thread(target=self._sync, args=(path,), daemon=True)
+        self._thread.start()
+
+    def _sync(self, path: Path) -> None:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            self._error = self._error or exc
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+
+def write_all(fd: int, data: Any) -> None:
+    """Write every byte of ``data`` (bytes or a contiguous array) to file descriptor
+    ``fd`` at its position (a write may take less than it is given)."""
+    view = memoryview(data).cast("B")
+    while view:
+        view = view[os.write(fd, view):]
+
+
+#: copy_file_range's errors that mean "not here" (another file system, an old kernel):
+#: the bytes are then read and written instead.
+_NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EBADF}
+
+
+def copy_range(src: int, dst: int, offset: int, nbytes: int) -> None:
+    """Append ``nbytes`` of file ``src`` from byte ``offset`` to ``dst`` at its position:
+    copied by the kernel (``os.copy_file_range``) where it can, else read and written."""
+    kernel = getattr(os, "copy_file_range", None)
+    while nbytes:
+        n = 0
+        if kernel is not None:
+            try:
+                n = kernel(src, dst, nbytes, offset)
+            except OSError as exc:
+                if exc.errno not in _NO_KERNEL_COPY:
+                    raise
+                kernel = None
+                continue
+        else:
+            block = os.pread(src, min(nbytes, 8 << 20), offset)
+            write_all(dst, block)
+            n = len(block)
+        if n == 0:
+            raise OSError(errno.EIO, f"a part file ended {nbytes} bytes early")
+        offset += n
+        nbytes -= n
+
+
 class ShardWriter:
-    """Appends id arrays to ``folder/{split}-NNNNN.bin``, a new file every ``shard_tokens``."""
+    """Appends ids to ``folder/{split}-NNNNN.bin``, a new file every ``shard_tokens``:
+    arrays (:meth:`write`) or ranges of another file of ids (:meth:`write_from`)."""
 
     def __init__(self, folder: Path, split: str, dtype: np.dtype, shard_tokens: int) -> None:
         self.folder, self.split, self.dtype = folder, split, np.dtype(dtype)
         self.shard_tokens = shard_tokens
         self.counts: list[int] = []
-        self._file: Any = None
+        self._fd: int | None = None
         self.tokens = 0
+        self._unsynced = 0
+        self._sync = _SyncBehind()
+
+    def _path(self) -> Path:
+        return self.folder / shard_name(self.split, len(self.counts) - 1)
 
     def _roll(self) -> None:
-        if self._file is not None:
-            self._file.close()
-        self._file = open(self.folder / shard_name(self.split, len(self.counts)), "wb")
+        if self._fd is not None:
+            self._sync.start(self._path())
+            self._unsynced = 0
+            os.close(self._fd)
         self.counts.append(0)
+        self._fd = os.open(self._path(), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+
+    def _append(self, count: int, put: Any) -> None:
+        """Append ``count`` ids, ``put(fd, first, n)`` writing ids [first, first + n)."""
+        done = 0
+        while done < count:
+            if self._fd is None or self.counts[-1] >= self.shard_tokens:
+                self._roll()
+            take = min(count - done, self.shard_tokens - self.counts[-1])
+            put(self._fd, done, take)
+            self.counts[-1] += take
+            self._unsynced += take * self.dtype.itemsize
+            done += take
+        self.tokens += count
+        if self._unsynced >= SYNC_BYTES:
+            self._sync.start(self._path())
+            self._unsynced = 0
 
     def write(self, ids: np.ndarray) -> None:
-        ids = ids.astype(self.dtype, copy=False)
-        start = 0
-        while start < ids.size:
-            if self._file is None or self.counts[-1] >= self.shard_tokens:
-                self._roll()
-            take = min(ids.size - start, self.shard_tokens - self.counts[-1])
-            self._file.write(ids[start:start + take].tobytes())
-            self.counts[-1] += take
-            start += take
-        self.tokens += ids.size
+        ids = np.ascontiguousarray(ids.astype(self.dtype, copy=False))
+        self._append(ids.size, lambda fd, i, n: write_all(fd, ids[i:i + n]))
+
+    def write_from(self, path: str | Path, offset: int, count: int) -> None:
+        """Append ``count`` ids of this writer's dtype stored at byte ``offset`` of
+        ``path`` (a worker's part file), copied by the kernel where it can."""
+        size = self.dtype.itemsize
+        src = os.open(path, os.O_RDONLY)
+        try:
+            self._append(count, lambda fd, i, n: copy_range(src, fd, offset + i * size,
+                                                            n * size))
+        finally:
+            os.close(src)
 
     def close(self) -> list[dict[str, Any]]:
         """The index entries ``[{"file": name, "tokens": n}, ...]`` of the shards written."""
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        self._sync.wait()
         return [{"file": shard_name(self.split, i), "tokens": n}
                 for i, n in enumerate(self.counts)]
 
