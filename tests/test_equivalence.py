@@ -141,7 +141,8 @@ def test_reused_scratch_buffers_keep_every_step_equal_to_the_reference() -> None
         for (m, ids), want in zip(runs, wants, strict=True):
             assert_step_equals(step(m, ids), want)
     kept = {n: t.data_ptr() for n, t in functions.SCRATCH.buffers.items()}
-    assert set(kept) == {"ffn_act", "ffn_grad", "qkv_grad", "attn_grad"}
+    # dL/dqkv and dL/dR live in the FFN's two buffers (dead by then): no buffers of their own
+    assert set(kept) == {"ffn_act", "ffn_grad"}
     step(*runs[-1])  # the same shapes again: the same buffers
     assert {n: t.data_ptr() for n, t in functions.SCRATCH.buffers.items()} == kept
     got = {}
@@ -153,6 +154,19 @@ def test_reused_scratch_buffers_keep_every_step_equal_to_the_reference() -> None
         t.join()
     for i in (0, 2):
         assert_step_equals(got[i], wants[i])
+
+
+def test_scratch_views_share_a_buffer_only_where_it_holds_enough() -> None:
+    scratch = functions.Scratch()
+    host = scratch.get("a", (4, 8))
+    view = scratch.get("b", (3, 8), within="a")
+    assert view.data_ptr() == host.data_ptr() and view.shape == (3, 8)
+    assert "b" not in scratch.buffers
+    own = scratch.get("b", (5, 8), within="a")  # more than "a" holds: a buffer of its own
+    assert own.data_ptr() != host.data_ptr() and scratch.buffers["b"] is own
+    assert scratch.get("b", (3, 8), within="a").data_ptr() == host.data_ptr()
+    assert "b" not in scratch.buffers  # the own buffer is dropped again
+    assert scratch.get("c", (2, 2), within="missing").shape == (2, 2)
 
 
 def reference_greedy(model: GPT, prompt: torch.Tensor, n: int) -> torch.Tensor:

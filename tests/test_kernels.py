@@ -36,7 +36,7 @@ def test_the_kernel_builds_and_loads_here(lib) -> None:
 
 def test_signatures_come_from_the_header_and_cover_every_export(lib) -> None:
     sigs = ops.parse_header(ops.HEADER.read_text())
-    assert len(sigs) == 26  # 12 + quant.c's 4 + variants.c's 6 (RMSNorm, QK-norm/RoPE, ReLU²)
+    assert len(sigs) == 27  # 13 + quant.c's 4 + variants.c's 6 (RMSNorm, QK-norm/RoPE, ReLU²)
     # + bpe.c's 4: tl_bpe_new (returns a pointer), _free, _encode, _split
     assert sigs["tl_bpe_new"][0] is ctypes.c_void_p
     assert sigs["tl_linear"][1][:2] == [ctypes.c_void_p, ctypes.c_long]
@@ -280,6 +280,11 @@ def test_layer_norm_training_kernels_equal_torch(lib, M: int, E: int, affine: bo
     torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(mean, x.mean(-1))
     torch.testing.assert_close(rstd, 1 / torch.sqrt(x.var(-1, unbiased=False) + 1e-5))
+    residual_bias = torch.randn(E)  # the same pass also starts a residual sum: x + bias
+    for rb, start in ((residual_bias, x + residual_bias), (None, x)):
+        y_r, mean_r, rstd_r, res = lib.layer_norm_residual(x, w, b, 1e-5, rb)
+        assert torch.equal(y_r, y) and torch.equal(mean_r, mean) and torch.equal(rstd_r, rstd)
+        assert torch.equal(res, start) and res.data_ptr() != x.data_ptr()
     dx, dw, db = lib.layer_norm_backward(grad, x, w, mean, rstd, affine, affine)
     got = [dx] + ([dw, db] if affine else [])
     assert (dw is None and db is None) or affine
@@ -288,6 +293,15 @@ def test_layer_norm_training_kernels_equal_torch(lib, M: int, E: int, affine: bo
     residual = torch.randn(M, E)  # a residual path's gradient, added in the same pass
     dx_res, _, _ = lib.layer_norm_backward(grad, x, w, mean, rstd, False, False, residual)
     torch.testing.assert_close(dx_res, want_grads[0] + residual, rtol=1e-4, atol=1e-4)
+    residual_sum = torch.full((E,), float("nan"))  # every entry written
+    dx_sum, dw_sum, db_sum = lib.layer_norm_backward(grad, x, w, mean, rstd, affine, affine,
+                                                     residual, residual_sum)
+    torch.testing.assert_close(residual_sum, residual.sum(0), rtol=1e-4, atol=1e-4)
+    for g, ref in zip([dx_sum] + ([dw_sum, db_sum] if affine else []),
+                      [dx_res] + list(want_grads[1:]), strict=True):
+        torch.testing.assert_close(g, ref, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ops.OpError, match="needs a residual"):
+        lib.layer_norm_backward(grad, x, w, mean, rstd, False, False, None, residual_sum)
     with pytest.raises(ops.OpError, match="shape"):
         lib.layer_norm_backward(grad, x, w, mean, rstd, False, False, residual[1:])
 

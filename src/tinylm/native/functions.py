@@ -14,6 +14,7 @@ Each Function takes the :class:`~tinylm.native.ops.Library` it runs on as an arg
 
 from __future__ import annotations
 
+import math
 import threading
 
 import torch
@@ -28,6 +29,8 @@ class Scratch(threading.local):
     call to the next: the FFN's GELU(h) (forward, and its recomputation in backward),
     dL/dGELU(h), dL/dqkv and dL/dR. Each is dead when the step that made it returns, and
     the blocks of a model run one after another, so one buffer per name serves them all.
+    The attention's two (dL/dqkv, dL/dR) are made after the FFN's two are dead in the
+    block's backward, so they are views of those (:meth:`get`'s ``within``).
 
     A fresh tensor of these sizes (MiBs) is memory the allocator maps anew, and every
     page of it faults on first touch: at 4×128 that was ~1,000 page faults per training
@@ -36,7 +39,15 @@ class Scratch(threading.local):
     def __init__(self) -> None:
         self.buffers: dict[str, Tensor] = {}
 
-    def get(self, name: str, shape: tuple[int, ...]) -> Tensor:
+    def get(self, name: str, shape: tuple[int, ...], within: str | None = None) -> Tensor:
+        """The buffer ``name`` of ``shape``; with ``within`` (the caller's promise that
+        the two are never live at once), a view of the front of that buffer where it
+        holds enough floats, else a buffer of its own."""
+        host = self.buffers.get(within) if within is not None else None
+        n = math.prod(shape)
+        if host is not None and host.numel() >= n:
+            self.buffers.pop(name, None)
+            return host.view(-1)[:n].view(shape)
         t = self.buffers.get(name)
         if t is None or t.shape != shape:
             self.buffers.pop(name, None)  # freed before its successor is allocated
@@ -137,12 +148,11 @@ class FeedForwardFn(torch.autograd.Function):
 
 def qkv_attention_backward(lib: Library, grad_r: Tensor, x2: Tensor, w_qkv: Tensor,
                            qkv: Tensor, r: Tensor, lse: Tensor, n_head: int,
-                           need: tuple[bool, bool, bool], scratch: Scratch | None = None
+                           need: tuple[bool, bool, bool], out: Tensor | None = None
                            ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """Backward of qkv = x2·W_qkvᵀ + b (x2 (B·C, E)) followed by the native causal
     attention r = attention(qkv): from dL/dr (B, C, H·D), the gradients of (x2, W_qkv, b)
-    — each only where ``need`` says so; dL/dqkv goes to a ``scratch`` buffer if given."""
-    out = scratch.get("qkv_grad", tuple(qkv.shape)) if scratch is not None else None
+    — each only where ``need`` says so; dL/dqkv goes to ``out`` (qkv's shape) if given."""
     grad_qkv, grad_b = lib.causal_attention_backward(grad_r, qkv, r, lse, n_head,
                                                     bias_grad=need[2], grad_qkv=out)
     g = grad_qkv.view(-1, grad_qkv.shape[-1])  # (B·C, 3·H·D)
@@ -190,13 +200,6 @@ class CausalAttentionFn(torch.autograd.Function):
         return grad_x, grad_w_qkv, grad_b_qkv, grad_w_out, grad_b_out, None, None
 
 
-def _residual(x: Tensor, bias: Tensor | None) -> Tensor:
-    """A new tensor x + bias (or a copy of x): the start of a residual branch's sum,
-    into which the branch's product then accumulates (GEMM with beta = 1) -- one pass
-    over x fewer than a copy, the product and a separate bias add."""
-    return torch.add(x, bias) if bias is not None else x.clone()
-
-
 class BlockFn(torch.autograd.Function):
     """A whole block for CPU training as one autograd step, with native kernels:
 
@@ -204,10 +207,12 @@ class BlockFn(torch.autograd.Function):
 
     The same tensors are kept for backward as the block's separate steps would keep
     (LN inputs, LN outputs, qkv, the heads' outputs, the FFN's pre-activation), but
-    LayerNorm runs natively (:meth:`Library.layer_norm`), each residual add (with the
-    projection's bias) is done by the output projection's product itself (beta = 1),
-    the big temporaries go to reused :class:`Scratch` buffers, and in backward the
-    residual gradient is added by the LayerNorm backward pass itself — where a graph
+    LayerNorm runs natively (:meth:`Library.layer_norm_residual`: the pass that reads x
+    for the norm also writes x + the projection's bias, into which the output
+    projection's product accumulates, beta = 1), the big temporaries go to reused
+    :class:`Scratch` buffers, and in backward the residual gradient is added by the
+    LayerNorm backward pass itself, which also sums it over rows for the projection's
+    bias gradient — where a graph
     of a dozen small autograd steps per block (LN, projections, adds, gradient
     accumulation) costs more than their arithmetic at small sizes. Applied by
     :class:`tinylm.native.plan.NativeBlock` where :func:`tinylm.native.plan.eligibility`
@@ -223,15 +228,16 @@ class BlockFn(torch.autograd.Function):
                 lib: Library) -> Tensor:
         B, C, E = x.shape
         x0 = x.contiguous().view(-1, E)  # (B·C, E)
-        a_in, mu1, rs1 = lib.layer_norm(x0, ln1_w, ln1_b, eps1)
+        # each LayerNorm pass also starts its branch's residual sum: x + b_o, x1 + b_down
+        a_in, mu1, rs1, x1 = lib.layer_norm_residual(x0, ln1_w, ln1_b, eps1, b_out)
         qkv = (a_in @ w_qkv.t()).view(B, C, w_qkv.shape[0])  # (B, C, 3·H·D)
         r, lse = lib.causal_attention(qkv, n_head, b_qkv)  # (B, C, H·D), (B, H, C)
         r2 = r.view(B * C, -1)
-        x1 = _residual(x0, b_out).addmm_(r2, w_out.t())  # x + b_o + R·W_oᵀ
-        f_in, mu2, rs2 = lib.layer_norm(x1, ln2_w, ln2_b, eps2)
+        x1.addmm_(r2, w_out.t())  # x1 = x + b_o + R·W_oᵀ
+        f_in, mu2, rs2, y = lib.layer_norm_residual(x1, ln2_w, ln2_b, eps2, b_down)
         h = f_in @ w_up.t()  # (B·C, 4E)
         g = lib.bias_gelu_(h, b_up, SCRATCH.get("ffn_act", tuple(h.shape)))  # h += b_up
-        y = _residual(x1, b_down).addmm_(g, w_down.t())  # x1 + b_down + GELU(h)·W_downᵀ
+        y.addmm_(g, w_down.t())  # y = x1 + b_down + GELU(h)·W_downᵀ
         ctx.save_for_backward(x0, mu1, rs1, a_in, qkv, r2, lse, x1, mu2, rs2, f_in, h,
                               ln1_w, w_qkv, w_out, ln2_w, w_up, w_down)
         ctx.n_head, ctx.shape, ctx.lib = n_head, (B, C), lib
@@ -250,18 +256,25 @@ class BlockFn(torch.autograd.Function):
         grad_f_in, grad_w_up, grad_b_up, grad_w_down = ffn_backward(
             lib, gy, f_in, h, w_up, w_down, (True, need[12], has_b_up and need[13], need[14]),
             SCRATCH)
-        grad_b_down = gy.sum(0) if has_b_down and need[15] else None
-        grad_x1, grad_ln2_w, grad_ln2_b = lib.layer_norm_backward(  # + gy: the residual path
-            grad_f_in, x1, ln2_w, mu2, rs2, ln2_w is not None and need[10], need[11], gy)
-        # attention: x1 = x + R·W_oᵀ + b_out, R = attention(LN1(x)·W_qkvᵀ + b_qkv)
+        # + gy: the residual path; b_down's gradient (gy summed over rows) in that pass
+        grad_b_down = torch.empty(gy.shape[1]) if has_b_down and need[15] else None
+        grad_x1, grad_ln2_w, grad_ln2_b = lib.layer_norm_backward(
+            grad_f_in, x1, ln2_w, mu2, rs2, ln2_w is not None and need[10], need[11], gy,
+            grad_b_down)
+        # attention: x1 = x + R·W_oᵀ + b_out, R = attention(LN1(x)·W_qkvᵀ + b_qkv); the
+        # FFN's buffers are dead now: dL/dR and dL/dqkv are views of them
         grad_w_out = grad_x1.t() @ r2 if need[8] else None
-        grad_b_out = grad_x1.sum(0) if has_b_out and need[9] else None
-        grad_r = torch.mm(grad_x1, w_out, out=SCRATCH.get("attn_grad", tuple(r2.shape)))
+        grad_r = torch.mm(grad_x1, w_out, out=SCRATCH.get("attn_grad", tuple(r2.shape),
+                                                          within="ffn_act"))
         grad_a_in, grad_w_qkv, grad_b_qkv = qkv_attention_backward(  # (B, C, H·D) grad_r
             lib, grad_r.view(*ctx.shape, -1), a_in, w_qkv, qkv, r2.view(*ctx.shape, -1), lse,
-            ctx.n_head, (True, need[6], has_b_qkv and need[7]), SCRATCH)
-        grad_x, grad_ln1_w, grad_ln1_b = lib.layer_norm_backward(  # + grad_x1: the residual
-            grad_a_in, x0, ln1_w, mu1, rs1, ln1_w is not None and need[4], need[5], grad_x1)
+            ctx.n_head, (True, need[6], has_b_qkv and need[7]),
+            SCRATCH.get("qkv_grad", tuple(qkv.shape), within="ffn_grad"))
+        # + grad_x1: the residual path, and b_out's gradient (grad_x1 summed) with it
+        grad_b_out = torch.empty(gy.shape[1]) if has_b_out and need[9] else None
+        grad_x, grad_ln1_w, grad_ln1_b = lib.layer_norm_backward(
+            grad_a_in, x0, ln1_w, mu1, rs1, ln1_w is not None and need[4], need[5], grad_x1,
+            grad_b_out)
         return (grad_x.view(grad_y.shape), None, None, None, grad_ln1_w, grad_ln1_b,
                 grad_w_qkv, grad_b_qkv, grad_w_out, grad_b_out, grad_ln2_w, grad_ln2_b,
                 grad_w_up, grad_b_up, grad_w_down, grad_b_down, None)

@@ -206,9 +206,12 @@ TL_API int tl_attn_bwd(const float *qkv, const float *out, const float *dout,
 /* layernorm.c: LayerNorm forward (keeping mean and 1/std) and backward. */
 TL_API void tl_ln_fwd(const float *x, const float *w, const float *b, float *y, float *mean,
                       float *rstd, long M, long E, float eps, int threads);
+TL_API void tl_ln_fwd_res(const float *x, const float *w, const float *b, float *y,
+                          float *mean, float *rstd, const float *rb, float *rout, long M,
+                          long E, float eps, int threads);
 TL_API int tl_ln_bwd(const float *x, const float *w, const float *mean, const float *rstd,
                      const float *dy, const float *res, float *dx, float *dw, float *db,
-                     long M, long E, int threads);
+                     float *dres, long M, long E, int threads);
 
 /* variants.c: RMSNorm, QK-norm + rotary positions (with the grouped-query repeat into
  * the attention kernel's layout), ReLU²; forward and backward. */
