@@ -10,7 +10,9 @@ with some Japanese lines) until ``--size-mb`` MB of text, writes them once as JS
 (``{"id", "text"}`` per line) and once as Parquet (row groups of 4096 rows), trains one
 byte-level BPE (vocab 4096 + ``<|endoftext|>``) on the first 32 MB, and then times, each
 in a fresh process that reports wall seconds, CPU seconds (its own and its workers') and
-peak memory (the proportional set size of the process and its workers, sampled):
+peak memory (the proportional set size of the process and its workers, sampled once a
+second: a sample reads every process's smaps, ~25 ms of CPU, which at 4 a second took a
+tenth of a core from the rows that use every core; the sampler's CPU is left out):
 
 1. ``prepare()`` for every format x tokenizer (char: alphabet scan + encode; bpe: the
    trained tokenizer.json, encode only) x ``--workers`` (1 and all cores);
@@ -56,11 +58,12 @@ MONITOR = textwrap.dedent("""
             except psutil.Error:
                 pass
         return total / 2**20
-    peak, done = [0.0], threading.Event()
-    def watch():
+    peak, done, own = [0.0], threading.Event(), [0.0]
+    def watch():  # once a second: a sample reads every process's smaps (~25 ms of CPU)
         while not done.is_set():
             peak[0] = max(peak[0], pss())
-            time.sleep(0.25)
+            own[0] = time.thread_time()
+            done.wait(1.0)
     def cpu():
         a = resource.getrusage(resource.RUSAGE_SELF)
         b = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -68,12 +71,13 @@ MONITOR = textwrap.dedent("""
     def measure(run):
         base = pss()
         watcher = threading.Thread(target=watch, daemon=True)
-        watcher.start()
         c0, t0 = cpu(), time.perf_counter()
+        watcher.start()
         tokens = run()
         seconds, used = time.perf_counter() - t0, cpu() - c0
         done.set()
         watcher.join()
+        used -= own[0]  # the watcher's own CPU is not the row's
         print(json.dumps({"seconds": seconds, "cpu": used, "peak_mb": max(peak[0], pss()),
                           "base_mb": base, "tokens": tokens}))
 """)
@@ -289,7 +293,8 @@ def report(args, rows, mb, n_docs, cores, load, same) -> None:
         f"Machine: {cores} cores ({platform.processor() or platform.machine()}), Python "
         f"{platform.python_version()}, tokenizers {tokenizers.__version__}; load average "
         f"{load:.2f} at the start. Each row is a fresh process; peak MB is the proportional "
-        f"set size of it and its workers, sampled; CPU seconds include the workers. BPE is "
+        f"set size of it and its workers, sampled once a second; CPU seconds include the "
+        f"workers, not the sampler. BPE is "
         f"the same trained vocabulary (4096) everywhere; tiktoken ids equal tinylm's: {same}. "
         f"The encoder rows time encoding only (documents already in memory"
         + (f", the first {args.encoder_mb} MB of them" if args.encoder_mb != "all" else "")
