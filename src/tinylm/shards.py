@@ -121,10 +121,13 @@ class ShardWriter:
     def _path(self) -> Path:
         return self.folder / shard_name(self.split, len(self.counts) - 1)
 
+    def _sync_behind(self) -> None:
+        self._sync.start(self._path())
+        self._unsynced = 0
+
     def _roll(self) -> None:
         if self._fd is not None:
-            self._sync.start(self._path())
-            self._unsynced = 0
+            self._sync_behind()
             os.close(self._fd)
         self.counts.append(0)
         self._fd = os.open(self._path(), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -142,8 +145,7 @@ class ShardWriter:
             done += take
         self.tokens += count
         if self._unsynced >= SYNC_BYTES:
-            self._sync.start(self._path())
-            self._unsynced = 0
+            self._sync_behind()
 
     def write(self, ids: np.ndarray) -> None:
         ids = np.ascontiguousarray(ids.astype(self.dtype, copy=False))
