@@ -283,3 +283,36 @@ def test_units_get_smaller_near_the_end(tmp_path) -> None:
     assert max(sizes) <= 4 * MIN_UNIT_BYTES + len(line)
     assert sizes[0] > 3 * MIN_UNIT_BYTES and sizes[-2] < 1.1 * MIN_UNIT_BYTES
     assert all(a >= b for a, b in zip(sizes[:-2], sizes[1:-1], strict=True))  # shrinking
+
+
+FAST_CASES = [
+    b'{"text": "plain"}', b'{"text": "\\u65e5\\u672c", "id": 3}', b'{"text": "tab\\tend"}\r',
+    b'{"text": "trailing spaces"}  \t', b'  {"text": "indented"}', b'', b'   ', b'\r',
+    b'{"text": null}', b'{"text": 5}', b'{"other": "x"}', b'{"text": "a", "text": 7}',
+    b'{"text": "x"} {"text": "y"}', b'{"text": "x"} junk', b'{"text": "unterminated}',
+    b'["text"]', b'"text"', b'{"text": "lone \\ud800 surrogate"}',
+    b'{"text": "pair \\ud83c\\udf24"}', b'{"text": "caf\xc3\xa9"}', b'{"text": "bad \xff"}',
+    '\ufeff{"text": "bom"}'.encode(), '{"text": "utf16"}'.encode("utf-16-le"),
+    b'{"meta": {"body": "nested"}}', b'{"text": "NaN", "n": NaN}', b'{"text": "x"}\x0b',
+    b'{"text": "\x01control"}', b'{' * 3000 + b'}' * 3000,
+]
+
+
+@pytest.mark.parametrize("line", FAST_CASES)
+@pytest.mark.parametrize("field", ["text", "meta.body"])
+def test_fast_jsonl_path_agrees_with_json_loads(line, field) -> None:
+    """json's C scanner, called directly, either gives what json.loads and the record
+    checks give or hands the line to them (blank, indented, bad or odd lines)."""
+    from tinylm.readers import _SLOW, BadRecords, _fast_text, _record
+
+    path = field.split(".")
+    fast = _fast_text(line, path)
+    bad = BadRecords()
+    try:
+        slow = _record(line, "f line 1", path, "replace", bad)
+    except DataError as exc:
+        slow = exc
+    if fast is not _SLOW:
+        assert fast == slow and bad.count == 0 and isinstance(fast, str)
+    if line in (b'{"text": "plain"}', b'{"text": "tab\\tend"}\r', b'{"text": "caf\xc3\xa9"}'):
+        assert (fast is _SLOW) == (field != "text")  # the common case takes the fast path

@@ -113,8 +113,10 @@ def test_one_and_three_workers_write_identical_files(jsonl, tmp_path, monkeypatc
 @pytest.mark.parametrize("tokenizer", ["char", "bpe"])
 def test_workers_reading_units_write_what_one_process_writes(jsonl, tmp_path, monkeypatch,
                                                              tokenizer) -> None:
-    """A given tokenizer and JSONL/Parquet inputs: 3 workers read the inputs themselves
-    in units (both passes), bad records and splits included, and write the same files."""
+    """A given tokenizer and JSONL/Parquet inputs are read in units (both passes) by any
+    number of workers, one included: 1 and 3 workers write what the serial reading path
+    writes (units switched off), bad records, splits, counts and sha256s included. A
+    Parquet file without nulls is counted from its metadata in pass 1."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -125,30 +127,61 @@ def test_workers_reading_units_write_what_one_process_writes(jsonl, tmp_path, mo
     lines = [json.dumps({"text": d}) for d in docs[:20]]
     lines[5], lines[9] = '{"text": null}', ""  # a bad record and a blank line
     mixed.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    table = pa.table({"text": [None, *docs[20:]]})
-    pq.write_table(table, tmp_path / "more.parquet", row_group_size=3)
+    pq.write_table(pa.table({"text": [None, *docs[20:30]]}), tmp_path / "more.parquet",
+                   row_group_size=3)
+    pq.write_table(pa.table({"text": docs[30:]}), tmp_path / "clean.parquet",
+                   row_group_size=2)
     prepared = prepare(tmp_path / "tok", [jsonl], tokenizer=tokenizer, vocab_size=400,
                        special_tokens=[EOT], context_length=16, progress=False)
     tok = tmp_path / "tok" / "tokenizer.json"
     monkeypatch.setattr(readers_mod, "UNIT_BYTES", 3_000)  # many units, lines cut across
     monkeypatch.setattr(data_mod, "PIECE_CHARS", 900)
-    scans = []
+    scans, from_meta = [], []
     monkeypatch.setattr(data_mod, "_scan_units", lambda *a, f=data_mod._scan_units:
                         scans.append(1) or f(*a))
+    monkeypatch.setattr(readers_mod, "_rows_without_nulls", lambda *a,
+                        f=readers_mod._rows_without_nulls: from_meta.append(f(*a))
+                        or from_meta[-1])
     for extra in ({}, {"val_files": [tmp_path / "more.parquet"]}):
-        inputs = [mixed] if extra else [mixed, tmp_path / "more.parquet"]
+        inputs = [mixed, tmp_path / "clean.parquet"] + ([] if extra else
+                                                        [tmp_path / "more.parquet"])
         kw = dict(tokenizer=tok, context_length=16, shard_tokens=4_000, skip_bad=True,
                   progress=False, force=True, **extra)
+        with monkeypatch.context() as serial:
+            serial.setattr(data_mod, "units_apply", lambda sources: False)
+            ref = prepare(tmp_path / "ref", inputs, workers=1, **kw)
         d1 = prepare(tmp_path / "w1", inputs, workers=1, **kw)
         d3 = prepare(tmp_path / "w3", inputs, workers=3, **kw)
-        assert _files(tmp_path / "w1") == _files(tmp_path / "w3") and len(_files(
-            tmp_path / "w1")) > 3
-        assert d1.meta["documents"] == d3.meta["documents"]
-        assert d1.meta["input_chars"] == d3.meta["input_chars"]
-        assert d1.meta["inputs"] == d3.meta["inputs"]  # the workers' sha256 of each input
+        assert len(_files(tmp_path / "ref")) > 3
+        for d, folder in ((d1, "w1"), (d3, "w3")):
+            assert _files(tmp_path / folder) == _files(tmp_path / "ref")
+            for key in ("documents", "input_chars", "inputs"):  # inputs: the sha256s
+                assert d.meta[key] == ref.meta[key], key
         assert d3.meta["documents"]["first_skipped"].endswith(
             "mixed.jsonl line 6: field 'text' is null")
-    assert len(scans) == 2 and prepared.vocab_size > 0
+    assert len(scans) == 4 and prepared.vocab_size > 0
+    assert any(n is not None for n in from_meta) and None in from_meta
+
+
+def test_parquet_counted_from_metadata_must_match_its_rows(tmp_path, monkeypatch) -> None:
+    """If a Parquet file's statistics undercount its nulls, pass 2 finds fewer documents
+    than pass 1 counted: a one-line DataError, nothing written."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    import tinylm.readers as readers_mod
+
+    docs = _docs(12)
+    path = tmp_path / "lies.parquet"
+    pq.write_table(pa.table({"text": [*docs[:5], None, *docs[5:]]}), path)
+    prepare(tmp_path / "tok", [path], tokenizer="char", context_length=16, skip_bad=True,
+            special_tokens=[EOT], progress=False)
+    monkeypatch.setattr(readers_mod, "_rows_without_nulls",
+                        lambda src, p, groups: 13)  # "no nulls in 13 rows"
+    with pytest.raises(DataError, match="12 documents read where the first pass counted 13"):
+        prepare(tmp_path / "out", [path], tokenizer=tmp_path / "tok" / "tokenizer.json",
+                context_length=16, progress=False)
+    assert not (tmp_path / "out").exists()
 
 
 def test_training_resumes_exactly_across_shard_boundaries(tmp_path) -> None:

@@ -63,6 +63,7 @@ from tinylm.readers import (
     BadRecords,
     Source,
     Unit,
+    count_unit,
     display_path,
     iter_documents,
     iter_unit,
@@ -605,26 +606,35 @@ def _workers(o: _Options, sources: Sequence[Source]) -> int:
     return o.workers or (default_workers() if total >= PARALLEL_MIN_BYTES else 1)
 
 
-def _scan_unit(unit: Unit | int) -> tuple[int, int, BadRecords] | str:
-    """Pass 1 of one unit in a worker: its documents, characters and bad records (or, for
-    a source's index, the sha256 of that source)."""
+def _scan_unit(unit: Unit) -> tuple[int, BadRecords]:
+    """Pass 1 of one unit in a worker: its documents and bad records (its characters are
+    counted in pass 2, which reads the texts: a Parquet unit is often counted from its
+    metadata alone, see :func:`tinylm.readers.count_unit`)."""
     job = _WORKER
     assert isinstance(job, _UnitJob)
-    if isinstance(unit, int):
-        return _digest(job.sources[unit])
-    bad, docs, chars = BadRecords(), 0, 0
-    for text in iter_unit(job.sources, unit, text_field=job.text_field, errors=job.errors,
-                          bad=bad):
-        docs += 1
-        chars += len(text)
-    return docs, chars, bad
+    bad = BadRecords()
+    docs = count_unit(job.sources, unit, text_field=job.text_field, errors=job.errors,
+                      bad=bad)
+    return docs, bad
+
+
+def _source_digest(k: int) -> str:
+    """The sha256 of source ``k``, in a worker: a side task of either pass."""
+    assert isinstance(_WORKER, _UnitJob)
+    return _digest(_WORKER.sources[k])
+
+
+def _digest_tasks(sources: Sequence[Source]) -> list[tuple[Callable[[int], str], int]]:
+    return [(_source_digest, k) for k in range(len(sources))]
 
 
 def _scan_units(o: _Options, sources: Sequence[Source], scan: _Scan, workers: int,
-                bar: _Bar) -> None:
-    """Pass 1 by the workers, unit by unit (a given tokenizer, no dedup); they hash the
-    sources too, first. Meanwhile a thread here builds pass 2's native BPE encoder (its
-    class table takes ~0.2 s), which would otherwise wait between the passes."""
+                bar: _Bar, hash_now: bool) -> None:
+    """Pass 1 unit by unit (a given tokenizer, no dedup), by the workers, or in this
+    process for one. The sources are hashed here only when ``hash_now`` (an output
+    folder's dataset to compare with), else beside pass 2's units. Meanwhile a thread
+    here builds pass 2's native BPE encoder (its class table takes ~0.2 s), which would
+    otherwise wait between the passes (one worker: built first, on this core)."""
     assert scan.units is not None
     job = _UnitJob(list(sources), o.text_field, o.errors)
     units = scan.units
@@ -637,14 +647,19 @@ def _scan_units(o: _Options, sources: Sequence[Source], scan: _Scan, workers: in
     def build() -> None:
         scan.fast = _native_encoder(o.given, o.allow_special)
     warm = threading.Thread(target=build, daemon=True)
-    results = _pooled(workers, _scan_unit, itertools.chain(range(len(sources)), planned()),
-                      job, started=warm.start)
-    scan.digests = [next(results) for _ in sources]
-    for k, (docs, chars, bad) in enumerate(results):
-        unit = units[k]
+    if workers == 1:
+        build()
+    results = _mapped(workers, _scan_unit, planned(), job,
+                      side=_digest_tasks(sources) if hash_now else (),
+                      started=warm.start if workers > 1 else None)
+    for result in results:
+        if isinstance(result, str):
+            scan.digests.append(result)
+            continue
+        docs, bad = result
+        unit = units[len(scan.unit_docs)]
         scan.unit_docs.append(docs)
         scan.documents += docs
-        scan.chars += chars
         if bad.count:
             scan.bad.first = scan.bad.first or bad.first
             scan.bad.count += bad.count
@@ -656,21 +671,23 @@ def _scan_units(o: _Options, sources: Sequence[Source], scan: _Scan, workers: in
         warm.join()
 
 
-def _scan(o: _Options, sources: Sequence[Source]) -> _Scan:
-    """Pass 1: hash the inputs, count documents, build the char alphabet or train BPE."""
+def _scan(o: _Options, sources: Sequence[Source], hash_now: bool) -> _Scan:
+    """Pass 1: hash the inputs, count documents, build the char alphabet or train BPE.
+    Read in units (a given tokenizer, no dedup, uncompressed JSONL and Parquet: any
+    number of workers, one included, read the same way), the inputs are hashed in pass 1
+    only when ``hash_now``, else by pass 2's workers beside the encoding."""
     scan = _Scan()
     total = sum(s.size for s in sources)
     workers = _workers(o, sources)
     # A tokenizer built from pass 1's stream (char, bpe) needs it here, in one process.
-    if workers > 1 and not o.dedup and o.tok_spec not in ("char", "bpe") \
-            and units_apply(sources):
+    if not o.dedup and o.tok_spec not in ("char", "bpe") and units_apply(sources):
         scan.units = []
     else:
         _hash_sources(sources, scan)
     bar = _Bar(total, "train bpe" if o.tok_spec == "bpe" else "scan", o.progress)
     try:
         if scan.units is not None:
-            _scan_units(o, sources, scan, workers, bar)
+            _scan_units(o, sources, scan, workers, bar, hash_now)
             scan.tokenizer = o.given
             return scan
         texts = _documents_pass(o, sources, scan, bar)
@@ -944,19 +961,27 @@ def _init_worker(state: _Encoder | _UnitJob, stage: Path | None = None) -> None:
 
 
 class _Part(NamedTuple):
-    """A worker's ids of one task or unit in a file of the stage folder, ``train`` ids
-    then ``val`` ids, that the main process appends to the shards (the kernel copies
-    them: ``copy_file_range``) and deletes. Sending the arrays through the pool's pipe,
-    pickled and unpickled, cost the two sides more CPU than a third of the encoding."""
+    """The ids of one task or unit: in a worker, a file of the stage folder (``path``),
+    ``train`` ids then ``val`` ids, that the main process appends to the shards (the
+    kernel copies them: ``copy_file_range``) and deletes; in this process, the arrays
+    (``ids``). Sending the arrays through the pool's pipe, pickled and unpickled, cost
+    the two sides more CPU than a third of the encoding. A unit also tells how many
+    documents and characters it read."""
 
-    path: str
+    path: str | None
+    ids: tuple[np.ndarray, np.ndarray] | None
     train: int
     val: int
     top: int
+    docs: int = 0
+    chars: int = 0
 
 
-def _part(pair: tuple[np.ndarray, np.ndarray]) -> _Part:
+def _part(pair: tuple[np.ndarray, np.ndarray], docs: int = 0, chars: int = 0) -> _Part:
+    top = max((int(ids.max()) for ids in pair if ids.size), default=0)
     stage, n = _PARTS
+    if stage is None:  # in this process
+        return _Part(None, pair, pair[0].size, pair[1].size, top, docs, chars)
     _PARTS[1] = n + 1
     path = str(stage / f".part-{os.getpid()}-{n}.bin")
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -965,25 +990,24 @@ def _part(pair: tuple[np.ndarray, np.ndarray]) -> _Part:
             write_all(fd, ids)
     finally:
         os.close(fd)
-    top = max((int(ids.max()) for ids in pair if ids.size), default=0)
-    return _Part(path, pair[0].size, pair[1].size, top)
+    return _Part(path, None, pair[0].size, pair[1].size, top, docs, chars)
 
 
-def _take(result: _Part | tuple[np.ndarray, np.ndarray], writers: Sequence[ShardWriter]
-          ) -> int:
+def _take(result: _Part, writers: Sequence[ShardWriter]) -> int:
     """Append one task's or unit's ids to the train and val writers; their largest id."""
-    if isinstance(result, _Part):
-        writers[0].write_from(result.path, 0, result.train)
-        writers[1].write_from(result.path, result.train * writers[1].dtype.itemsize,
-                              result.val)
-        os.unlink(result.path)
+    if result.ids is not None:
+        for writer, ids in zip(writers, result.ids, strict=True):
+            writer.write(ids)
         return result.top
-    for writer, ids in zip(writers, result, strict=True):
-        writer.write(ids)
-    return max((int(ids.max()) for ids in result if ids.size), default=0)
+    assert result.path is not None
+    writers[0].write_from(result.path, 0, result.train)
+    writers[1].write_from(result.path, result.train * writers[1].dtype.itemsize, result.val)
+    os.unlink(result.path)
+    return result.top
 
 
 def _encode_task(task: tuple[list[str], bytes, bytes]) -> _Part:
+    """Pass 2 of one task (documents read by the main process) in a worker."""
     assert isinstance(_WORKER, _Encoder)
     return _part(_encode_pieces(_WORKER, *task))
 
@@ -997,11 +1021,14 @@ def _encode_unit(item: tuple[Unit, int, tuple[bool, bool]]) -> _Part:
     tasks = _Tasks(bpe=not isinstance(job.enc.tok, CharTokenizer))
     started, val = list(started_before), job.val_source[unit.source]
     out: tuple[list[np.ndarray], list[np.ndarray]] = ([], [])
+    docs = chars = 0
 
     def flush() -> None:
         for part, ids in zip(out, _encode_pieces(job.enc, *tasks.take()), strict=True):
             part.append(ids)
     for text in iter_unit(job.sources, unit, text_field=job.text_field, errors=job.errors):
+        docs += 1
+        chars += len(text)
         split = job.route.split_of(rank, val)
         rank += 1
         tasks.start(split, started[split])
@@ -1014,7 +1041,7 @@ def _encode_unit(item: tuple[Unit, int, tuple[bool, bool]]) -> _Part:
         flush()
     dtype = job.enc.dtype
     return _part(tuple(np.concatenate(p) if p else np.zeros(0, dtype)  # type: ignore[arg-type]
-                       for p in out))
+                       for p in out), docs, chars)
 
 
 def _unit_items(scan: _Scan, route: _Route, val_source: Sequence[bool], docs: list[int],
@@ -1053,13 +1080,45 @@ class _SerialTokenizers:
             os.environ[_PARALLELISM] = self.old
 
 
-def _pooled(workers: int, fn: Any, items: Iterator[Any], state: _Encoder | _UnitJob,
+SideTasks = Sequence[tuple[Callable[[Any], Any], Any]]
+
+
+def _mapped(workers: int, fn: Callable[[Any], Any], items: Iterator[Any],
+            state: _Encoder | _UnitJob, *, side: SideTasks = (),
             started: Callable[[], None] | None = None, stage: Path | None = None
             ) -> Iterator[Any]:
-    """``fn(item)`` for every item, in order, by a pool of ``workers`` processes (their
-    ``_WORKER`` is ``state``; they write part files into ``stage``), at most 2 items per
-    worker in flight (memory stays flat); ``started()`` is called once the workers exist
-    (a thread started then is not forked)."""
+    """``fn(item)`` for every item, in order, then ``f(x)`` for every ``(f, x)`` in
+    ``side``: by a pool of ``workers`` processes (their ``_WORKER`` is ``state``; they
+    write part files into ``stage``), or in this process for one worker. The side tasks
+    (a whole input's sha256) run beside the items, outside their in-order window, so a
+    long one holds no worker up; their results come after the items'. ``started()`` is
+    called once the workers exist (a thread started then is not forked)."""
+    if workers == 1:
+        return _in_process(fn, items, state, side)
+    return _pooled(workers, fn, items, state, side, started, stage)
+
+
+def _in_process(fn: Callable[[Any], Any], items: Iterator[Any], state: _Encoder | _UnitJob,
+                side: SideTasks) -> Iterator[Any]:
+    """What :func:`_mapped` does for one worker: the same functions, on this core."""
+    global _WORKER
+    before = _WORKER, list(_PARTS)
+    _WORKER, _PARTS[:] = state, [None, 0]
+    try:
+        with _SerialTokenizers():
+            for item in items:
+                yield fn(item)
+            for f, x in side:
+                yield f(x)
+    finally:
+        _WORKER, _PARTS[:] = before[0], before[1]
+
+
+def _pooled(workers: int, fn: Callable[[Any], Any], items: Iterator[Any],
+            state: _Encoder | _UnitJob, side: SideTasks,
+            started: Callable[[], None] | None, stage: Path | None) -> Iterator[Any]:
+    """:func:`_mapped` by a process pool: at most 2 items per worker in flight (memory
+    stays flat), the side tasks queued first."""
     methods = multiprocessing.get_all_start_methods()
     ctx = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
     with _SerialTokenizers():  # also silences tokenizers' warning about forking
@@ -1067,6 +1126,7 @@ def _pooled(workers: int, fn: Any, items: Iterator[Any], state: _Encoder | _Unit
     if started is not None:
         started()
     try:
+        aside = [pool.apply_async(f, (x,)) for f, x in side]
         pending: deque[Any] = deque()
         for item in items:
             pending.append(pool.apply_async(fn, (item,)))
@@ -1074,20 +1134,37 @@ def _pooled(workers: int, fn: Any, items: Iterator[Any], state: _Encoder | _Unit
                 yield pending.popleft().get()
         while pending:
             yield pending.popleft().get()
+        for result in aside:
+            yield result.get()
     finally:
         pool.terminate()
         pool.join()
 
 
-def _encoded(enc: _Encoder, workers: int, tasks: Iterator[tuple[list[str], bytes, bytes]],
-             stage: Path) -> Iterator[_Part | tuple[np.ndarray, np.ndarray]]:
-    """The tasks' ids in order, encoded in-process (1 worker) or by a process pool."""
-    if workers == 1:
-        with _SerialTokenizers():
-            for task in tasks:
-                yield _encode_pieces(enc, *task)
-        return
-    yield from _pooled(workers, _encode_task, tasks, enc, stage=stage)
+def _write_results(results: Iterator[Any], writers: Sequence[ShardWriter], scan: _Scan,
+                   sources: Sequence[Source]) -> int:
+    """Pass 2's parts into the writers, in order (units: their documents checked against
+    pass 1's count, their characters counted), then the side tasks' sha256s; the
+    largest id."""
+    top, k = 0, 0
+    try:
+        for result in results:
+            if isinstance(result, str):
+                scan.digests.append(result)
+                continue
+            top = max(top, _take(result, writers))
+            if scan.units is not None:
+                if result.docs != scan.unit_docs[k]:
+                    raise DataError(
+                        f"{sources[scan.units[k].source].name}: {result.docs} documents "
+                        f"read where the first pass counted {scan.unit_docs[k]} (the file "
+                        f"changed, or its Parquet statistics are wrong); run tinylm "
+                        f"prepare again when it is not being written, or rewrite the file")
+                scan.chars += result.chars
+                k += 1
+    finally:
+        results.close()  # type: ignore[attr-defined]
+    return top
 
 
 @dataclass
@@ -1119,20 +1196,17 @@ def _encode(o: _Options, sources: Sequence[Source], val_source: Sequence[bool], 
     bar = _Bar(total, f"encode {tok.kind}", o.progress)
     try:
         encoder = _encoder(tok, sep, dtype, o.allow_special, scan)
-        if scan.units is not None and workers > 1:  # the workers read too
+        if scan.units is not None:  # the workers read too
             job = _UnitJob(list(sources), o.text_field, o.errors, route, list(val_source),
                            encoder)
-            results = _pooled(workers, _encode_unit,
+            results = _mapped(workers, _encode_unit,
                               _unit_items(scan, route, val_source, docs, bar), job,
+                              side=() if scan.digests else _digest_tasks(sources),
                               stage=stage)
         else:
             tasks = _task_stream(o, sources, val_source, scan, route, docs, bar)
-            results = _encoded(encoder, workers, tasks, stage)
-        try:
-            for result in results:
-                top = max(top, _take(result, writers))
-        finally:
-            results.close()  # type: ignore[attr-defined]
+            results = _mapped(workers, _encode_task, tasks, encoder, stage=stage)
+        top = _write_results(results, writers, scan, sources)
     finally:
         bar.close()
         entries = [w.close() for w in writers]
@@ -1152,10 +1226,12 @@ def _encode(o: _Options, sources: Sequence[Source], val_source: Sequence[bool], 
 
 def _after_scan(o: _Options, sources: Sequence[Source], scan: _Scan,
                 old_meta: dict[str, Any] | None) -> None:
-    """Refuse what pass 1 found wrong: nothing to read, bad records, another text."""
-    if sum(s.size for s in sources) == 0 or (
-            scan.bad.count == 0 and (scan.documents == 0 or scan.chars == 0)):
+    """Refuse what pass 1 found wrong: nothing to read, bad records, another text (read
+    in units, the characters are counted in pass 2: :func:`_check_text` then)."""
+    if sum(s.size for s in sources) == 0 or scan.bad.count == 0 and scan.documents == 0:
         raise DataError(f"input is empty ({o.settings['source']}); pass a file with text in it")
+    if scan.units is None:
+        _check_text(o, scan)
     if scan.bad.count:
         counts = ", ".join(f"{n} {why}" for why, n in scan.bad.reasons.items())
         if not o.skip_bad:
@@ -1171,6 +1247,11 @@ def _after_scan(o: _Options, sources: Sequence[Source], scan: _Scan,
         raise DataError(f"output folder {display_path(o.out)} already holds a dataset "
                         f"prepared from different input text; choose another --out, or pass "
                         f"--force to overwrite it")
+
+
+def _check_text(o: _Options, scan: _Scan) -> None:
+    if scan.bad.count == 0 and scan.chars == 0:
+        raise DataError(f"input is empty ({o.settings['source']}); pass a file with text in it")
 
 
 def _combined(scan: _Scan) -> str:
@@ -1249,9 +1330,11 @@ def _frozen_heap() -> Iterator[None]:
 def _phases(o: _Options, stage: Path, old_meta: dict[str, Any] | None) -> int:
     """scan -> encode (+ split) -> commit, staged in ``stage``; returns the input bytes."""
     sources, val_source = _sources(o, stage)  # what to read
-    scan = _scan(o, sources)  # pass 1: hash, count, build the tokenizer
+    # pass 1: count, build the tokenizer; hash the inputs now if a dataset is there to compare
+    scan = _scan(o, sources, hash_now=bool(old_meta) and not o.force)
     _after_scan(o, sources, scan, old_meta)
     enc = _encode(o, sources, val_source, scan, stage)  # pass 2: encode, split
+    _check_text(o, scan)
     if [s.stamp() for s in sources] != scan.stamps:
         raise DataError("an input file changed while it was being prepared; "
                         "run tinylm prepare again when it is not being written")

@@ -328,11 +328,37 @@ def _record(line: bytes, where: str, path: Sequence[str], errors: str, bad: BadR
     return text
 
 
+#: json's own C scanner (what json.loads runs, without its Python wrappers)
+_SCAN_ONCE = json.JSONDecoder().scan_once
+_SLOW = object()  # _fast_text's "decide with _record"
+
+
+def _fast_text(line: bytes, path: Sequence[str]) -> Any:
+    """The text of a JSONL line by json's C scanner alone, for the common case: UTF-8,
+    an object from the line's first byte to its end (trailing JSON whitespace allowed)
+    whose field ``path`` holds a string, no escaped surrogate. Anything else (a blank or
+    indented line, invalid JSON or UTF-8, a bad record) is ``_SLOW``: then
+    :func:`_record` decides, as ``json.loads`` does, and names the line."""
+    if not line.startswith(b"{") or b"\\ud" in line or b"\\uD" in line:
+        return _SLOW
+    try:
+        s = line.decode("utf-8")
+        record, end = _SCAN_ONCE(s, 0)
+    except (StopIteration, ValueError, RecursionError):  # UnicodeDecodeError included
+        return _SLOW
+    if end != len(s) and s[end:].strip(" \t\n\r"):
+        return _SLOW
+    text, _ = _field(record, path)
+    return _SLOW if text is None else text
+
+
 def _jsonl(src: Source, path: Sequence[str], errors: str, bad: BadRecords,
            on_bytes: Progress | None) -> Iterator[str]:
     with _open(src, on_bytes) as f:
         for lineno, line in enumerate(f, 1):
-            text = _record(line, f"{src.name} line {lineno}", path, errors, bad)
+            text = _fast_text(line, path)
+            if text is _SLOW:
+                text = _record(line, f"{src.name} line {lineno}", path, errors, bad)
             if text is not None:
                 yield text
 
@@ -635,10 +661,53 @@ def iter_unit(sources: Sequence[Source], unit: Unit, *, text_field: str = "text"
         lines.pop()
     numbers = _UnitLines(src, unit)
     for i, line in enumerate(lines):
-        text = _record(line, _LineLabel(numbers, i), path, errors, bad)  # type: ignore[arg-type]
+        text = _fast_text(line, path)
+        if text is _SLOW:
+            text = _record(line, _LineLabel(numbers, i), path, errors, bad)  # type: ignore[arg-type]
         if text is not None:
             yield text
 
 
-__all__ = ["BadRecords", "Source", "Unit", "display_path", "file_source", "iter_documents",
-           "iter_unit", "iter_units", "resolve_inputs", "units_apply"]
+def _rows_without_nulls(src: Source, path: Sequence[str], groups: range) -> int | None:
+    """The rows of Parquet row groups ``groups`` when the file's metadata alone shows that
+    every one holds a document: the text is a top-level string column whose statistics
+    count no null in any of these groups. None when it does not tell (then read)."""
+    pq = _require("pyarrow.parquet", "Parquet files")
+    pa = _require("pyarrow", "Parquet files")
+    try:
+        pf = pq.ParquetFile(src.path)
+    except Exception:  # the reading path names the error
+        return None
+    schema = pf.schema_arrow
+    i = schema.get_field_index(path[0]) if len(path) == 1 else -1
+    kind = schema.field(i).type if i >= 0 else None
+    if kind is None or not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+        return None
+    rows = 0
+    for g in groups:
+        group = pf.metadata.row_group(g)
+        chunk = next((group.column(c) for c in range(group.num_columns)
+                      if group.column(c).path_in_schema == path[0]), None)
+        stats = chunk.statistics if chunk is not None else None
+        if stats is None or not stats.has_null_count or stats.null_count != 0:
+            return None
+        rows += group.num_rows
+    return rows
+
+
+def count_unit(sources: Sequence[Source], unit: Unit, *, text_field: str = "text",
+               errors: str = "strict", bad: BadRecords | None = None) -> int:
+    """How many documents :func:`iter_unit` yields for ``unit`` (bad records counted into
+    ``bad``). A Parquet unit whose metadata shows every row to be a document is counted
+    from it alone, nothing decoded (pass 2 checks the count as it reads the texts)."""
+    src = sources[unit.source]
+    if src.format == "parquet":
+        rows = _rows_without_nulls(src, text_field.split("."), range(unit.start, unit.stop))
+        if rows is not None:
+            return rows
+    return sum(1 for _ in iter_unit(sources, unit, text_field=text_field, errors=errors,
+                                    bad=bad))
+
+
+__all__ = ["BadRecords", "Source", "Unit", "count_unit", "display_path", "file_source",
+           "iter_documents", "iter_unit", "iter_units", "resolve_inputs", "units_apply"]
