@@ -2,7 +2,7 @@
 
     python benchmarks/prepare.py [--size-mb 500] [--workers 1,all] [--formats jsonl,parquet]
                                  [--tokenizers char,bpe] [--source-text FILE] [--no-write]
-                                 [--encoder-mb 100]
+                                 [--encoder-mb 100] [--repeats 3]
 
 Generates documents (:func:`tinylm.corpora.synthetic_documents`: 8 random paragraphs each
 of python-docs, or of ``--source-text`` such as ../shared/data/tinyshakespeare/input.txt,
@@ -15,7 +15,10 @@ second: a sample reads every process's smaps, ~25 ms of CPU, which at 4 a second
 tenth of a core from the rows that use every core; the sampler's CPU is left out):
 
 1. ``prepare()`` for every format x tokenizer (char: alphabet scan + encode; bpe: the
-   trained tokenizer.json, encode only) x ``--workers`` (1 and all cores);
+   trained tokenizer.json, encode only) x ``--workers`` (1 and all cores), ``--repeats``
+   times with the worker counts interleaved (1, all, 1, all, ...); a row is the median
+   run (by seconds), and the all-cores ratio is the median of the interleaved pairs'
+   ratios, each of which is printed;
 2. for comparison, the same documents already in memory encoded with the same BPE by
    Hugging Face ``tokenizers`` (``encode_batch_fast``, 1 thread and all: RAYON_NUM_THREADS)
    and by ``tiktoken`` (an ``Encoding`` built from tinylm's vocabulary: ranks = ids,
@@ -35,6 +38,7 @@ import itertools
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -235,7 +239,11 @@ def main() -> None:
     ap.add_argument("--encoder-mb", default="all",
                     help="time the in-memory encoders on the first this many MB of the "
                     "documents (rates compare as MB/s; 'all' for every document)")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="runs of each prepare row, worker counts interleaved (median)")
     args = ap.parse_args()
+    if args.repeats < 1:
+        ap.error(f"--repeats must be at least 1, got {args.repeats}")
 
     from tinylm.config import available_cpus
 
@@ -257,21 +265,31 @@ def main() -> None:
           f"{load:.2f}", flush=True)
 
     rows: list[tuple[str, str, str, int, dict]] = []
+    pairs: dict[str, list[float]] = {}  # "fmt tok" -> each repeat's 1-worker / all ratio
 
-    def row(fmt: str, tok: str, what: str, n: int, r: dict) -> None:
-        rows.append((fmt, tok, what, n, r))
+    def row(fmt: str, tok: str, what: str, n: int, r: dict, show: bool = True) -> None:
         m = r.get("mb", mb)  # the encoder rows may time the first --encoder-mb only
         print(f"{fmt} {tok} {what} x{n}: {m / r['seconds']:.2f} MB/s ({r['seconds']:.1f} s, "
               f"{m:.0f} MB, cpu {r['cpu']:.1f} s = {m / r['cpu']:.2f} MB per CPU s, peak "
               f"{r['peak_mb']:.0f} MB)", flush=True)
+        if show:
+            rows.append((fmt, tok, what, n, r))
 
     for fmt in _formats(args):
         for tok in args.tokenizers.split(","):
             spec = "char" if tok == "char" else str(tok_path)
+            runs: dict[int, list[dict]] = {n: [] for n in counts}
+            for _ in range(args.repeats):
+                for n in counts:
+                    out = work / f"out-{fmt}-{tok}-{n}"
+                    r = child(PREPARE, str(out), str(work / f"docs.{fmt}"), spec, str(n))
+                    runs[n].append(r)
+                    row(fmt, tok, "`tinylm prepare`", n, r, show=False)
+                if len(counts) > 1:
+                    pairs.setdefault(f"{fmt} {tok}", []).append(
+                        runs[counts[0]][-1]["seconds"] / runs[counts[-1]][-1]["seconds"])
             for n in counts:
-                out = work / f"out-{fmt}-{tok}-{n}"
-                row(fmt, tok, "`tinylm prepare`", n,
-                    child(PREPARE, str(out), str(work / f"docs.{fmt}"), spec, str(n)))
+                rows.append((fmt, tok, "`tinylm prepare`", n, _median_run(runs[n])))
     if "bpe" in args.tokenizers.split(","):
         here = str(Path(__file__).resolve().parent)
         for engine, label in (("hf", "HF `tokenizers` encode_batch_fast"),
@@ -282,17 +300,24 @@ def main() -> None:
                 r = child(ENCODE, engine, str(work / "docs.jsonl"), str(tok_path), str(n), here,
                           args.encoder_mb)
                 row("in memory", "bpe", what, n, r)
-    report(args, rows, mb, n_docs, cores, load, same)
+    report(args, rows, pairs, mb, n_docs, cores, load, same)
 
 
-def report(args, rows, mb, n_docs, cores, load, same) -> None:
+def _median_run(runs: list[dict]) -> dict:
+    """The run of median seconds (the lower middle one of an even count)."""
+    return sorted(runs, key=lambda r: r["seconds"])[(len(runs) - 1) // 2]
+
+
+def report(args, rows, pairs, mb, n_docs, cores, load, same) -> None:
     import tokenizers
 
     body = [
         f"{n_docs:,} generated documents, {mb:.1f} MB of UTF-8 text, as JSONL and as Parquet. "
         f"Machine: {cores} cores ({platform.processor() or platform.machine()}), Python "
         f"{platform.python_version()}, tokenizers {tokenizers.__version__}; load average "
-        f"{load:.2f} at the start. Each row is a fresh process; peak MB is the proportional "
+        f"{load:.2f} at the start. Each run is a fresh process; a `tinylm prepare` row is "
+        f"the median of {args.repeats} runs (by seconds), the worker counts interleaved; "
+        f"peak MB is the proportional "
         f"set size of it and its workers, sampled once a second; CPU seconds include the "
         f"workers, not the sampler. BPE is "
         f"the same trained vocabulary (4096) everywhere; tiktoken ids equal tinylm's: {same}. "
@@ -318,17 +343,20 @@ def report(args, rows, mb, n_docs, cores, load, same) -> None:
             speed.get((fmt, "bpe", "`tinylm prepare`", top))
         best = max((v for (f, t, w, n), v in speed.items() if f == "in memory" and n == top
                     and "native" not in w), default=None)
-        if one and all_ and top > 1:
-            body.append(f"- {fmt} BPE: {top} workers are **{all_ / one:.2f}x** one worker "
-                        f"(target >= 1.8x)" + (f"; {all_ / best:.2f}x the fastest encoder on "
-                                              f"{top} threads (HF or tiktoken, target >= 1)"
-                                              if best else ""))
+        ratios = pairs.get(f"{fmt} bpe", [])
+        if one and all_ and top > 1 and ratios:
+            body.append(f"- {fmt} BPE: {top} workers are **{statistics.median(ratios):.2f}x** "
+                        f"one worker (median of the interleaved runs' ratios "
+                        f"{', '.join(f'{r:.2f}' for r in ratios)}; target >= 1.8x)"
+                        + (f"; {all_ / best:.2f}x the fastest encoder on {top} threads (HF "
+                           f"or tiktoken, target >= 1)" if best else ""))
     body += ["", f"Command: `python benchmarks/prepare.py --size-mb {args.size_mb:g} --workers "
                  f"{args.workers}" + (f" --source-text {args.source_text}" if args.source_text
                                       else "")
              + (f" --formats {args.formats}" if args.formats != "jsonl,parquet" else "")
              + (f" --tokenizers {args.tokenizers}" if args.tokenizers != "char,bpe" else "")
-             + (f" --encoder-mb {args.encoder_mb}" if args.encoder_mb != "all" else "") + "`"]
+             + (f" --encoder-mb {args.encoder_mb}" if args.encoder_mb != "all" else "")
+             + (f" --repeats {args.repeats}" if args.repeats != 3 else "") + "`"]
     text = "\n".join(body)
     print(text)
     if not args.no_write:
