@@ -36,8 +36,12 @@ def test_the_kernel_builds_and_loads_here(lib) -> None:
 
 def test_signatures_come_from_the_header_and_cover_every_export(lib) -> None:
     sigs = ops.parse_header(ops.HEADER.read_text())
-    assert len(sigs) == 27  # 13 + quant.c's 4 + variants.c's 6 (RMSNorm, QK-norm/RoPE, ReLU²)
+    assert len(sigs) == 28  # 13 + quant.c's 4 + variants.c's 6 (RMSNorm, QK-norm/RoPE, ReLU²)
     # + bpe.c's 4: tl_bpe_new (returns a pointer), _free, _encode, _split
+    # + decode.c's tl_decode_layers (a decoding step's blocks from a plan)
+    assert ops.header_constant("PLAN_LAYER") == 4 + 4 * ops.header_constant("PLAN_LINEAR")
+    with pytest.raises(KeyError, match="no integer"):
+        ops.header_constant("NO_SUCH_CONSTANT")
     assert sigs["tl_bpe_new"][0] is ctypes.c_void_p
     assert sigs["tl_linear"][1][:2] == [ctypes.c_void_p, ctypes.c_long]
     assert sigs["tl_attn_fwd"][0] is ctypes.c_int  # allocates: reports out of memory

@@ -40,7 +40,7 @@ from torch import Tensor, nn
 from tinylm.attention import KVCache, apply_rope, rope_angles
 from tinylm.decoding import Decoder
 from tinylm.model import FeedForward, GatedFeedForward
-from tinylm.native.ops import Library, PackedQ8, check
+from tinylm.native.ops import Library, PackedQ8, check, header_constant
 from tinylm.quantize import QuantizedLinear
 
 
@@ -165,8 +165,11 @@ class _FusedStep:
 
     Every buffer is allocated once and checked there (float32, CPU, contiguous, sized
     from the config); a step allocates only its logits and passes the pointers of its
-    own buffers to the unchecked calls. Each kernel call names the equation it computes
-    (shapes as in attention.py, B rows)."""
+    own buffers to the unchecked calls. The blocks run as one call, ``tl_decode_layers``
+    (csrc/decode.c, whose loop names the equation each kernel computes: LN1, QKV,
+    attention over the cache, output projection + residual, LN2, up + GELU, down +
+    residual), over a plan of every layer's pointers and sizes built here once: a step
+    makes a handful of calls from Python, not forty."""
 
     def __init__(self, model: nn.Module, cache: NativeKVCache, lib: Library) -> None:
         cfg = model.config
@@ -193,6 +196,33 @@ class _FusedStep:
             for b in model.blocks]
         self.final_norm = self._norm(model.final_norm)
         self.head = self._linear(model.lm_head)
+        self.plan = self._plan()
+        for name, t in (("cache.k", cache.k), ("cache.v", cache.v)):  # (L, B, H, T, D)
+            check(name, t, (len(self.blocks), B, self.H, cache.max_len, self.D))
+
+    def _plan(self) -> Tensor:
+        """The blocks' pointers and sizes as tl_decode_layers reads them (csrc/tinylm.h:
+        PLAN_LAYER longs per layer; a linear is PLAN_LINEAR of them; NULL is 0)."""
+        rows = []
+        for ln1, w_qkv, w_out, ln2, w_up, w_down in self.blocks:
+            row = [*ln1]
+            for lin in (w_qkv, w_out):
+                row += self._plan_linear(lin)
+            row += [*ln2]
+            for lin in (w_up, w_down):
+                row += self._plan_linear(lin)
+            rows.append([v or 0 for v in row])
+        plan = torch.tensor(rows, dtype=torch.int64)
+        check("plan", plan, (len(self.blocks), header_constant("PLAN_LAYER")),
+              dtype=torch.int64)
+        return plan
+
+    @staticmethod
+    def _plan_linear(lin: tuple) -> list[int | None]:
+        weights, bias, I, O = lin
+        entry = [weights[0], *(weights[1:] if len(weights) == 3 else (0, 0)), bias, I, O]
+        assert len(entry) == header_constant("PLAN_LINEAR")
+        return entry
 
     def _ptr(self, t: Tensor | None) -> int | None:
         if t is None:
@@ -241,26 +271,17 @@ class _FusedStep:
         cache, lib = self.cache, self.lib
         pos = cache.length  # FusedDecoder.step checked that it is < max_len
         B, H, D = self.B, self.H, self.D
-        HD = H * D
         self.ids.copy_(ids)
         x, h, qkv, r, u = self.x, self.h, self.qkv, self.r, self.u
         if lib.tl_embed(self.ids.data_ptr(), self.tok, self.pos, pos, x.data_ptr(), B,
                         self.E, self.V):
             raise ValueError(f"token ids must be in [0, {self.V}), got {ids.tolist()}")
-        q_ptr = qkv.data_ptr()  # [q | k | v], each H heads of D: strides (3·H·D, D)
-        k_ptr, v_ptr = q_ptr + 4 * HD, q_ptr + 8 * HD  # float32: 4 bytes
-        for layer, (ln1, w_qkv, w_out, ln2, w_up, w_down) in enumerate(self.blocks):
-            self._ln(x, ln1, h)  # h = LN1(x)
-            self._mm(h, w_qkv, qkv)  # [q | k | v] = h·W_qkvᵀ + b
-            kc, vc = cache.k[layer], cache.v[layer]  # (B, H, max_len, D)
-            lib.tl_attend_one(q_ptr, 3 * HD, D, k_ptr, 3 * HD, D, v_ptr, 3 * HD, D,
-                              kc.data_ptr(), vc.data_ptr(), kc.stride(0), kc.stride(1),
-                              B, H, D, pos, self.scale, r.data_ptr(),
-                              cache.scratch.data_ptr(), self.threads)  # r = softmax(qKᵀ/√D)V
-            self._mm(r, w_out, x, res=x)  # x = x + r·W_outᵀ + b
-            self._ln(x, ln2, h)  # h = LN2(x)
-            self._mm(h, w_up, u, act=1)  # u = GELU(h·W_upᵀ + b)
-            self._mm(u, w_down, x, res=x)  # x = x + u·W_downᵀ + b
+        k, v = cache.k, cache.v  # (L, B, H, max_len, D)
+        lib.tl_decode_layers(self.plan.data_ptr(), len(self.blocks), x.data_ptr(),
+                             h.data_ptr(), qkv.data_ptr(), r.data_ptr(), u.data_ptr(),
+                             self.stats.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0),
+                             k.stride(1), k.stride(2), B, self.E, H, D, pos, self.eps,
+                             self.scale, cache.scratch.data_ptr(), self.threads)
         cache.advance(1)
         if not head:
             return None

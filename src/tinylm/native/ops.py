@@ -79,6 +79,14 @@ def parse_header(text: str) -> dict[str, tuple[object, list[object]]]:
     return out
 
 
+def header_constant(name: str, header: Path = HEADER) -> int:
+    """The integer ``#define NAME <number>`` of the C header (a layout shared with C)."""
+    match = re.search(rf"^#define\s+{name}\s+(\d+)\b", header.read_text(), re.M)
+    if match is None:
+        raise KeyError(f"{header.name} defines no integer {name}")
+    return int(match.group(1))
+
+
 def bind(cdll: ctypes.CDLL, header: Path = HEADER) -> ctypes.CDLL:
     for name, (restype, argtypes) in parse_header(header.read_text()).items():
         fn = getattr(cdll, name)

@@ -140,3 +140,45 @@ void tl_attend_one(const float *q, long qsb, long qsh, const float *k, long ksb,
         weighted_values(s, vcache, T, D, out + bh * D);
     }
 }
+
+/* y = act(x·Wᵀ + b) (+ res) by the plan's linear entry L (PLAN_LINEAR longs: packed
+ * weights, int8 scales, int8 group size (0: float32), bias, I, O). */
+_Static_assert(PLAN_LAYER == 4 + 4 * PLAN_LINEAR, "a layer: 2 norms of 2, 4 linears");
+
+static void plan_linear(const long *L, const float *x, float *y, long M, int threads,
+                        int act, const float *res) {
+    const float *b = (const float *)L[3];
+    if (L[2])
+        tl_linear_q8(x, L[4], (const signed char *)L[0], (const float *)L[1], L[2], b, y, M,
+                     L[4], L[5], threads, act, res);
+    else
+        tl_linear(x, L[4], (const float *)L[0], b, y, M, L[4], L[5], threads, act, res);
+}
+
+/* Every block of a standard GPT for one token per row (B rows) through the cache, the
+ * loop that _FusedStep ran in Python: per layer (PLAN_LAYER longs of plan: LN1 weight,
+ * bias, the qkv, out, up and down linears, LN2 weight, bias)
+ *     h = LN1(x); [q | k | v] = h·W_qkvᵀ + b; r = softmax(q·Kᵀ/√D)·V (k, v cached at pos);
+ *     x += r·W_outᵀ + b; h = LN2(x); u = GELU(h·W_upᵀ + b); x += u·W_downᵀ + b.
+ * kc, vc: layer 0's cache (B, H, max_len, D) of strides (csb, csh, D, 1); layer l's is
+ * cl floats further. stats: 2·B floats for LayerNorm's mean and 1/std (unused). */
+void tl_decode_layers(const long *plan, long n_layer, float *x, float *h, float *qkv,
+                      float *r, float *u, float *stats, float *kc, float *vc, long cl,
+                      long csb, long csh, long B, long E, long H, long D, long pos, float eps,
+                      float scale, float *scratch, int threads) {
+    long HD = H * D;
+    for (long l = 0; l < n_layer; l++) {
+        const long *p = plan + l * PLAN_LAYER;
+        tl_ln_fwd(x, (const float *)p[0], (const float *)p[1], h, stats, stats + B, B, E,
+                  eps, 1);
+        plan_linear(p + 2, h, qkv, B, threads, 0, 0);
+        tl_attend_one(qkv, 3 * HD, D, qkv + HD, 3 * HD, D, qkv + 2 * HD, 3 * HD, D,
+                      kc + l * cl, vc + l * cl, csb, csh, B, H, D, pos, scale, r, scratch,
+                      threads);
+        plan_linear(p + 2 + PLAN_LINEAR, r, x, B, threads, 0, x);
+        tl_ln_fwd(x, (const float *)p[2 + 2 * PLAN_LINEAR],
+                  (const float *)p[3 + 2 * PLAN_LINEAR], h, stats, stats + B, B, E, eps, 1);
+        plan_linear(p + 4 + 2 * PLAN_LINEAR, h, u, B, threads, 1, 0);
+        plan_linear(p + 4 + 3 * PLAN_LINEAR, u, x, B, threads, 0, x);
+    }
+}
