@@ -163,6 +163,34 @@ def test_workers_reading_units_write_what_one_process_writes(jsonl, tmp_path, mo
     assert any(n is not None for n in from_meta) and None in from_meta
 
 
+def test_parquet_scanned_by_metadata_alone_needs_no_pool(tmp_path, monkeypatch) -> None:
+    """Clean Parquet inputs (no nulls) are scanned in the main process from their
+    metadata, pass 2 still by the workers; the files equal the serial reader's."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    docs = _docs(30)
+    for k in range(2):
+        pq.write_table(pa.table({"text": docs[k * 15:(k + 1) * 15]}),
+                       tmp_path / f"clean{k}.parquet", row_group_size=2)
+    inputs = [tmp_path / "clean0.parquet", tmp_path / "clean1.parquet"]
+    prepare(tmp_path / "tok", inputs, tokenizer="bpe", vocab_size=400, special_tokens=[EOT],
+            context_length=16, progress=False)
+    kw = dict(tokenizer=tmp_path / "tok" / "tokenizer.json", context_length=16,
+              shard_tokens=3_000, progress=False)
+    with monkeypatch.context() as serial:
+        serial.setattr(data_mod, "units_apply", lambda sources: False)
+        ref = prepare(tmp_path / "ref", inputs, workers=1, **kw)
+    pools = []
+    monkeypatch.setattr(data_mod, "_pooled", lambda *a, f=data_mod._pooled:
+                        pools.append(a[1].__name__) or f(*a))
+    d3 = prepare(tmp_path / "w3", inputs, workers=3, **kw)
+    assert pools == ["_encode_unit"]  # no pool for the scan
+    assert _files(tmp_path / "w3") == _files(tmp_path / "ref")
+    assert d3.meta["documents"] == ref.meta["documents"] and d3.meta["inputs"] == ref.meta[
+        "inputs"] and d3.meta["input_chars"] == ref.meta["input_chars"]
+
+
 def test_parquet_counted_from_metadata_must_match_its_rows(tmp_path, monkeypatch) -> None:
     """If a Parquet file's statistics undercount its nulls, pass 2 finds fewer documents
     than pass 1 counted: a one-line DataError, nothing written."""

@@ -64,6 +64,7 @@ from tinylm.readers import (
     Source,
     Unit,
     count_unit,
+    counted_by_metadata,
     display_path,
     iter_documents,
     iter_unit,
@@ -634,7 +635,9 @@ def _scan_units(o: _Options, sources: Sequence[Source], scan: _Scan, workers: in
     process for one. The sources are hashed here only when ``hash_now`` (an output
     folder's dataset to compare with), else beside pass 2's units. Meanwhile a thread
     here builds pass 2's native BPE encoder (its class table takes ~0.2 s), which would
-    otherwise wait between the passes (one worker: built first, on this core)."""
+    otherwise wait between the passes (one worker: built first, on this core). Parquet
+    files whose metadata gives every count are scanned here, without a pool: nothing to
+    read."""
     assert scan.units is not None
     job = _UnitJob(list(sources), o.text_field, o.errors)
     units = scan.units
@@ -647,11 +650,12 @@ def _scan_units(o: _Options, sources: Sequence[Source], scan: _Scan, workers: in
     def build() -> None:
         scan.fast = _native_encoder(o.given, o.allow_special)
     warm = threading.Thread(target=build, daemon=True)
-    if workers == 1:
+    pool = 1 if not hash_now and counted_by_metadata(sources, o.text_field) else workers
+    if pool == 1:
         build()
-    results = _mapped(workers, _scan_unit, planned(), job,
+    results = _mapped(pool, _scan_unit, planned(), job,
                       side=_digest_tasks(sources) if hash_now else (),
-                      started=warm.start if workers > 1 else None)
+                      started=warm.start if pool > 1 else None)
     for result in results:
         if isinstance(result, str):
             scan.digests.append(result)

@@ -695,6 +695,22 @@ def _rows_without_nulls(src: Source, path: Sequence[str], groups: range) -> int 
     return rows
 
 
+def counted_by_metadata(sources: Sequence[Source], text_field: str = "text") -> bool:
+    """Whether every source is a Parquet file whose metadata alone gives its documents
+    (:func:`count_unit` reads nothing for any of its units)."""
+    pq = _require("pyarrow.parquet", "Parquet files") if sources else None
+    for src in sources:
+        if src.format != "parquet":
+            return False
+        try:
+            groups = range(pq.ParquetFile(src.path).metadata.num_row_groups)
+        except Exception:  # the reading path names the error
+            return False
+        if _rows_without_nulls(src, text_field.split("."), groups) is None:
+            return False
+    return True
+
+
 def count_unit(sources: Sequence[Source], unit: Unit, *, text_field: str = "text",
                errors: str = "strict", bad: BadRecords | None = None) -> int:
     """How many documents :func:`iter_unit` yields for ``unit`` (bad records counted into
@@ -709,5 +725,6 @@ def count_unit(sources: Sequence[Source], unit: Unit, *, text_field: str = "text
                                     bad=bad))
 
 
-__all__ = ["BadRecords", "Source", "Unit", "count_unit", "display_path", "file_source",
-           "iter_documents", "iter_unit", "iter_units", "resolve_inputs", "units_apply"]
+__all__ = ["BadRecords", "Source", "Unit", "count_unit", "counted_by_metadata", "display_path",
+           "file_source", "iter_documents", "iter_unit", "iter_units", "resolve_inputs",
+           "units_apply"]
