@@ -36,9 +36,10 @@ def test_the_kernel_builds_and_loads_here(lib) -> None:
 
 def test_signatures_come_from_the_header_and_cover_every_export(lib) -> None:
     sigs = ops.parse_header(ops.HEADER.read_text())
-    assert len(sigs) == 28  # 13 + quant.c's 4 + variants.c's 6 (RMSNorm, QK-norm/RoPE, ReLU²)
+    assert len(sigs) == 29  # 13 + quant.c's 4 + variants.c's 6 (RMSNorm, QK-norm/RoPE, ReLU²)
     # + bpe.c's 4: tl_bpe_new (returns a pointer), _free, _encode, _split
     # + decode.c's tl_decode_layers (a decoding step's blocks from a plan)
+    # + variants.c's tl_rope_heads (a decoding step's QK-norm + rotation, in place)
     assert ops.header_constant("PLAN_LAYER") == 4 + 4 * ops.header_constant("PLAN_LINEAR")
     with pytest.raises(KeyError, match="no integer"):
         ops.header_constant("NO_SUCH_CONSTANT")
@@ -334,6 +335,41 @@ def test_rms_norm_training_kernels_equal_the_reference_module(lib, M: int, E: in
         assert dw is None
     with pytest.raises(ops.OpError, match="shape"):
         lib.rms_norm_backward(grad, x, w, rs[1:], False)
+
+
+@pytest.mark.parametrize(("n", "D", "norm", "rope"), [
+    (6, 64, True, True), (2, 18, False, True), (3, 6, True, False), (4, 32, True, True),
+    (1, 16, False, False)])
+def test_decoding_rope_heads_in_place_equal_the_reference(lib, n: int, D: int, norm: bool,
+                                                          rope: bool) -> None:
+    """A decoding step's QK-norm + rotation of n heads at one position, in place in a
+    wider row (the rest untouched), against attention.py's RMSNorm and apply_rope."""
+    from tinylm.native.variants import signed_sin
+
+    B, pos, W = 3, 37, n * D + 7
+    x = torch.randn(B, W)
+    heads = x[:, :n * D].reshape(B, n, D)
+    rms = RMSNorm(D, eps=1e-6)
+    with torch.no_grad():
+        rms.weight.normal_()
+        want = rms(heads) if norm else heads
+    cos, sin = rope_angles(0, 64, D, 10000.0)
+    if rope:
+        want = apply_rope(want, cos[pos], sin[pos])
+    got = lib.rope_heads(x.clone(), n, rms.weight.detach() if norm else None,
+                         cos[pos] if rope else None,
+                         signed_sin(sin)[pos].contiguous() if rope else None, 1e-6,
+                         torch.empty(D))
+    torch.testing.assert_close(got[:, :n * D].reshape(B, n, D), want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(got[:, n * D:], x[:, n * D:])
+    with pytest.raises(ops.OpError, match="heads"):
+        lib.rope_heads(x, n + 2, None, cos[pos], signed_sin(sin)[pos].contiguous(), 1e-6,
+                       torch.empty(D))
+    with pytest.raises(ops.OpError, match="together"):
+        lib.rope_heads(x, n, None, cos[pos], None, 1e-6, torch.empty(D))
+    with pytest.raises(ops.OpError, match="tmp"):
+        lib.rope_heads(x, n, None, cos[pos], signed_sin(sin)[pos].contiguous(), 1e-6,
+                       torch.empty(D - 1))
 
 
 @pytest.mark.parametrize(("H", "Hkv", "D", "norm", "rope"), [

@@ -13,10 +13,12 @@ the model keeps them as stored).
 
 :class:`VariantDecoder` (path ``"fused-variant"``) is the same for the architecture
 variants of ``ModelConfig`` (:func:`tinylm.native.plan.eligibility` decides which):
-the same native linear and cached-attention calls, with RMSNorm, RoPE, QK-norm and the
-SwiGLU/ReLU² MLPs computed by the reference model's own functions and modules on the
-step's (B, ·) rows, and grouped-query attention as one attention call per row in which
-each group of H / H_kv query heads reads its one cached key/value head.
+the same native linear and cached-attention calls, RMSNorm natively, QK-norm and RoPE
+as one native pass over q's and one over k's heads in place (``tl_rope_heads``; the
+reference modules and :func:`tinylm.attention.apply_rope` for a norm that is not the
+reference RMSNorm), the SwiGLU/ReLU² MLPs by torch's ops on the step's (B, ·) rows, and
+grouped-query attention as one attention call per row in which each group of H / H_kv
+query heads reads its one cached key/value head.
 
 :class:`NativeCacheDecoder` (path ``"cache"``) is for a model the fused step does not
 know (e.g. one with tinylm.lowrank's layers): the model's own forward, with a
@@ -37,10 +39,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tinylm.attention import KVCache, apply_rope, rope_angles
+from tinylm.attention import KVCache, RMSNorm, apply_rope, rope_angles
 from tinylm.decoding import Decoder
 from tinylm.model import FeedForward, GatedFeedForward
 from tinylm.native.ops import Library, PackedQ8, check, header_constant
+from tinylm.native.variants import signed_sin
 from tinylm.quantize import QuantizedLinear
 
 
@@ -303,9 +306,10 @@ class VariantDecoder(FusedDecoder):
 
 
 class _VariantStep(_FusedStep):
-    """:class:`_FusedStep` for any layout of ``ModelConfig``: norms (LayerNorm natively,
-    RMSNorm by its module), learned or rotary positions, QK-norm, GELU/ReLU² or SwiGLU,
-    and H_kv <= H key/value heads in the cache."""
+    """:class:`_FusedStep` for any layout of ``ModelConfig``: norms (LayerNorm and
+    RMSNorm natively), learned or rotary positions, QK-norm (with the rotation, one
+    native pass per q and k), GELU/ReLU² or SwiGLU, and H_kv <= H key/value heads in the
+    cache."""
 
     def __init__(self, model: nn.Module, cache: NativeKVCache, lib: Library) -> None:
         cfg = model.config
@@ -324,6 +328,8 @@ class _VariantStep(_FusedStep):
         self.pos_w = model.pos_emb.weight.detach() if model.pos_emb is not None else None
         self.rope = (rope_angles(0, cfg.context_length, cfg.head_dim, cfg.rope_theta)
                      if cfg.position == "rope" else None)  # row m: the angles at position m
+        self.rope_pm = signed_sin(self.rope[1]).contiguous() if self.rope else None  # sin±
+        self.tmp = torch.empty(cfg.head_dim)
         self.blocks = [(b.ln1, self._linear(b.attn.qkv), self._linear(b.attn.out), b.ln2,
                         self._linear(b.ffn.gate) if isinstance(b.ffn, GatedFeedForward)
                         else None, self._linear(b.ffn.up), self._linear(b.ffn.down),
@@ -332,16 +338,45 @@ class _VariantStep(_FusedStep):
                        for b in model.blocks]
         self.final, self.head = model.final_norm, self._linear(model.lm_head)
         self.ln = {id(m): self._norm(m) for m in model.modules() if type(m) is nn.LayerNorm}
+        self.rms = {id(m): self._ptr(m.weight) for m in model.modules()
+                    if type(m) is RMSNorm and m.weight.shape == (cfg.n_embd,)}
 
     def _norm_rows(self, norm: nn.Module, x: Tensor, y: Tensor) -> None:
-        """y = Norm(x): the native LayerNorm, or the RMSNorm module's own formula."""
+        """y = Norm(x): the native LayerNorm or RMSNorm (a few rows: one thread), or the
+        module itself."""
+        mean, rstd = self.stats
         if id(norm) in self.ln:
-            mean, rstd = self.stats
             w, b = self.ln[id(norm)]
             self.lib.tl_ln_fwd(x.data_ptr(), w, b, y.data_ptr(), mean.data_ptr(),
                                rstd.data_ptr(), self.B, self.E, norm.eps, 1)
+        elif id(norm) in self.rms:
+            self.lib.tl_rms_fwd(x.data_ptr(), self.rms[id(norm)], y.data_ptr(),
+                                rstd.data_ptr(), self.B, self.E, norm.eps, 1)
         else:
             y.copy_(norm(x))
+
+    def _qk(self, q_norm: nn.Module | None, k_norm: nn.Module | None, pos: int) -> None:
+        """q, k = RoPE(QKNorm(q)), RoPE(QKNorm(k)) in qkv, each head at position ``pos``:
+        natively where the norms are RMSNorm (or absent), else by the reference's
+        modules and :func:`tinylm.attention.apply_rope`."""
+        H, Hkv, D, qkv = self.H, self.Hkv, self.D, self.qkv
+        if all(n is None or type(n) is RMSNorm for n in (q_norm, k_norm)):
+            c = self.rope[0][pos] if self.rope is not None else None
+            s = self.rope_pm[pos] if self.rope_pm is not None else None
+            for part, n, norm in ((qkv, H, q_norm), (qkv[:, H * D:], Hkv, k_norm)):
+                self.checked.rope_heads(part, n, norm.weight if norm is not None else None,
+                                        c, s, norm.eps if norm is not None else 0.0,
+                                        self.tmp)
+            return
+        q = qkv[:, :H * D].view(self.B, H, D)
+        k = qkv[:, H * D:(H + Hkv) * D].view(self.B, Hkv, D)
+        if q_norm is not None:
+            q.copy_(q_norm(q))
+            k.copy_(k_norm(k))
+        if self.rope is not None:  # keys are cached rotated, as in the reference
+            cos, sin = self.rope[0][pos], self.rope[1][pos]
+            q.copy_(apply_rope(q, cos, sin))
+            k.copy_(apply_rope(k, cos, sin))
 
     def _attend(self, layer: int, pos: int) -> None:
         """r = softmax(q·Kᵀ/√D)·V over the cache, the new k and v written into it."""
@@ -378,7 +413,6 @@ class _VariantStep(_FusedStep):
             u.relu_().square_()
 
     def __call__(self, ids: Tensor, head: bool = True) -> Tensor | None:
-        B, H, Hkv, D = self.B, self.H, self.Hkv, self.D
         pos = self.cache.length
         if int(ids.min()) < 0 or int(ids.max()) >= self.V:
             raise ValueError(f"token ids must be in [0, {self.V}), got {ids.tolist()}")
@@ -386,19 +420,11 @@ class _VariantStep(_FusedStep):
         torch.index_select(self.tok_w, 0, ids, out=x)
         if self.pos_w is not None:
             x += self.pos_w[pos]
-        q = qkv[:, :H * D].view(B, H, D)
-        k = qkv[:, H * D:(H + Hkv) * D].view(B, Hkv, D)
         for layer, (ln1, w_qkv, w_out, ln2, w_gate, w_up, w_down, q_norm, k_norm,
                     gelu) in enumerate(self.blocks):
             self._norm_rows(ln1, x, h)  # h = Norm1(x)
             self._mm(h, w_qkv, qkv)  # [q | k | v] = h·W_qkvᵀ + b
-            if q_norm is not None:
-                q.copy_(q_norm(q))
-                k.copy_(k_norm(k))
-            if self.rope is not None:  # keys are cached rotated, as in the reference
-                cos, sin = self.rope[0][pos], self.rope[1][pos]
-                q.copy_(apply_rope(q, cos, sin))
-                k.copy_(apply_rope(k, cos, sin))
+            self._qk(q_norm, k_norm, pos)  # q, k = RoPE(QKNorm(q)), RoPE(QKNorm(k))
             self._attend(layer, pos)
             self._mm(self.r, w_out, x, res=x)  # x = x + r·W_outᵀ + b
             self._norm_rows(ln2, x, h)  # h = Norm2(x)
@@ -408,6 +434,6 @@ class _VariantStep(_FusedStep):
         if not head:
             return None
         self._norm_rows(self.final, x, h)
-        logits = torch.empty(B, self.V)
+        logits = torch.empty(self.B, self.V)
         self._mm(h, self.head, logits)
         return logits

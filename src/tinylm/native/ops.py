@@ -427,6 +427,32 @@ class Library:
                                D, int(norm), _threads()), "qk_rope_backward")
         return grad_qkv, dw
 
+    def rope_heads(self, x: Tensor, n_heads: int, gain: Tensor | None, cos: Tensor | None,
+                   sin_pm: Tensor | None, eps: float, tmp: Tensor) -> Tensor:
+        """RoPE(QKNorm(head)) in place for the first ``n_heads`` heads of each row of x
+        (B, W) (unit stride along W), all at one position (a decoding step): ``cos`` and
+        ``sin_pm`` (D,) are its tables (sin± as :func:`tinylm.native.variants.signed_sin`
+        makes it; None: no rotation), ``gain`` (D,) QK-norm's weight (None: no QK-norm).
+        ``tmp``: at least D floats of scratch. Returns x."""
+        D = (cos if cos is not None else gain).shape[-1] if (cos is not None or gain
+                                                             is not None) else 0
+        if D == 0:
+            return x
+        check("x", x, contiguous=False)
+        if x.dim() != 2 or x.stride(1) != 1 or not 0 < n_heads * D <= x.shape[1]:
+            raise OpError(f"x must be (B, W >= {n_heads} heads of {D}) rows of unit stride, "
+                          f"got {tuple(x.shape)}")
+        w = _opt("gain", gain, (D,))
+        c, s = _opt("cos", cos, (D,)), _opt("sin_pm", sin_pm, (D,))
+        if (c is None) != (s is None):
+            raise OpError("cos and sin_pm go together")
+        check("tmp", tmp, (-1,))
+        if tmp.numel() < D:
+            raise OpError(f"tmp needs {D} floats")
+        self.raw.tl_rope_heads(x.data_ptr(), x.stride(0), x.shape[0], n_heads, D, w, c, s, eps,
+                               int(gain is not None), tmp.data_ptr())
+        return x
+
     def relu2(self, h: Tensor, out: Tensor | None = None) -> Tensor:
         """relu(h)² as a new tensor (or into ``out``, of h's shape)."""
         check("h", h)

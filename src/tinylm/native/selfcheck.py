@@ -120,6 +120,17 @@ def _variants(lib: Any, g: torch.Generator) -> None:
     out, _ = lib.qk_rope(qkv, H, Hkv, None, None, None, None, 1e-6)
     q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
     _expect(torch.equal(out, torch.cat((q, k, k, v, v), dim=-1)), "QK-norm/RoPE layout")
+    x, gain = torch.randn(2, 3 * D + 5, generator=g), torch.randn(D, generator=g) + 1
+    angle = torch.rand(D // 2, generator=g) * 6
+    cos, sin = torch.cat((angle, angle)).cos(), torch.cat((angle, angle)).sin()
+    heads = x[:, :3 * D].reshape(2, 3, D)
+    heads = heads * torch.rsqrt(heads.pow(2).mean(-1, keepdim=True) + 1e-6) * gain
+    half = D // 2
+    want = heads * cos + torch.cat((-heads[..., half:], heads[..., :half]), -1) * sin
+    got = lib.rope_heads(x.clone(), 3, gain, cos, torch.cat((-sin[:half], sin[half:])), 1e-6,
+                         torch.empty(D))
+    _expect(torch.allclose(got[:, :3 * D].reshape(2, 3, D), want, atol=1e-5)
+            and torch.equal(got[:, 3 * D:], x[:, 3 * D:]), "decoding RoPE")
     h = torch.randn(3, 37, generator=g)
     _expect(torch.allclose(lib.relu2(h), F.relu(h).square()), "ReLU²")
 

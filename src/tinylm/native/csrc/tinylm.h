@@ -234,6 +234,8 @@ TL_API int tl_qk_bwd(const float *dout, const float *qkv, const float *qw, const
                      const float *rs, const float *cos, const float *sinpm, float *dqkv,
                      float *dw, long N, long C, long H, long Hkv, long D, int norm,
                      int threads);
+TL_API void tl_rope_heads(float *x, long ld, long B, long n, long D, const float *w,
+                          const float *c, const float *s, float eps, int norm, float *tmp);
 TL_API void tl_relu2(const float *h, float *g, long n, int threads);
 TL_API void tl_relu2_backward(const float *h, float *grad, float *y, long n, int threads);
 

@@ -140,6 +140,19 @@ int tl_qk_fwd(const float *qkv, const float *qw, const float *kw, const float *c
     return failed ? TL_NOMEM : 0;
 }
 
+/* Decoding: x = RoPE(QKNorm(x)) in place for the n heads of D at the start of each of B
+ * rows (row stride ld), all at one position whose tables c and s = sin± (D) are given
+ * (c = NULL: no rotation; norm = 0: no QK-norm, w unused). tmp: D floats. */
+void tl_rope_heads(float *x, long ld, long B, long n, long D, const float *w,
+                   const float *c, const float *s, float eps, int norm, float *tmp) {
+    if (!norm && !c) return;  /* nothing to do (and qk_head would copy a head onto itself) */
+    for (long b = 0; b < B; b++)
+        for (long h = 0; h < n; h++) {
+            float *head = x + b * ld + h * D;
+            qk_head(head, w, c, s, head, tmp, D, eps, norm);
+        }
+}
+
 /* One q or k head backward: dy (D) the gradient of RoPE(QKNorm(x)) -> dx; the gains'
  * gradient added into dw (if norm). tmp: D floats. */
 static inline void qk_head_back(const float *x, const float *w, float r, const float *c,
