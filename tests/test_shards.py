@@ -205,7 +205,7 @@ def test_parquet_counted_from_metadata_must_match_its_rows(tmp_path, monkeypatch
     prepare(tmp_path / "tok", [path], tokenizer="char", context_length=16, skip_bad=True,
             special_tokens=[EOT], progress=False)
     monkeypatch.setattr(readers_mod, "_rows_without_nulls",
-                        lambda src, p, groups: 13)  # "no nulls in 13 rows"
+                        lambda src, p, groups=None: 13)  # "no nulls in 13 rows"
     with pytest.raises(DataError, match="12 documents read where the first pass counted 13"):
         prepare(tmp_path / "out", [path], tokenizer=tmp_path / "tok" / "tokenizer.json",
                 context_length=16, progress=False)

@@ -1338,7 +1338,8 @@ def _phases(o: _Options, stage: Path, old_meta: dict[str, Any] | None) -> int:
     scan = _scan(o, sources, hash_now=bool(old_meta) and not o.force)
     _after_scan(o, sources, scan, old_meta)
     enc = _encode(o, sources, val_source, scan, stage)  # pass 2: encode, split
-    _check_text(o, scan)
+    if scan.units is not None:  # read in units, the characters were counted in pass 2
+        _check_text(o, scan)
     if [s.stamp() for s in sources] != scan.stamps:
         raise DataError("an input file changed while it was being prepared; "
                         "run tinylm prepare again when it is not being written")

@@ -668,10 +668,12 @@ def iter_unit(sources: Sequence[Source], unit: Unit, *, text_field: str = "text"
             yield text
 
 
-def _rows_without_nulls(src: Source, path: Sequence[str], groups: range) -> int | None:
-    """The rows of Parquet row groups ``groups`` when the file's metadata alone shows that
-    every one holds a document: the text is a top-level string column whose statistics
-    count no null in any of these groups. None when it does not tell (then read)."""
+def _rows_without_nulls(src: Source, path: Sequence[str], groups: range | None = None
+                        ) -> int | None:
+    """The rows of Parquet row groups ``groups`` (None: all) when the file's metadata
+    alone shows that every one holds a document: the text is a top-level string column
+    whose statistics count no null in any of these groups. None when it does not tell
+    (then read)."""
     pq = _require("pyarrow.parquet", "Parquet files")
     pa = _require("pyarrow", "Parquet files")
     try:
@@ -683,9 +685,9 @@ def _rows_without_nulls(src: Source, path: Sequence[str], groups: range) -> int 
     kind = schema.field(i).type if i >= 0 else None
     if kind is None or not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
         return None
-    rows = 0
-    for g in groups:
-        group = pf.metadata.row_group(g)
+    meta, rows = pf.metadata, 0
+    for g in range(meta.num_row_groups) if groups is None else groups:
+        group = meta.row_group(g)
         chunk = next((group.column(c) for c in range(group.num_columns)
                       if group.column(c).path_in_schema == path[0]), None)
         stats = chunk.statistics if chunk is not None else None
@@ -698,17 +700,9 @@ def _rows_without_nulls(src: Source, path: Sequence[str], groups: range) -> int 
 def counted_by_metadata(sources: Sequence[Source], text_field: str = "text") -> bool:
     """Whether every source is a Parquet file whose metadata alone gives its documents
     (:func:`count_unit` reads nothing for any of its units)."""
-    pq = _require("pyarrow.parquet", "Parquet files") if sources else None
-    for src in sources:
-        if src.format != "parquet":
-            return False
-        try:
-            groups = range(pq.ParquetFile(src.path).metadata.num_row_groups)
-        except Exception:  # the reading path names the error
-            return False
-        if _rows_without_nulls(src, text_field.split("."), groups) is None:
-            return False
-    return True
+    path = text_field.split(".")
+    return all(src.format == "parquet" and _rows_without_nulls(src, path) is not None
+               for src in sources)
 
 
 def count_unit(sources: Sequence[Source], unit: Unit, *, text_field: str = "text",

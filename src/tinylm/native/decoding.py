@@ -222,10 +222,10 @@ class _FusedStep:
 
     @staticmethod
     def _plan_linear(lin: tuple) -> list[int | None]:
+        """PLAN_LINEAR entries: packed weights, int8 scales and group (0, 0: float32),
+        bias, I, O (a wrong count fails the plan's shape check above)."""
         weights, bias, I, O = lin
-        entry = [weights[0], *(weights[1:] if len(weights) == 3 else (0, 0)), bias, I, O]
-        assert len(entry) == header_constant("PLAN_LINEAR")
-        return entry
+        return [weights[0], *(weights[1:] if len(weights) == 3 else (0, 0)), bias, I, O]
 
     def _ptr(self, t: Tensor | None) -> int | None:
         if t is None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import logging
 import math
 import os
@@ -79,8 +80,10 @@ def parse_header(text: str) -> dict[str, tuple[object, list[object]]]:
     return out
 
 
+@functools.cache
 def header_constant(name: str, header: Path = HEADER) -> int:
-    """The integer ``#define NAME <number>`` of the C header (a layout shared with C)."""
+    """The integer ``#define NAME <number>`` of the C header (a layout shared with C),
+    read once per process."""
     match = re.search(rf"^#define\s+{name}\s+(\d+)\b", header.read_text(), re.M)
     if match is None:
         raise KeyError(f"{header.name} defines no integer {name}")
@@ -434,10 +437,10 @@ class Library:
         ``sin_pm`` (D,) are its tables (sin± as :func:`tinylm.native.variants.signed_sin`
         makes it; None: no rotation), ``gain`` (D,) QK-norm's weight (None: no QK-norm).
         ``tmp``: at least D floats of scratch. Returns x."""
-        D = (cos if cos is not None else gain).shape[-1] if (cos is not None or gain
-                                                             is not None) else 0
-        if D == 0:
+        sized = cos if cos is not None else gain
+        if sized is None:  # neither a norm nor a rotation: nothing to do
             return x
+        D = sized.shape[-1]
         check("x", x, contiguous=False)
         if x.dim() != 2 or x.stride(1) != 1 or not 0 < n_heads * D <= x.shape[1]:
             raise OpError(f"x must be (B, W >= {n_heads} heads of {D}) rows of unit stride, "

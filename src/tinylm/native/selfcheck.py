@@ -11,6 +11,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from tinylm.attention import apply_rope, rope_angles
+
 
 def _expect(ok: bool, what: str) -> None:
     if not ok:
@@ -121,12 +123,11 @@ def _variants(lib: Any, g: torch.Generator) -> None:
     q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
     _expect(torch.equal(out, torch.cat((q, k, k, v, v), dim=-1)), "QK-norm/RoPE layout")
     x, gain = torch.randn(2, 3 * D + 5, generator=g), torch.randn(D, generator=g) + 1
-    angle = torch.rand(D // 2, generator=g) * 6
-    cos, sin = torch.cat((angle, angle)).cos(), torch.cat((angle, angle)).sin()
+    cos, sin = (t[5] for t in rope_angles(0, 6, D, 10000.0))  # position 5's angles
     heads = x[:, :3 * D].reshape(2, 3, D)
-    heads = heads * torch.rsqrt(heads.pow(2).mean(-1, keepdim=True) + 1e-6) * gain
+    want = apply_rope(heads * torch.rsqrt(heads.pow(2).mean(-1, keepdim=True) + 1e-6) * gain,
+                      cos, sin)
     half = D // 2
-    want = heads * cos + torch.cat((-heads[..., half:], heads[..., :half]), -1) * sin
     got = lib.rope_heads(x.clone(), 3, gain, cos, torch.cat((-sin[:half], sin[half:])), 1e-6,
                          torch.empty(D))
     _expect(torch.allclose(got[:, :3 * D].reshape(2, 3, D), want, atol=1e-5)
