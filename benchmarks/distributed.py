@@ -56,7 +56,7 @@ STRATEGIES = ("ddp", "zero1", "fsdp")
 
 
 def _prepare(work: Path, context_length: int, bpe: bool) -> Path:
-    from tinylm.data import prepare
+    from tinylm.data.prepare import prepare
 
     kw = {"tokenizer": "bpe", "vocab_size": 8192} if bpe else {"tokenizer": "char"}
     return prepare(work / "data", corpus="python-docs", context_length=context_length,
@@ -101,8 +101,8 @@ def _result(out: Path, strategy: str, ranks: int) -> dict:
 
 
 def _params(model: dict) -> int:
-    from tinylm.config import ModelConfig
-    from tinylm.model import GPT
+    from tinylm.core.config import ModelConfig
+    from tinylm.core.model import GPT
 
     return GPT(ModelConfig(**model)).num_parameters()
 

@@ -49,9 +49,9 @@ def held_out_loss(model_dir: Path, data_dir: Path) -> float:
     """Mean loss over the assistant tokens of every validation row."""
     import numpy as np
 
-    from tinylm.chatdata import load_chat_data
-    from tinylm.checkpoint import load_checkpoint
-    from tinylm.evaluation import estimate_loss
+    from tinylm.data.chatdata import load_chat_data
+    from tinylm.io.checkpoint import load_checkpoint
+    from tinylm.use.evaluation import estimate_loss
 
     data = load_chat_data(data_dir)
     model, _ = load_checkpoint(model_dir)
@@ -61,9 +61,9 @@ def held_out_loss(model_dir: Path, data_dir: Path) -> float:
 
 
 def _base(out: Path, seconds: float) -> Path:
-    from tinylm.config import ModelConfig, TrainConfig
-    from tinylm.data import prepare
-    from tinylm.training import train
+    from tinylm.core.config import ModelConfig, TrainConfig
+    from tinylm.data.prepare import prepare
+    from tinylm.training.loop import train
 
     data = prepare(out / "pretrain-data", corpus="python-docs", tokenizer="bpe",
                    vocab_size=1024, context_length=128, progress=False)
@@ -118,7 +118,7 @@ class HeapPeak:
 
 def run_mode(args: argparse.Namespace) -> None:
     """Child process: one fine-tuning run; prints a JSON line with its figures."""
-    from tinylm.finetune import finetune
+    from tinylm.training.finetune import finetune
 
     overrides = {"max_steps": args.steps, "batch_size": 16, "eval_every": 10**6,
                  "save_every": 10**6, "log_every": 10**6, "device": "cpu", "seed": 0,
@@ -155,7 +155,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if args.mode:
         return run_mode(args)
-    from tinylm.chatdata import prepare_chat
+    from tinylm.data.chatdata import prepare_chat
 
     work = Path(tempfile.mkdtemp(prefix="tinylm-bench-finetune-"))
     base = args.base or _base(work, args.base_seconds)

@@ -4,7 +4,7 @@
                                  [--tokenizers char,bpe] [--source-text FILE] [--no-write]
                                  [--encoder-mb 100] [--repeats 3]
 
-Generates documents (:func:`tinylm.corpora.synthetic_documents`: 8 random paragraphs each
+Generates documents (:func:`tinylm.data.corpora.synthetic_documents`: 8 random paragraphs each
 of python-docs, or of ``--source-text`` such as ../shared/data/tinyshakespeare/input.txt,
 with some Japanese lines) until ``--size-mb`` MB of text, writes them once as JSONL
 (``{"id", "text"}`` per line) and once as Parquet (row groups of 4096 rows), trains one
@@ -87,7 +87,7 @@ MONITOR = textwrap.dedent("""
 """)
 
 PREPARE = MONITOR + textwrap.dedent("""
-    from tinylm.data import prepare
+    from tinylm.data.prepare import prepare
     out, src, tok, workers = sys.argv[1:5]
     def run():
         d = prepare(out, [src], tokenizer=tok, special_tokens=[EOT] if tok == "char" else (),
@@ -112,7 +112,7 @@ ENCODE = MONITOR + textwrap.dedent("""
     from prepare import tiktoken_encoding
     if engine == "native":
         from tinylm.native import bpe_encoder
-        from tinylm.tokenizers import load_tokenizer
+        from tinylm.data.tokenizers import load_tokenizer
         enc = bpe_encoder(load_tokenizer(tok_path))
         assert enc is not None, "the native BPE encoder is unavailable here"
         def run():
@@ -148,8 +148,8 @@ def tiktoken_encoding(tokenizer_json: str):
     its id (merges were learned in id order) and GPT-2's pre-tokenization pattern."""
     import tiktoken
 
+    from tinylm.data.tokenizers import load_tokenizer
     from tinylm.native.bpe import byte_symbols
-    from tinylm.tokenizers import load_tokenizer
 
     tok = load_tokenizer(tokenizer_json)
     decoder = {c: b for b, c in byte_symbols().items()}
@@ -179,7 +179,7 @@ def write_corpus(work: Path, size_mb: float, source_text: str | None) -> tuple[i
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from tinylm.corpora import synthetic_documents
+    from tinylm.data.corpora import synthetic_documents
 
     text = Path(source_text).read_text(encoding="utf-8") if source_text else None
     docs = synthetic_documents(int(size_mb * 1e6), text=text)
@@ -198,7 +198,7 @@ def write_corpus(work: Path, size_mb: float, source_text: str | None) -> tuple[i
 
 
 def train_bpe(work: Path) -> Path:
-    from tinylm.tokenizers import BPETokenizer
+    from tinylm.data.tokenizers import BPETokenizer
 
     def texts():
         seen = 0
@@ -216,7 +216,7 @@ def train_bpe(work: Path) -> Path:
 
 def check_tiktoken(work: Path, tok_path: Path) -> bool:
     """tiktoken with tinylm's vocabulary gives tinylm's ids (on the first 300 documents)."""
-    from tinylm.tokenizers import load_tokenizer
+    from tinylm.data.tokenizers import load_tokenizer
 
     tok, enc = load_tokenizer(tok_path), tiktoken_encoding(str(tok_path))
     lines = itertools.islice(open(work / "docs.jsonl", encoding="utf-8"), 300)
@@ -245,7 +245,7 @@ def main() -> None:
     if args.repeats < 1:
         ap.error(f"--repeats must be at least 1, got {args.repeats}")
 
-    from tinylm.config import available_cpus
+    from tinylm.core.config import available_cpus
 
     cores = available_cpus()
     counts = [cores if w == "all" else int(w) for w in args.workers.split(",")]

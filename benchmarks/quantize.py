@@ -6,15 +6,15 @@ heads x E=384, C=512, V=50257) with an untied LM head, so that every matrix a de
 step reads can be int8 (``quantize(include_head=True)``) -- greedy decoding of
 --new-tokens tokens after a --prompt-len token prompt at batch 1 and 8:
 
-- tinylm fp32 and tinylm int8 (``tinylm.quantize``; the fused decoding step reads the
+- tinylm fp32 and tinylm int8 (``tinylm.layers.quantize``; the fused decoding step reads the
   int8 weights with ``csrc/quant.c``)
-- Hugging Face ``GPT2LMHeadModel.generate`` (fp32, the same weights via ``tinylm.hf``)
+- Hugging Face ``GPT2LMHeadModel.generate`` (fp32, the same weights via ``tinylm.io.hf``)
 - CTranslate2 ``Generator`` with ``float32`` and ``int8`` weights, converted by
   ``ctranslate2.converters.TransformersConverter`` from tinylm's Hugging Face export
   (a stand-in vocabulary ``t0 .. t{V-1}``: CTranslate2 takes tokens as strings)
 
 Validation loss, on a trained model (default: ``make demo``'s runs/demo and its data
-data/python-docs-bpe): tinylm fp32 and int8 (``tinylm.evaluation.evaluate``) and
+data/python-docs-bpe): tinylm fp32 and int8 (``tinylm.use.evaluation.evaluate``) and
 CTranslate2 float32 and int8 (``score_batch``), over the same non-overlapping windows of
 the validation split.
 
@@ -40,11 +40,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import write_section  # noqa: E402
 from sample import hf_greedy, median_seconds  # noqa: E402
 from tinylm import GPT, ModelConfig, generate, native  # noqa: E402
-from tinylm.checkpoint import load_checkpoint  # noqa: E402
-from tinylm.data import load_prepared  # noqa: E402
-from tinylm.evaluation import evaluate  # noqa: E402
-from tinylm.hf import to_hf  # noqa: E402
-from tinylm.quantize import quantize  # noqa: E402
+from tinylm.data.prepare import load_prepared  # noqa: E402
+from tinylm.io.checkpoint import load_checkpoint  # noqa: E402
+from tinylm.io.hf import to_hf  # noqa: E402
+from tinylm.layers.quantize import quantize  # noqa: E402
+from tinylm.use.evaluation import evaluate  # noqa: E402
 
 
 def ct2_folders(model: GPT, root: Path) -> dict[str, Path]:

@@ -2,7 +2,7 @@
 
 One run measures, on the same random weights (6 layers x 6 heads x E=384, C=512,
 vocabulary --vocab, default GPT-2's 50257; the Hugging Face model is the same weights
-through ``tinylm.hf.to_hf``), greedy decoding of --new-tokens tokens after a
+through ``tinylm.io.hf.to_hf``), greedy decoding of --new-tokens tokens after a
 --prompt-len token prompt, at batch 1 and 8:
 
 - tinylm ``generate`` (prompt in one pass, then one token per step through the cache)
@@ -21,7 +21,7 @@ Writes the table and benchmarks/sample.png into BENCHMARKS.md under
 ``--models`` adds (default) a Llama-shaped model: 6 layers, E=384, 6 query heads and 2
 key/value heads (grouped-query attention), RMSNorm, RoPE, SwiGLU (F=1024), untied head,
 vocabulary 32000 (``LLAMA``), against Hugging Face ``LlamaForCausalLM.generate`` on the
-same weights (``tinylm.hf.to_hf``), greedy ids compared; its table goes under
+same weights (``tinylm.io.hf.to_hf``), greedy ids compared; its table goes under
 "## Sampling throughput: Llama-shaped model" (bench:sample-llama markers).
 
     python benchmarks/sample.py            # about 3-6 minutes on 2 cores
@@ -43,9 +43,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import write_section  # noqa: E402
 from tinylm import GPT, ModelConfig, generate, native  # noqa: E402
-from tinylm.config import resolve_arch  # noqa: E402
-from tinylm.hf import to_hf  # noqa: E402
-from tinylm.sampling import generate_stream  # noqa: E402
+from tinylm.core.config import resolve_arch  # noqa: E402
+from tinylm.io.hf import to_hf  # noqa: E402
+from tinylm.use.sampling import generate_stream  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 PNG = HERE / "sample.png"

@@ -36,11 +36,11 @@ from pathlib import Path
 import torch
 
 from report import write_section
-from tinylm.checkpoint import save_checkpoint
-from tinylm.config import ModelConfig, read_toml
-from tinylm.corpora import load_corpus
-from tinylm.model import GPT
-from tinylm.tokenizers import BPETokenizer
+from tinylm.core.config import ModelConfig, read_toml
+from tinylm.core.model import GPT
+from tinylm.data.corpora import load_corpus
+from tinylm.data.tokenizers import BPETokenizer
+from tinylm.io.checkpoint import save_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 PNG = Path(__file__).resolve().parent / "serve.png"

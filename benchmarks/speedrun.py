@@ -13,12 +13,12 @@ The text is prepared with the char tokenizer, the last 10 % as validation (as na
 shakespeare_char baseline). The clock starts before the model is built and stops when an
 evaluation first reports a validation loss <= target; it includes every evaluation.
 Each evaluation is exact: the mean next-token loss over the WHOLE validation split in
-non-overlapping windows of C tokens (``tinylm.evaluation.evaluate``). Evaluations start
+non-overlapping windows of C tokens (``tinylm.use.evaluation.evaluate``). Evaluations start
 once the smoothed training loss is below the target + 0.1 (the val/train gap here is
 ~0.1), every ``--eval-every`` steps, and every half of that once a val loss is within
 0.03 of the target.
 
-The loop is tinylm's pieces, not ``tinylm.training.train``: the model with the fast
+The loop is tinylm's pieces, not ``tinylm.training.loop.train``: the model with the fast
 paths ``train()`` applies (``tinylm.acceleration.accelerate``: the fused native block
 where the layout has one), ``get_batch``, the optimizer builder (``optimizer="muon"``),
 the warm-up + cosine ``lr_at`` and ``evaluate``. ``train()`` has no stop-at-target and
@@ -43,11 +43,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import write_section  # noqa: E402
 from tinylm import acceleration  # noqa: E402
-from tinylm.config import ARCH_PRESETS, ModelConfig, TrainConfig, resolve_arch  # noqa: E402
-from tinylm.data import get_batch, load_prepared, prepare  # noqa: E402
-from tinylm.evaluation import evaluate  # noqa: E402
-from tinylm.model import GPT  # noqa: E402
-from tinylm.training import build_optimizer, lr_at, set_lr  # noqa: E402
+from tinylm.core.config import ARCH_PRESETS, ModelConfig, TrainConfig, resolve_arch  # noqa: E402
+from tinylm.core.model import GPT  # noqa: E402
+from tinylm.data.prepare import get_batch, load_prepared, prepare  # noqa: E402
+from tinylm.training.loop import build_optimizer, lr_at, set_lr  # noqa: E402
+from tinylm.use.evaluation import evaluate  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 # The best settings found for this 2-core CPU (see BENCHMARKS.md for the search).

@@ -2,7 +2,7 @@
 
     python benchmarks/train.py [--repeats 15] [--steps 10] [--threads N] [--no-write]
 
-For each shape both models are built with the same weights (``tinylm.hf.to_hf``), both in
+For each shape both models are built with the same weights (``tinylm.io.hf.to_hf``), both in
 train mode with dropout 0, fp32, the same thread count, the same batches and the same
 optimizer (``torch.optim.AdamW(fused=True)`` as tinylm trains, identical settings). One
 step is zero_grad (set_to_none) + forward + mean cross-entropy over all B·C positions + backward +
@@ -38,15 +38,15 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import write_section  # noqa: E402
 from tinylm import native  # noqa: E402
-from tinylm.config import ModelConfig  # noqa: E402
-from tinylm.model import GPT  # noqa: E402
+from tinylm.core.config import ModelConfig  # noqa: E402
+from tinylm.core.model import GPT  # noqa: E402
 
 VOCAB = 65
 # name -> (n_layer, n_head, n_embd, context_length)
 SHAPES = {"4x128": (4, 4, 128, 64), "6x384": (6, 6, 384, 256)}
 THROUGHPUT = [("4x128", 12), ("6x384", 8)]
 MEMORY = [("4x128", 12), ("6x384", 8), ("6x384", 64)]
-# The same for both models: torch's fused AdamW, as tinylm.training uses on CPU.
+# The same for both models: torch's fused AdamW, as tinylm.training.loop uses on CPU.
 OPTIMIZER = dict(lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
 
 
@@ -60,12 +60,12 @@ def build(kind: str, config: ModelConfig, *, same_as: GPT | None = None):
     """A model in train mode and its ``step(x, y) -> loss`` closure (optimizer included)."""
     if kind == "tinylm":
         model = GPT(config)
-        native.accelerate(model, "cpu")  # the fast paths, as tinylm.training applies them
+        native.accelerate(model, "cpu")  # the fast paths, as tinylm.training.loop applies them
 
         def loss_fn(x, y):
             return model.loss(x, y)
     else:
-        from tinylm.hf import to_hf
+        from tinylm.io.hf import to_hf
 
         model = to_hf(same_as if same_as is not None else GPT(config))
 

@@ -1,4 +1,4 @@
-"""Several ``tinylm.training.train`` runs in one torchrun process group, for
+"""Several ``tinylm.training.loop.train`` runs in one torchrun process group, for
 tests/test_distributed.py (one launch instead of one per run: torchrun's start-up is the
 slow part on a 2-core machine). Not a test module itself.
 
@@ -14,9 +14,9 @@ from __future__ import annotations
 import json
 import sys
 
-from tinylm import distributed
-from tinylm.config import ModelConfig, TrainConfig
-from tinylm.training import train
+from tinylm.core.config import ModelConfig, TrainConfig
+from tinylm.training import distributed
+from tinylm.training.loop import train
 
 
 def main(spec_path: str) -> int:

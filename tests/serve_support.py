@@ -11,10 +11,10 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from tinylm.config import ModelConfig
-from tinylm.model import GPT
+from tinylm.core.config import ModelConfig
+from tinylm.core.model import GPT
+from tinylm.data.tokenizers import BPETokenizer
 from tinylm.serve.app import Server, Settings, create_app
-from tinylm.tokenizers import BPETokenizer
 
 TEXT = ("The cat sat on the mat. A dog ran in the park. Café au lait, naïve façade, "
         "日本語のテキスト. Numbers 0123456789 and more words: attention is all you need. ")

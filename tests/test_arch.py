@@ -12,12 +12,13 @@ import pytest
 import torch
 
 from tinylm.acceleration import accelerate, plan
-from tinylm.attention import KVCache, MultiHeadAttention, apply_rope, rope_angles
-from tinylm.checkpoint import load_model, save_checkpoint
-from tinylm.config import ARCH_PRESETS, ModelConfig, resolve_arch
-from tinylm.errors import ConfigError
-from tinylm.lowrank import compress, dense_weight, structure_of
-from tinylm.model import GPT, parameter_count
+from tinylm.core.attention import MultiHeadAttention, apply_rope, rope_angles
+from tinylm.core.config import ARCH_PRESETS, ModelConfig, resolve_arch
+from tinylm.core.decoding import KVCache
+from tinylm.core.errors import ConfigError
+from tinylm.core.model import GPT, parameter_count
+from tinylm.io.checkpoint import load_model, save_checkpoint
+from tinylm.layers.lowrank import compress, dense_weight, structure_of
 
 BASE = dict(vocab_size=53, context_length=24, n_layer=2, n_head=4, n_embd=32)
 VARIANTS = {
@@ -257,9 +258,9 @@ def test_compress_factorises_gate_up_and_down_of_a_gated_mlp() -> None:
 
 
 def test_explain_and_eval_run_on_a_variant() -> None:
-    from tinylm.evaluation import evaluate_text
-    from tinylm.inspection import explain
-    from tinylm.tokenizers import CharTokenizer
+    from tinylm.data.tokenizers import CharTokenizer
+    from tinylm.use.evaluation import evaluate_text
+    from tinylm.use.inspection import explain
 
     text = "the cat sat on the mat, and the dog sat on the log. "
     tok = CharTokenizer(sorted(set(text)))
@@ -283,8 +284,8 @@ def test_variant_decoding_step_runs_quantized_layers_and_greedy_equals_full_forw
         name) -> None:
     """The variants' fused decoding step (int8 Linear layers included) gives the greedy
     tokens of repeated full forwards of the same (quantized) model."""
-    from tinylm.quantize import quantize
-    from tinylm.sampling import generate
+    from tinylm.layers.quantize import quantize
+    from tinylm.use.sampling import generate
 
     model = build(name)
     quantize(model, include_head=not model.config.tie_embeddings)
@@ -303,7 +304,7 @@ def test_variant_decoding_step_runs_quantized_layers_and_greedy_equals_full_forw
 
 
 def test_run_toml_written_before_the_variants_still_reads(tmp_path) -> None:
-    from tinylm.config import read_toml
+    from tinylm.core.config import read_toml
 
     path = tmp_path / "run.toml"
     path.write_text("[model]\nn_layer = 2\nlayer_norm_eps = 1e-06\n[train]\nlr = 0.001\n")
@@ -321,7 +322,7 @@ def test_run_toml_written_before_the_variants_still_reads(tmp_path) -> None:
 ])
 def test_variant_checkpoint_with_a_bad_config_json_names_the_field(tmp_path, edit,
                                                                    message) -> None:
-    from tinylm.errors import CheckpointError
+    from tinylm.core.errors import CheckpointError
 
     dest = save_checkpoint(tmp_path / "ck", build("llama-gqa2"))
     path = dest / "config.json"

@@ -13,11 +13,11 @@ import pytest
 import torch
 import transformers
 
-from tinylm.attention import KVCache
 from tinylm.cli import main
-from tinylm.errors import CheckpointError, ConfigError
-from tinylm.hf import from_hf, read_hf_folder, to_hf, write_hf_folder
-from tinylm.sampling import generate
+from tinylm.core.decoding import KVCache
+from tinylm.core.errors import CheckpointError, ConfigError
+from tinylm.io.hf import from_hf, read_hf_folder, to_hf, write_hf_folder
+from tinylm.use.sampling import generate
 
 CONFIGS = {
     "Llama": transformers.LlamaConfig,
@@ -249,8 +249,8 @@ def test_convert_cli_round_trip_detects_the_family(tmp_path, capsys) -> None:
 
 
 def test_export_refuses_variants_no_family_has_by_name() -> None:
-    from tinylm.config import ModelConfig, resolve_arch
-    from tinylm.model import GPT
+    from tinylm.core.config import ModelConfig, resolve_arch
+    from tinylm.core.model import GPT
 
     modern = GPT(ModelConfig(**resolve_arch("modern", dict(vocab_size=40, context_length=8,
                                                             n_layer=1, n_head=2, n_embd=16))))

@@ -15,10 +15,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tinylm.checkpoint import load_train_state, read_config
 from tinylm.cli import main
-from tinylm.config import ModelConfig, TrainConfig
-from tinylm.training import read_metrics, train
+from tinylm.core.config import ModelConfig, TrainConfig
+from tinylm.io.checkpoint import load_train_state, read_config
+from tinylm.training.loop import read_metrics, train
 
 MODEL = dict(n_layer=2, n_head=4, n_kv_head=2, n_embd=32, context_length=32, dropout=0.1,
              norm="rmsnorm", position="rope", mlp="swiglu", qk_norm=True, bias=False,
@@ -38,8 +38,8 @@ def _one_thread():
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory) -> Path:
-    from tinylm.corpora import load_corpus
-    from tinylm.data import prepare
+    from tinylm.data.corpora import load_corpus
+    from tinylm.data.prepare import prepare
 
     root = tmp_path_factory.mktemp("arch-data")
     text = root / "text.txt"
@@ -63,8 +63,8 @@ def test_variant_kill_and_resume_is_bitwise_exact(data_dir, tmp_path) -> None:
     out = tmp_path / "run"
     script = textwrap.dedent("""
         import json, os, signal, sys
-        from tinylm.config import ModelConfig, TrainConfig
-        from tinylm.training import train
+        from tinylm.core.config import ModelConfig, TrainConfig
+        from tinylm.training.loop import train
 
         def on_step(step):
             if step == 7:  # between the checkpoints at 5 and 10

@@ -8,8 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tinylm.attention import (
-    KVCache,
+from tinylm.core.attention import (
     MultiHeadAttention,
     SingleHeadAttention,
     attention_scores,
@@ -17,6 +16,7 @@ from tinylm.attention import (
     causal_mask,
     explicit_attention,
 )
+from tinylm.core.decoding import KVCache
 
 
 def test_causal_mask_is_lower_triangular() -> None:

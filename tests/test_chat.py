@@ -11,8 +11,11 @@ import pytest
 import torch
 import transformers
 
-from tinylm import instructions
-from tinylm.chat import (
+from tinylm.core.config import ModelConfig
+from tinylm.core.errors import ConfigError, DataError
+from tinylm.core.model import GPT
+from tinylm.data import instructions
+from tinylm.data.chat import (
     BadRecord,
     messages_of_record,
     read_records,
@@ -20,14 +23,11 @@ from tinylm.chat import (
     render_with_mask,
     stop_ids,
 )
-from tinylm.chatdata import prepare_chat
-from tinylm.chatsession import ChatSession
-from tinylm.config import ModelConfig
-from tinylm.corpora import load_corpus
-from tinylm.errors import ConfigError, DataError
-from tinylm.hf import write_hf_folder
-from tinylm.model import GPT
-from tinylm.tokenizers import STANDARD_SPECIALS, BPETokenizer, CharTokenizer
+from tinylm.data.chatdata import prepare_chat
+from tinylm.data.corpora import load_corpus
+from tinylm.data.tokenizers import STANDARD_SPECIALS, BPETokenizer, CharTokenizer
+from tinylm.io.hf import write_hf_folder
+from tinylm.use.chatsession import ChatSession
 
 CONVERSATION = [
     {"role": "system", "content": "You answer in one line."},
@@ -273,7 +273,7 @@ def test_cli_prepare_chat_one_line_errors(tmp_path, char, capsys) -> None:
 
 @pytest.fixture()
 def chat_model(tmp_path, char):
-    from tinylm.checkpoint import save_checkpoint
+    from tinylm.io.checkpoint import save_checkpoint
 
     torch.manual_seed(0)
     model = GPT(ModelConfig(vocab_size=char.vocab_size, context_length=64, n_layer=1,

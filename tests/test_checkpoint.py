@@ -8,14 +8,14 @@ import pytest
 import torch
 
 from tinylm import GPT, CheckpointError, ModelConfig
-from tinylm.checkpoint import (
+from tinylm.io.checkpoint import (
     load_model,
     load_train_state,
     read_config,
     save_checkpoint,
     strip_wrapper_prefixes,
 )
-from tinylm.files import DiskFullError
+from tinylm.io.files import DiskFullError
 
 
 def small() -> GPT:

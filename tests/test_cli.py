@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tinylm.checkpoint import load_checkpoint
 from tinylm.cli import build_parser, main
+from tinylm.io.checkpoint import load_checkpoint
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 TEXT = ("The quick brown fox jumps over the lazy dog. " * 40
@@ -125,7 +125,7 @@ def test_every_computing_command_takes_threads() -> None:
 def test_threads_apply_to_the_whole_command(run_dir, capsys, monkeypatch, given, want) -> None:
     import torch
 
-    from tinylm import training
+    from tinylm.training import loop as training
 
     monkeypatch.setattr(training, "default_threads", lambda: 3)
     seen: list[int] = []
@@ -134,7 +134,7 @@ def test_threads_apply_to_the_whole_command(run_dir, capsys, monkeypatch, given,
     before = torch.get_num_threads()
     assert main(["sample", "--model", str(run_dir), "--max-new-tokens", "3", "--prompt",
                  "The", "--device", "cpu", *given]) == 0
-    assert seen[0] == (want or 3)  # --threads, else tinylm.config.default_threads()
+    assert seen[0] == (want or 3)  # --threads, else tinylm.core.config.default_threads()
     assert torch.get_num_threads() == before  # restored when the command ends
     seen.clear()
     assert main(["eval", "--model", str(run_dir), "--data", str(run_dir.parent / "data"),
@@ -146,7 +146,7 @@ def test_threads_apply_to_the_whole_command(run_dir, capsys, monkeypatch, given,
 def test_sample_allow_special_turns_a_spelled_token_into_its_id(run_dir, capsys,
                                                                  monkeypatch) -> None:
     """Issue 11 item 4: a prompt's "<|endoftext|>" is text unless --allow-special."""
-    from tinylm import sampling
+    from tinylm.use import sampling
 
     prompts = []
     real = sampling.generate_stream

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from tinylm import GPT, ModelConfig
-from tinylm.checkpoint import load_checkpoint, save_checkpoint
 from tinylm.cli import main
-from tinylm.data import prepare
-from tinylm.lowrank import structure_of
+from tinylm.data.prepare import prepare
+from tinylm.io.checkpoint import load_checkpoint, save_checkpoint
+from tinylm.layers.lowrank import structure_of
 
 TEXT = "the quick brown fox jumps over the lazy dog. attention is all you need!\n" * 40
 

@@ -10,11 +10,11 @@ import pytest
 import torch
 import transformers
 
-from tinylm.checkpoint import load_checkpoint, save_checkpoint
 from tinylm.cli import main
-from tinylm.config import ModelConfig
-from tinylm.model import GPT
-from tinylm.tokenizers import BPETokenizer, CharTokenizer
+from tinylm.core.config import ModelConfig
+from tinylm.core.model import GPT
+from tinylm.data.tokenizers import BPETokenizer, CharTokenizer
+from tinylm.io.checkpoint import load_checkpoint, save_checkpoint
 
 TEXT = "This is a pen. That is a book.\nこれはペンです。 naïve café " * 20
 SAMPLE = "This is a book. これは本です。 <|endoftext|> x\n  y"

@@ -16,17 +16,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import tinylm.data as data_mod
-from tinylm.corpora import load_corpus
-from tinylm.data import (
+import tinylm.data.prepare as data_mod
+from tinylm.core.errors import DataError
+from tinylm.data.corpora import load_corpus
+from tinylm.data.prepare import (
     dtype_for_vocab,
     get_batch,
     iter_windows,
     load_prepared,
     prepare,
 )
-from tinylm.errors import DataError
-from tinylm.tokenizers import STANDARD_SPECIALS, CharTokenizer, load_tokenizer
+from tinylm.data.tokenizers import STANDARD_SPECIALS, CharTokenizer, load_tokenizer
 
 JAPANESE = "言語モデルは次のトークンを予測する。注意機構🌤️\n"
 
@@ -194,7 +194,7 @@ def test_big_jsonl_corpus_prepares_in_flat_memory(tmp_path) -> None:
     # (shared pages counted once), sampled by a thread, minus what it was before.
     script = textwrap.dedent(f"""
         import json, threading, time, psutil
-        from tinylm.data import prepare
+        from tinylm.data.prepare import prepare
         me = psutil.Process()
         def pss():
             total = 0

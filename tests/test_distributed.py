@@ -29,11 +29,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tinylm.checkpoint import is_sharded, load_checkpoint, load_train_state
 from tinylm.cli import main
-from tinylm.config import ModelConfig, TrainConfig
-from tinylm.errors import CheckpointError, ConfigError
-from tinylm.training import export_checkpoint, read_metrics, train
+from tinylm.core.config import ModelConfig, TrainConfig
+from tinylm.core.errors import CheckpointError, ConfigError
+from tinylm.io.checkpoint import is_sharded, load_checkpoint, load_train_state
+from tinylm.training.loop import export_checkpoint, read_metrics, train
 
 HERE = Path(__file__).parent
 MODEL = dict(n_layer=2, n_head=2, n_embd=32, context_length=32, dropout=0.0)
@@ -56,8 +56,8 @@ def _one_thread():
 
 
 def _prepare(root: Path, chars: int) -> Path:
-    from tinylm.corpora import load_corpus
-    from tinylm.data import prepare
+    from tinylm.data.corpora import load_corpus
+    from tinylm.data.prepare import prepare
 
     text = root / "text.txt"
     text.write_text(load_corpus("python-docs")[:chars], encoding="utf-8")
@@ -324,7 +324,7 @@ def test_a_kill_inside_a_sharded_save_keeps_one_complete_checkpoint(data_dir, tm
     after, and ends like an uninterrupted run (one process, fsdp layout)."""
     import signal
 
-    import tinylm.checkpoint as ck
+    import tinylm.io.checkpoint as ck
 
     cfg = TrainConfig(**{**TRAIN, "grad_accum": 6, "strategy": "fsdp"})
     out = tmp_path / "run"

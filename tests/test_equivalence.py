@@ -25,12 +25,12 @@ import torch
 from torch import nn
 
 from tinylm import GPT, ModelConfig, generate, native
-from tinylm.config import ModelConfig as _Config
-from tinylm.decoding import Decoder
-from tinylm.lowrank import compress
-from tinylm.model import lm_loss
+from tinylm.core.config import ModelConfig as _Config
+from tinylm.core.decoding import Decoder
+from tinylm.core.model import lm_loss
+from tinylm.layers.lowrank import compress
+from tinylm.layers.quantize import quantize
 from tinylm.native import functions
-from tinylm.quantize import quantize
 
 NATIVE = os.environ.get("TINYLM_NATIVE") != "0"
 LOSS_TOL = dict(rtol=1e-5, atol=1e-6)

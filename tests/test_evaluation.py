@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from tinylm.config import ModelConfig
-from tinylm.errors import ConfigError, DataError
-from tinylm.evaluation import bits_per_byte, evaluate
-from tinylm.model import GPT, lm_loss
+from tinylm.core.config import ModelConfig
+from tinylm.core.errors import ConfigError, DataError
+from tinylm.core.model import GPT, lm_loss
+from tinylm.use.evaluation import bits_per_byte, evaluate
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +75,7 @@ def test_sharded_split_is_read_in_place_and_scores_like_one_array(model: GPT,
     """A split of several memory-mapped shards (issue 17): evaluate reads its windows
     from the shards (never the whole split as one array) and gives the loss of the same
     tokens as one array, with windows that straddle shard boundaries."""
-    from tinylm.shards import TokenShards
+    from tinylm.data.shards import TokenShards
 
     ids = np.random.default_rng(0).integers(0, 37, 301).astype(np.uint16)
     shards = TokenShards([ids[:100], ids[100:170], ids[170:]])
@@ -137,8 +137,8 @@ TEXT = "This is a pen. これはペンです。\n" * 30
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory):
     """A prepared char dataset and a tiny random model saved with its tokenizer."""
-    from tinylm.checkpoint import save_checkpoint
-    from tinylm.data import prepare
+    from tinylm.data.prepare import prepare
+    from tinylm.io.checkpoint import save_checkpoint
 
     root = tmp_path_factory.mktemp("eval")
     (root / "corpus.txt").write_text(TEXT, encoding="utf-8")
@@ -152,7 +152,7 @@ def run(tmp_path_factory: pytest.TempPathFactory):
 
 
 def test_decoded_bytes_counts_utf8(run) -> None:
-    from tinylm.evaluation import decoded_bytes
+    from tinylm.use.evaluation import decoded_bytes
 
     _root, data, _m, _ckpt = run
     tok = data.tokenizer
@@ -163,8 +163,8 @@ def test_decoded_bytes_counts_utf8(run) -> None:
 
 
 def test_decoded_bytes_never_splits_a_character() -> None:
-    from tinylm.evaluation import decoded_bytes
-    from tinylm.tokenizers import BPETokenizer
+    from tinylm.data.tokenizers import BPETokenizer
+    from tinylm.use.evaluation import decoded_bytes
 
     text = "日本語のテキスト。" * 20 + "naïve café"
     tok = BPETokenizer.train([text], vocab_size=260)  # few merges: characters span tokens
@@ -174,7 +174,7 @@ def test_decoded_bytes_never_splits_a_character() -> None:
 
 
 def test_split_and_text_results(run) -> None:
-    from tinylm.evaluation import evaluate_split, evaluate_text
+    from tinylm.use.evaluation import evaluate_split, evaluate_text
 
     root, data, m, _ckpt = run
     r = evaluate_split(m, data.tokenizer, root / "data", "val")
@@ -192,7 +192,7 @@ def test_cli_eval_text_and_json(run, capsys) -> None:
     import json
 
     from tinylm.cli import main
-    from tinylm.evaluation import evaluate_split
+    from tinylm.use.evaluation import evaluate_split
 
     root, data, m, ckpt = run
     assert main(["eval", "--model", str(ckpt), "--data", str(root / "data"), "--json"]) == 0
@@ -223,9 +223,9 @@ def test_cli_eval_bad_flags(run, capsys, args: list[str], message: str) -> None:
 
 
 def test_cli_eval_bad_inputs(run, tmp_path, capsys) -> None:
-    from tinylm.checkpoint import save_checkpoint
     from tinylm.cli import main
-    from tinylm.data import prepare
+    from tinylm.data.prepare import prepare
+    from tinylm.io.checkpoint import save_checkpoint
 
     root, data, m, ckpt = run
     # Data prepared with another tokenizer (a different alphabet).

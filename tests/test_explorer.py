@@ -1,4 +1,4 @@
-"""tinylm.explorer: the data behind the explorer page, the page itself, `explain --html`."""
+"""tinylm.use.explorer: the data behind the explorer page, the page itself, `explain --html`."""
 
 from __future__ import annotations
 
@@ -12,11 +12,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tinylm.checkpoint import save_checkpoint
 from tinylm.cli import main
-from tinylm.config import ModelConfig, read_toml
-from tinylm.errors import ConfigError, DataError
-from tinylm.explorer import (
+from tinylm.core.config import ModelConfig, read_toml
+from tinylm.core.errors import ConfigError, DataError
+from tinylm.core.model import GPT
+from tinylm.data.tokenizers import CharTokenizer
+from tinylm.io.checkpoint import save_checkpoint
+from tinylm.use.explorer import (
     decode_tensor,
     encode_tensor,
     explorer_data,
@@ -24,9 +26,7 @@ from tinylm.explorer import (
     low_rank,
     render_explorer,
 )
-from tinylm.inspection import explain, plot_attention, trace
-from tinylm.model import GPT
-from tinylm.tokenizers import CharTokenizer
+from tinylm.use.inspection import explain, plot_attention, trace
 
 ALPHABET = "This apen.\n日本語<>/\"'&{}jcrt"
 PROMPT = "This is a pen ."
@@ -232,7 +232,7 @@ def test_cli_bad_input_writes_nothing(checkpoint: Path, tmp_path: Path, capsys, 
         extra = extra[:-1]
         variant = _RMSNormModel(ModelConfig(vocab_size=20, context_length=24, n_layer=1,
                                             n_head=1, n_embd=8))
-        monkeypatch.setattr("tinylm.explorer.load_checkpoint",
+        monkeypatch.setattr("tinylm.use.explorer.load_checkpoint",
                             lambda path, device: (variant, CharTokenizer(ALPHABET)))
     out = tmp_path / "out"
     out.mkdir()
@@ -248,7 +248,7 @@ def test_cli_bad_input_writes_nothing(checkpoint: Path, tmp_path: Path, capsys, 
 def test_a_compressed_model_is_explored_through_its_factors(tokenizer: CharTokenizer) -> None:
     """tinylm compress's LowRankLinear layers go through the same trace: a head whose
     W_v^i·W_o^i comes from rank-3 factors shows at most 3 non-zero singular values."""
-    from tinylm.lowrank import LowRankLinear
+    from tinylm.layers.lowrank import LowRankLinear
 
     torch.manual_seed(2)
     m = GPT(ModelConfig(vocab_size=tokenizer.vocab_size, context_length=16, n_layer=1,

@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from tinylm.checkpoint import load_checkpoint
-from tinylm.config import ModelConfig, read_toml
-from tinylm.explorer import explorer_data, render_explorer
-from tinylm.inspection import trace
-from tinylm.model import GPT
-from tinylm.tokenizers import CharTokenizer
+from tinylm.core.config import ModelConfig, read_toml
+from tinylm.core.model import GPT
+from tinylm.data.tokenizers import CharTokenizer
+from tinylm.io.checkpoint import load_checkpoint
+from tinylm.use.explorer import explorer_data, render_explorer
+from tinylm.use.inspection import trace
 
 CHROMIUM = "/usr/bin/chromium"
 ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",

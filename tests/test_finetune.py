@@ -12,16 +12,16 @@ import numpy as np
 import pytest
 import torch
 
-from tinylm.chatdata import load_chat_data, prepare_chat
-from tinylm.checkpoint import load_checkpoint, read_config, read_tensors, save_checkpoint
 from tinylm.cli import main
-from tinylm.config import ModelConfig
-from tinylm.errors import CheckpointError, DataError
-from tinylm.evaluation import estimate_loss
-from tinylm.finetune import finetune, merge
-from tinylm.lora import is_adapter_key
-from tinylm.model import GPT
-from tinylm.tokenizers import STANDARD_SPECIALS, CharTokenizer
+from tinylm.core.config import ModelConfig
+from tinylm.core.errors import CheckpointError, DataError
+from tinylm.core.model import GPT
+from tinylm.data.chatdata import load_chat_data, prepare_chat
+from tinylm.data.tokenizers import STANDARD_SPECIALS, CharTokenizer
+from tinylm.io.checkpoint import load_checkpoint, read_config, read_tensors, save_checkpoint
+from tinylm.layers.lora import is_adapter_key
+from tinylm.training.finetune import finetune, merge
+from tinylm.use.evaluation import estimate_loss
 
 C = 31  # context length: rows of 32 tokens
 QA = [{"prompt": f"what is {i}?", "completion": f"it is {i}."} for i in range(60)]

@@ -18,14 +18,14 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 from tinylm import GPT, ModelConfig, load_checkpoint, save_checkpoint
-from tinylm import config as config_module
-from tinylm.checkpoint import build_model, load_model, read_config
 from tinylm.cli import main
-from tinylm.config import check_model_fits, estimate_parameters
-from tinylm.errors import CheckpointError, ConfigError, DataError, TinyLMError
-from tinylm.jsonio import parse_json, read_json
-from tinylm.sampling import SamplingConfig, check_generation, next_token_probs
-from tinylm.tokenizers import CharTokenizer
+from tinylm.core import config as config_module
+from tinylm.core.config import check_model_fits, estimate_parameters
+from tinylm.core.errors import CheckpointError, ConfigError, DataError, TinyLMError
+from tinylm.data.tokenizers import CharTokenizer
+from tinylm.io.checkpoint import build_model, load_model, read_config
+from tinylm.io.jsonio import parse_json, read_json
+from tinylm.use.sampling import SamplingConfig, check_generation, next_token_probs
 
 TEXT = "hello world, this is a pen.\n"
 
@@ -133,7 +133,7 @@ def test_config_json_invalid_utf8_and_oversized(ckpt, tmp_path, monkeypatch) -> 
     with pytest.raises(CheckpointError, match="not UTF-8"):
         read_config(folder)
     (folder / "config.json").write_text(json.dumps({"format": "tinylm", "pad": "x" * 5000}))
-    monkeypatch.setattr("tinylm.checkpoint.CONFIG_MAX_BYTES", 1000)
+    monkeypatch.setattr("tinylm.io.checkpoint.CONFIG_MAX_BYTES", 1000)
     with pytest.raises(CheckpointError, match="more than the 1,000"):
         read_config(folder)
 
@@ -345,7 +345,7 @@ def test_tiny_temperature_is_greedy_not_nan() -> None:
 
 
 def test_generation_memory_estimate(monkeypatch) -> None:
-    monkeypatch.setattr("tinylm.sampling.available_memory", lambda device="cpu": 64 * 10**6)
+    monkeypatch.setattr("tinylm.use.sampling.available_memory", lambda device="cpu": 64 * 10**6)
     check_generation(100_000, 9)  # 900k tokens x 64 bytes = 57.6 MB fits
     with pytest.raises(ConfigError, match=r"10 samples of 100,000 new tokens need about "
                                           r"64\.0 MB of memory on cpu .* only 64\.0 MB"):
@@ -354,7 +354,7 @@ def test_generation_memory_estimate(monkeypatch) -> None:
     # per sample: 1 fits in 100 MB, 2 do not
     gpt2 = ModelConfig(vocab_size=50257, context_length=1024, n_layer=12, n_head=12,
                        n_embd=768)
-    monkeypatch.setattr("tinylm.sampling.available_memory", lambda device="cpu": 100 * 10**6)
+    monkeypatch.setattr("tinylm.use.sampling.available_memory", lambda device="cpu": 100 * 10**6)
     check_generation(10, 1, model_config=gpt2)
     with pytest.raises(ConfigError, match=r"2 samples of 10 new tokens need about 151\.8 MB"):
         check_generation(10, 2, model_config=gpt2)
@@ -499,7 +499,7 @@ def test_pickles_are_refused_on_a_torch_with_known_weights_only_bypasses(
     folder = tmp_path / "hf"
     shutil.copytree(hf_config_dir, folder)
     torch.save({"transformer.wte.weight": torch.zeros(2)}, folder / "pytorch_model.bin")
-    monkeypatch.setattr("tinylm.hf._torch_version", lambda: (2, 5))
+    monkeypatch.setattr("tinylm.io.hf._torch_version", lambda: (2, 5))
     line = one_line_exit_2(["convert", "--from-hf", str(folder), "--out",
                             str(tmp_path / "o")], capsys, "convert")
     assert "cannot read pickles safely (needs >= 2.10)" in line

@@ -7,8 +7,8 @@ import torch
 import transformers
 
 from tinylm import GPT, ConfigError, ModelConfig
-from tinylm.attention import KVCache
-from tinylm.hf import from_hf, to_hf
+from tinylm.core.decoding import KVCache
+from tinylm.io.hf import from_hf, to_hf
 
 SHAPES = [
     # (vocab, positions, n_embd, n_layer, n_head, tie)

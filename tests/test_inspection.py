@@ -10,19 +10,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tinylm.checkpoint import save_checkpoint
 from tinylm.cli import main
-from tinylm.config import ModelConfig
-from tinylm.errors import ConfigError, DataError
-from tinylm.inspection import (
+from tinylm.core.config import ModelConfig
+from tinylm.core.errors import ConfigError, DataError
+from tinylm.core.model import GPT
+from tinylm.data.tokenizers import CharTokenizer
+from tinylm.io.checkpoint import save_checkpoint
+from tinylm.use.inspection import (
     display_token,
     display_width,
     explain,
     format_table,
     nearest_tokens,
 )
-from tinylm.model import GPT
-from tinylm.tokenizers import CharTokenizer
 
 ALPHABET = "This apen.\n日本語<>/\"'&"
 PROMPT = "This is a pen ."

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from tinylm import native
-from tinylm.attention import RMSNorm, apply_rope, repeat_kv, rope_angles
+from tinylm.core.attention import RMSNorm, apply_rope, repeat_kv, rope_angles
 from tinylm.native import build, ops
 from tinylm.native.decoding import packed_weight
 from tinylm.native.functions import FeedForwardFn

@@ -9,9 +9,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tinylm.config import ModelConfig
-from tinylm.errors import CheckpointError, ConfigError
-from tinylm.lora import (
+from tinylm.core.config import ModelConfig
+from tinylm.core.errors import CheckpointError, ConfigError
+from tinylm.core.model import GPT
+from tinylm.layers.lora import (
     TARGETS,
     LoRALinear,
     adapter_parameters,
@@ -20,7 +21,6 @@ from tinylm.lora import (
     lora_structure,
     merge_lora,
 )
-from tinylm.model import GPT
 
 CFG = ModelConfig(vocab_size=61, context_length=16, n_layer=2, n_head=2, n_embd=32,
                   dropout=0.0)
@@ -206,7 +206,7 @@ def test_structure_round_trip_and_bad_settings() -> None:
 
 
 def test_hugging_face_export_of_a_lora_model_carries_the_adapters() -> None:
-    from tinylm.hf import to_hf
+    from tinylm.io.hf import to_hf
 
     model = apply_lora(_model(), 2).eval()
     _randomise_adapters(model)

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from tinylm import GPT, ConfigError, ModelConfig
-from tinylm.checkpoint import load_checkpoint, save_checkpoint
-from tinylm.lowrank import (
+from tinylm.io.checkpoint import load_checkpoint, save_checkpoint
+from tinylm.layers.lowrank import (
     LayerSpectrum,
     LowRankLinear,
     apply_structure,
@@ -242,9 +242,10 @@ def test_lowrank_depends_only_on_torch_config_and_errors() -> None:
     import ast
     from pathlib import Path
 
-    import tinylm.lowrank
+    import tinylm.layers.lowrank
 
-    tree = ast.parse(Path(tinylm.lowrank.__file__).read_text(encoding="utf-8"))
+    tree = ast.parse(Path(tinylm.layers.lowrank.__file__).read_text(encoding="utf-8"))
     ours = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
             and n.module and n.module.startswith("tinylm")}
-    assert ours <= {"tinylm.config", "tinylm.errors", "tinylm.plotting"}, ours  # leaves
+    # leaves
+    assert ours <= {"tinylm.core.config", "tinylm.core.errors", "tinylm.use.plotting"}, ours

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from tinylm import GPT, ConfigError, ModelConfig
-from tinylm.attention import KVCache
-from tinylm.model import lm_loss, parameter_count
+from tinylm.core.decoding import KVCache
+from tinylm.core.model import lm_loss, parameter_count
 
 
 def tiny(**kw) -> ModelConfig:

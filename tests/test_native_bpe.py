@@ -15,10 +15,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tinylm import acceleration, native
-from tinylm.data import _encoder, prepare
-from tinylm.errors import DataError
+from tinylm.core.errors import DataError
+from tinylm.data.prepare import _encoder, prepare
+from tinylm.data.tokenizers import BPETokenizer, load_tokenizer
 from tinylm.native import bpe
-from tinylm.tokenizers import BPETokenizer, load_tokenizer
 
 pytestmark = pytest.mark.skipif(os.environ.get("TINYLM_NATIVE") == "0",
                                 reason="the native encoder is off (TINYLM_NATIVE=0)")
@@ -173,7 +173,7 @@ def test_lone_surrogates_are_refused_as_hf_refuses_them(trained) -> None:
 def test_it_steps_aside_for_what_it_does_not_reproduce(trained, monkeypatch) -> None:
     import tokenizers
 
-    from tinylm.data import _encoder as encoder_of
+    from tinylm.data.prepare import _encoder as encoder_of
 
     hf = tokenizers.Tokenizer.from_str(trained.hf.to_str())
     hf.normalizer = tokenizers.normalizers.NFC()

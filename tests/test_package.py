@@ -44,9 +44,10 @@ def _imports(path: Path) -> set[str]:
 
 
 def test_the_reference_model_imports_no_acceleration() -> None:
-    allowed = {"torch", "tinylm.config", "tinylm.errors", "tinylm.attention", "math",
-               "__future__"}
-    for name in ("attention.py", "model.py"):
+    # tinylm.core.decoding under TYPE_CHECKING only: the KV cache's type, for annotations
+    allowed = {"torch", "tinylm.core.config", "tinylm.core.errors", "tinylm.core.attention",
+               "tinylm.core.decoding", "math", "typing", "__future__"}
+    for name in ("core/attention.py", "core/model.py"):
         bad = {m for m in _imports(SRC / name)
                if not any(m == a or m.startswith(a + ".") for a in allowed)}
         assert not bad, f"{name} imports {bad}"
@@ -64,20 +65,19 @@ def test_only_the_acceleration_door_imports_the_native_package() -> None:
 
 
 def test_the_native_package_sits_below_the_uses() -> None:
-    # tinylm.quantize and tinylm.lora hold the replaced layers QuantizedLinear and
+    # tinylm.layers.quantize and tinylm.layers.lora hold the replaced layers QuantizedLinear and
     # LoRALinear (reference math) at module level and import only torch and errors there
     # (checked below); their uses import lazily.
-    allowed = {"tinylm.attention", "tinylm.config", "tinylm.decoding", "tinylm.errors",
-               "tinylm.lora", "tinylm.model", "tinylm.native", "tinylm.quantize"}
+    allowed = {"tinylm.core", "tinylm.layers.lora", "tinylm.native", "tinylm.layers.quantize"}
     stdlib_ = set(sys.stdlib_module_names) | {"__future__"}
-    for layer_module in ("quantize.py", "lora.py"):
+    for layer_module in ("layers/quantize.py", "layers/lora.py"):
         top_level = [n for n in ast.parse((SRC / layer_module).read_text()).body
                      if isinstance(n, (ast.Import, ast.ImportFrom))]
         for node in top_level:
             names = [node.module] if isinstance(node, ast.ImportFrom) else \
                 [a.name for a in node.names]
             for m in names:
-                assert m.split(".")[0] in stdlib_ | {"torch"} or m == "tinylm.errors", m
+                assert m.split(".")[0] in stdlib_ | {"torch"} or m == "tinylm.core.errors", m
     stdlib = set(sys.stdlib_module_names) | {"__future__", "_ctypes"}
     for path in (SRC / "native").glob("*.py"):
         for m in _imports(path):
@@ -90,8 +90,9 @@ def test_the_native_package_sits_below_the_uses() -> None:
 
 
 # Files whose imports must all be at module level (the dependency graph in plain sight).
-MODULE_LEVEL_IMPORTS = ["model.py", "attention.py", "decoding.py", "acceleration.py",
-                        "sampling.py", *(f"native/{p.name}" for p in (SRC / "native").glob("*.py"))]
+MODULE_LEVEL_IMPORTS = ["core/model.py", "core/attention.py", "core/decoding.py",
+                        "acceleration.py", "use/sampling.py",
+                        *(f"native/{p.name}" for p in (SRC / "native").glob("*.py"))]
 
 
 def test_no_function_level_imports_in_the_model_and_native_files() -> None:
@@ -129,7 +130,7 @@ class Hide(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, Hide())
 import torch
 from tinylm import GPT, ModelConfig, acceleration, generate
-from tinylm.evaluation import evaluate
+from tinylm.use.evaluation import evaluate
 assert acceleration.native is None
 m = GPT(ModelConfig(vocab_size=17, context_length=16, n_layer=1, n_head=2, n_embd=32))
 plan = acceleration.accelerate(m, "cpu")

@@ -1,4 +1,4 @@
-"""tinylm.quantize: the int8 scheme against closed-form bounds, the replaced layer, the
+"""tinylm.layers.quantize: the int8 scheme against closed-form bounds, the replaced layer, the
 checkpoint round trip, `tinylm quantize` end to end, and every command loading it."""
 
 from __future__ import annotations
@@ -12,20 +12,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from tinylm import GPT, ModelConfig, acceleration, native
-from tinylm.checkpoint import load_checkpoint, save_checkpoint
 from tinylm.cli import main
-from tinylm.data import prepare
-from tinylm.decoding import Decoder
-from tinylm.errors import ConfigError
-from tinylm.native.decoding import INT8_PREFILL_ROWS
-from tinylm.quantize import (
+from tinylm.core.decoding import Decoder
+from tinylm.core.errors import ConfigError
+from tinylm.data.prepare import prepare
+from tinylm.io.checkpoint import load_checkpoint, save_checkpoint
+from tinylm.layers.quantize import (
     QuantizedLinear,
     dequantize_weight,
     quantize,
     quantize_weight,
     structure_of,
 )
-from tinylm.sampling import generate
+from tinylm.native.decoding import INT8_PREFILL_ROWS
+from tinylm.use.sampling import generate
 
 TEXT = "the quick brown fox jumps over the lazy dog. attention is all you need!\n" * 40
 
@@ -342,8 +342,8 @@ def test_serve_answers_from_the_quantized_checkpoint(setup) -> None:
     import httpx  # the [serve] and [dev] extras, which make test installs
 
     from serve_support import live_server
-    from tinylm.sampling import generate_text
     from tinylm.serve import make_server
+    from tinylm.use.sampling import generate_text
 
     make_server(setup / "q")  # the serve command's checks accept the folder
     model, tok = load_checkpoint(setup / "q")
@@ -360,8 +360,8 @@ def test_a_llama_layout_quantizes_and_every_command_loads_it(setup, tmp_path, ca
     grouped-query attention, untied head) quantizes with every Linear in int8; sample,
     eval and explain load it, and the dequantized Hugging Face export gives its logits."""
     transformers = pytest.importorskip("transformers")
-    from tinylm.config import resolve_arch
-    from tinylm.data import load_prepared
+    from tinylm.core.config import resolve_arch
+    from tinylm.data.prepare import load_prepared
 
     data = load_prepared(setup / "data")
     torch.manual_seed(1)

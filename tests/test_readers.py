@@ -17,8 +17,8 @@ import pytest
 import zstandard
 
 from tinylm.cli import main
-from tinylm.data import load_prepared, prepare
-from tinylm.errors import DataError
+from tinylm.core.errors import DataError
+from tinylm.data.prepare import load_prepared, prepare
 
 EOT = "<|endoftext|>"
 DOCS = [
@@ -244,7 +244,7 @@ def test_non_utf8_file_names_work_and_errors_name_them(tmp_path, capsys) -> None
 
 
 def test_units_cover_a_jsonl_file_in_whole_lines(tmp_path) -> None:
-    from tinylm.readers import BadRecords, file_source, iter_unit, iter_units
+    from tinylm.data.readers import BadRecords, file_source, iter_unit, iter_units
 
     texts = [f"doc {i} " + "x" * (i * 37 % 300) for i in range(60)] + ["y" * 5000, "last"]
     path = tmp_path / "d.jsonl"
@@ -272,7 +272,7 @@ def test_units_cover_a_jsonl_file_in_whole_lines(tmp_path) -> None:
 
 
 def test_units_get_smaller_near_the_end(tmp_path) -> None:
-    from tinylm.readers import MIN_UNIT_BYTES, file_source, iter_units
+    from tinylm.data.readers import MIN_UNIT_BYTES, file_source, iter_units
 
     path = tmp_path / "big.jsonl"
     line = json.dumps({"text": "z" * 1000}) + "\n"
@@ -303,7 +303,7 @@ FAST_CASES = [
 def test_fast_jsonl_path_agrees_with_json_loads(line, field) -> None:
     """json's C scanner, called directly, either gives what json.loads and the record
     checks give or hands the line to them (blank, indented, bad or odd lines)."""
-    from tinylm.readers import _SLOW, BadRecords, _fast_text, _record
+    from tinylm.data.readers import _SLOW, BadRecords, _fast_text, _record
 
     path = field.split(".")
     fast = _fast_text(line, path)

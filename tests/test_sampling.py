@@ -17,8 +17,9 @@ from tinylm import (
     save_checkpoint,
 )
 from tinylm.cli import main
-from tinylm.errors import ConfigError, DataError
-from tinylm.sampling import (
+from tinylm.core.errors import ConfigError, DataError
+from tinylm.data.tokenizers import BPETokenizer, CharTokenizer
+from tinylm.use.sampling import (
     SamplingConfig,
     TextStream,
     apply_temperature,
@@ -27,7 +28,6 @@ from tinylm.sampling import (
     top_k_filter,
     top_p_filter,
 )
-from tinylm.tokenizers import BPETokenizer, CharTokenizer
 
 JAPANESE = "これはペンです。吾輩は猫である。名前はまだ無い。"
 CORPUS = JAPANESE + " This is a pen. Hello, world!\n"
@@ -140,7 +140,7 @@ def test_same_seed_same_tokens() -> None:
 def test_sliding_window_matches_recomputation_on_the_last_window(caplog) -> None:
     model = tiny(context_length=8)
     prompt = torch.randint(0, 40, (2, 5))
-    with caplog.at_level("INFO", logger="tinylm.sampling"):
+    with caplog.at_level("INFO", logger="tinylm.use.sampling"):
         out = generate(model, prompt, 30, temperature=0)
     assert torch.equal(out, greedy_by_full_forwards(model, prompt, 30))
     assert sum("sliding the window" in r.message for r in caplog.records) == 1

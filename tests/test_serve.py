@@ -20,10 +20,10 @@ from serve_support import (
     one_torch_thread,  # noqa: F401  (autouse: one torch thread)
     tiny_model_and_tokenizer,
 )
-from tinylm.inspection import explain
-from tinylm.sampling import generate_text
 from tinylm.serve.app import Server, Settings
 from tinylm.serve.schemas import Limits, parse_completion
+from tinylm.use.inspection import explain
+from tinylm.use.sampling import generate_text
 
 MODEL = "tiny"
 
@@ -293,7 +293,7 @@ def test_cli_serve_end_to_end(tmp_path):
     import subprocess
     import sys
 
-    from tinylm.checkpoint import save_checkpoint
+    from tinylm.io.checkpoint import save_checkpoint
 
     model, tok = tiny_model_and_tokenizer()
     save_checkpoint(tmp_path / "ckpt", model, tok)
@@ -338,13 +338,13 @@ def test_cli_serve_refuses_bad_setups(tmp_path, capsys, monkeypatch, argv, messa
 
 
 def test_chat_completions_use_the_models_chat_template():
-    """/v1/chat/completions renders messages with tinylm.chat (the tokenizer's chat
+    """/v1/chat/completions renders messages with tinylm.data.chat (the tokenizer's chat
     template: role token, content, <|end|>, then <|assistant|>) and stops at <|end|>."""
     from serve_support import TEXT
     from serve_support import tiny_model_and_tokenizer as tiny
     from tinylm import generate
-    from tinylm.chat import render_chat, stop_ids
-    from tinylm.tokenizers import CHAT_TEMPLATE, STANDARD_SPECIALS, BPETokenizer
+    from tinylm.data.chat import render_chat, stop_ids
+    from tinylm.data.tokenizers import CHAT_TEMPLATE, STANDARD_SPECIALS, BPETokenizer
 
     tok = BPETokenizer.train([TEXT * 4], vocab_size=300, special_tokens=STANDARD_SPECIALS)
     assert tok.chat_template == CHAT_TEMPLATE

@@ -17,18 +17,18 @@ from serve_support import (
     tiny_model_and_tokenizer,
 )
 from tinylm import generate
-from tinylm.attention import KVCache, RaggedKVCache
-from tinylm.config import ModelConfig
-from tinylm.model import GPT
-from tinylm.sampling import generate_text
+from tinylm.core.config import ModelConfig
+from tinylm.core.decoding import KVCache, RaggedKVCache
+from tinylm.core.model import GPT
 from tinylm.serve.engine import End, Engine, QueueFull, Request, Token
+from tinylm.use.sampling import generate_text
 
 
 @pytest.fixture(scope="module", params=["gpt2", "llama-gqa"])
 def model(request):
     """GPT-2's layout, and Llama's (RMSNorm, RoPE: each row's own positions rotate its
     queries and keys; SwiGLU; 4 query heads sharing 2 key/value heads)."""
-    from tinylm.config import ARCH_PRESETS
+    from tinylm.core.config import ARCH_PRESETS
 
     torch.manual_seed(0)
     arch = dict(ARCH_PRESETS["llama"], n_head=4, n_kv_head=2) \
@@ -97,7 +97,7 @@ def test_engine_answers_equal_generate_alone(model):
     different steps (some outgrow the context of 24 and slide); greedy answers equal
     tinylm.generate for each prompt alone, sampled ones with a seed too."""
     rng = random.Random(0)
-    from tinylm.sampling import SamplingConfig
+    from tinylm.use.sampling import SamplingConfig
     reqs = []
     for i in range(24):
         prompt = [rng.randrange(50) for _ in range(rng.randint(1, 20))]

@@ -11,7 +11,7 @@ from serve_support import (
     one_torch_thread,  # noqa: F401  (autouse: one torch thread)
     tiny_model_and_tokenizer,
 )
-from tinylm.explorer import explorer_data
+from tinylm.use.explorer import explorer_data
 
 CHROMIUM = "/usr/bin/chromium"
 ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",

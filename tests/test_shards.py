@@ -12,16 +12,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import tinylm.data as data_mod
+import tinylm.data.prepare as data_mod
 from tinylm.cli import main
-from tinylm.config import ModelConfig, TrainConfig
-from tinylm.corpora import load_corpus
-from tinylm.data import get_batch, iter_windows, load_prepared, prepare
-from tinylm.errors import DataError
-from tinylm.evaluation import evaluate
-from tinylm.model import GPT
-from tinylm.shards import TokenShards
-from tinylm.training import train
+from tinylm.core.config import ModelConfig, TrainConfig
+from tinylm.core.errors import DataError
+from tinylm.core.model import GPT
+from tinylm.data.corpora import load_corpus
+from tinylm.data.prepare import get_batch, iter_windows, load_prepared, prepare
+from tinylm.data.shards import TokenShards
+from tinylm.training.loop import train
+from tinylm.use.evaluation import evaluate
 
 EOT = "<|endoftext|>"
 
@@ -120,7 +120,7 @@ def test_workers_reading_units_write_what_one_process_writes(jsonl, tmp_path, mo
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    import tinylm.readers as readers_mod
+    import tinylm.data.readers as readers_mod
 
     docs = _docs(40)
     mixed = tmp_path / "mixed.jsonl"
@@ -197,7 +197,7 @@ def test_parquet_counted_from_metadata_must_match_its_rows(tmp_path, monkeypatch
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    import tinylm.readers as readers_mod
+    import tinylm.data.readers as readers_mod
 
     docs = _docs(12)
     path = tmp_path / "lies.parquet"
@@ -321,7 +321,7 @@ def test_bad_meta_or_ids_is_a_one_line_error(case, tmp_path, capsys) -> None:
 def test_shard_writer_syncs_behind_and_reports_a_failed_sync(tmp_path, monkeypatch) -> None:
     import os
 
-    import tinylm.shards as shards_mod
+    import tinylm.data.shards as shards_mod
 
     synced: list[int] = []
     real_fsync = os.fsync
@@ -355,7 +355,7 @@ def test_write_from_a_part_file_across_shards(tmp_path, monkeypatch, kernel) -> 
     import errno
     import os
 
-    import tinylm.shards as shards_mod
+    import tinylm.data.shards as shards_mod
 
     if kernel == "exdev":  # another file system: read and write instead
         def refuse(*a, **k):

@@ -10,11 +10,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tinylm.config import ModelConfig
-from tinylm.errors import ConfigError, DataError
-from tinylm.inspection import SHAPES, Trace, ablated_logits, ablation_keys, explain, trace
-from tinylm.model import GPT
-from tinylm.tokenizers import CharTokenizer
+from tinylm.core.config import ModelConfig
+from tinylm.core.errors import ConfigError, DataError
+from tinylm.core.model import GPT
+from tinylm.data.tokenizers import CharTokenizer
+from tinylm.use.inspection import SHAPES, Trace, ablated_logits, ablation_keys, explain, trace
 
 IDS = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]
 

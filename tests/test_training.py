@@ -18,12 +18,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tinylm.checkpoint import load_checkpoint, load_train_state, read_config
 from tinylm.cli import main
-from tinylm.config import ModelConfig, TrainConfig, read_toml
-from tinylm.errors import CheckpointError, ConfigError, DataError
-from tinylm.model import GPT
-from tinylm.training import NonFiniteLossError, decay_groups, lr_at, read_metrics, train
+from tinylm.core.config import ModelConfig, TrainConfig, read_toml
+from tinylm.core.errors import CheckpointError, ConfigError, DataError
+from tinylm.core.model import GPT
+from tinylm.io.checkpoint import load_checkpoint, load_train_state, read_config
+from tinylm.training.loop import NonFiniteLossError, decay_groups, lr_at, read_metrics, train
 
 MODEL = dict(n_layer=2, n_head=2, n_embd=32, context_length=32, dropout=0.1)
 TRAIN = dict(batch_size=4, grad_accum=2, lr=3e-3, warmup_steps=3, max_steps=24, eval_every=8,
@@ -47,8 +47,8 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory) -> Path:
-    from tinylm.corpora import load_corpus
-    from tinylm.data import prepare
+    from tinylm.data.corpora import load_corpus
+    from tinylm.data.prepare import prepare
 
     root = tmp_path_factory.mktemp("train-data")
     text = root / "text.txt"
@@ -165,8 +165,8 @@ def test_run_folder_metrics_and_checkpoints(reference_run, data_dir) -> None:
     assert records[-1]["final"] is True
     assert records[-1]["val_ppl"] == pytest.approx(math.exp(records[-1]["val_loss"]))
     # The final val loss is the exact mean over the whole validation split.
-    from tinylm.data import load_prepared
-    from tinylm.evaluation import estimate_loss, evaluate, sample_windows
+    from tinylm.data.prepare import load_prepared
+    from tinylm.use.evaluation import estimate_loss, evaluate, sample_windows
 
     model, tok = load_checkpoint(reference_run)  # a run folder resolves to latest/
     assert tok is not None and tok.vocab_size == model.config.vocab_size
@@ -195,8 +195,8 @@ def test_kill_and_resume_is_bitwise_exact(reference_run, data_dir, tmp_path) -> 
     out = tmp_path / "run"
     script = textwrap.dedent("""
         import json, os, signal, sys
-        from tinylm.config import ModelConfig, TrainConfig
-        from tinylm.training import train
+        from tinylm.core.config import ModelConfig, TrainConfig
+        from tinylm.training.loop import train
 
         def on_step(step):
             if step == 13:  # mid-way between the checkpoints at 10 and 15
@@ -304,7 +304,7 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(data_dir, tmp_path
             with torch.no_grad():
                 holder["model"].final_norm.weight.fill_(float("nan"))
 
-    import tinylm.training as training
+    import tinylm.training.loop as training
 
     original = training.build_optimizer
 
@@ -328,7 +328,7 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(data_dir, tmp_path
 
 def test_non_finite_loss_before_any_checkpoint_does_not_suggest_resume(data_dir,
                                                                         tmp_path) -> None:
-    import tinylm.training as training
+    import tinylm.training.loop as training
 
     holder: dict = {}
     original = training.build_optimizer
@@ -482,8 +482,8 @@ def test_kill_at_every_point_of_the_save_protocol_resumes_bitwise(data_dir, tmp_
     """SIGKILL before each file operation of the last save of latest/ (step 4, replacing
     the checkpoint of step 2): resume continues from the newest complete checkpoint (step
     2, or the finished step 4) and ends bitwise equal to an uninterrupted run."""
-    import tinylm.checkpoint as ck
-    import tinylm.training as training
+    import tinylm.io.checkpoint as ck
+    import tinylm.training.loop as training
 
     monkeypatch.setattr(training, "_redraw", lambda run: None)  # the plot is not the point
     cfg = TrainConfig(**dict(SHORT, max_steps=4))
@@ -574,7 +574,7 @@ def test_an_interrupted_save_is_recovered_on_load(data_dir, tmp_path, caplog) ->
 
 def test_run_folder_lock_refuses_a_live_writer_and_ignores_a_dead_one(data_dir,
                                                                       tmp_path) -> None:
-    from tinylm.files import FolderBusyError
+    from tinylm.io.files import FolderBusyError
 
     out = tmp_path / "run"
     out.mkdir()
@@ -629,7 +629,7 @@ def test_resume_decisions(data_dir, tmp_path, caplog, capsys) -> None:
 
 
 def test_resume_mode_follows_torchrun_restarts(monkeypatch) -> None:
-    from tinylm.training import resume_mode
+    from tinylm.training.loop import resume_mode
 
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
     assert resume_mode(None) is False
@@ -645,9 +645,9 @@ def test_resume_refuses_data_with_another_tokenizer(reference_run, data_dir, tmp
     """Same size, different ids: refused by content hash, and the message says what differs."""
     import shutil
 
-    from tinylm.corpora import load_corpus
-    from tinylm.data import prepare
-    from tinylm.tokenizers import STANDARD_SPECIALS
+    from tinylm.data.corpora import load_corpus
+    from tinylm.data.prepare import prepare
+    from tinylm.data.tokenizers import STANDARD_SPECIALS
 
     text = load_corpus("python-docs")[:40_000]
     present = sorted(set(text))
@@ -674,7 +674,7 @@ def test_token_ids_outside_the_vocabulary_are_refused(data_dir, tmp_path) -> Non
 
     import numpy as np
 
-    from tinylm.data import load_prepared
+    from tinylm.data.prepare import load_prepared
 
     bad = tmp_path / "bad"
     shutil.copytree(data_dir, bad)
@@ -693,9 +693,9 @@ def test_token_ids_outside_the_vocabulary_are_refused(data_dir, tmp_path) -> Non
 def test_disk_full_is_one_line_with_the_path(data_dir, tmp_path, monkeypatch, capsys) -> None:
     import errno
 
-    import tinylm.checkpoint as ck
-    from tinylm.files import DiskFullError
-    from tinylm.training import _MetricsLog
+    import tinylm.io.checkpoint as ck
+    from tinylm.io.files import DiskFullError
+    from tinylm.training.loop import _MetricsLog
 
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -735,9 +735,9 @@ class _Masked:
 def test_loss_mask_and_frozen_parameters(data_dir, tmp_path) -> None:
     import numpy as np
 
-    from tinylm.data import load_prepared
-    from tinylm.distributed import DistContext
-    from tinylm.training import _draw_batch
+    from tinylm.data.prepare import load_prepared
+    from tinylm.training.distributed import DistContext
+    from tinylm.training.loop import _draw_batch
 
     data = load_prepared(data_dir)
     cfg = TrainConfig(**dict(SHORT, max_steps=3, save_every=100))
@@ -835,7 +835,7 @@ def test_plot_formats_and_a_folder_as_out(reference_run, tmp_path, capsys) -> No
 def test_throughput_collapse_is_said_once(caplog) -> None:
     from types import SimpleNamespace
 
-    from tinylm.training import _Progress, _watch_throughput
+    from tinylm.training.loop import _Progress, _watch_throughput
 
     run = SimpleNamespace(intervals=0, peak_tok_s=0.0, slow_warned=False,
                           bar=_Progress(True, False))
@@ -865,7 +865,7 @@ def test_a_zero_column_terminal_gets_log_lines_not_a_bar(monkeypatch) -> None:
     import os as _os
     import shutil
 
-    from tinylm.training import _Progress
+    from tinylm.training.loop import _Progress
 
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
     monkeypatch.setattr(shutil, "get_terminal_size", lambda fallback=None: _os.terminal_size(
@@ -877,7 +877,7 @@ def test_a_zero_column_terminal_gets_log_lines_not_a_bar(monkeypatch) -> None:
 
 
 def test_default_threads_keep_every_core_on_a_quiet_machine(monkeypatch) -> None:
-    from tinylm import config as cfg
+    from tinylm.core import config as cfg
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(cfg, "available_cpus", lambda: 2)
@@ -893,7 +893,7 @@ def test_an_untied_token_embedding_trains_at_its_own_lr_ratio(optimizer: str) ->
     """AdamW's first step moves each looked-up row by lr·g/(|g| + eps) ≈ ±lr per
     element: ratio × lr for an untied token embedding; a tied one is the head and keeps
     the lr (its groups are unchanged)."""
-    from tinylm.training import build_optimizer, set_lr
+    from tinylm.training.loop import build_optimizer, set_lr
 
     cfg = dict(vocab_size=23, n_layer=1, n_head=2, n_embd=16, context_length=8, dropout=0.0)
     ids = torch.randint(0, 23, (2, 9), generator=torch.Generator().manual_seed(0))

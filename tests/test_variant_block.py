@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from tinylm import native
-from tinylm.config import ModelConfig, resolve_arch
-from tinylm.evaluation import evaluate
-from tinylm.lora import apply_lora
-from tinylm.model import GPT
+from tinylm.core.config import ModelConfig, resolve_arch
+from tinylm.core.model import GPT
+from tinylm.layers.lora import apply_lora
 from tinylm.native import variants
+from tinylm.use.evaluation import evaluate
 
 pytestmark = pytest.mark.skipif(not native.enabled() or native.load() is None,
                                 reason="the native library is off (TINYLM_NATIVE=0)")

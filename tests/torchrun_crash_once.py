@@ -12,8 +12,8 @@ import threading
 import time
 from pathlib import Path
 
-from tinylm.checkpoint import load_train_state
 from tinylm.cli import main
+from tinylm.io.checkpoint import load_train_state
 
 
 def _die_when_saved(out: Path, step: int) -> None:

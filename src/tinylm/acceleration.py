@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tinylm.decoding import Decoder
+from tinylm.core.decoding import Decoder
 
 try:  # the acceleration package is optional by design (see tinylm.native)
     from tinylm import native

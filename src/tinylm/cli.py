@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from tinylm import __version__
-from tinylm.errors import TinyLMError
+from tinylm.core.errors import TinyLMError
 
 log = logging.getLogger("tinylm")
 
@@ -100,9 +100,9 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
     import torch
 
-    from tinylm.checkpoint import describe_checkpoint
-    from tinylm.config import resolve_device
-    from tinylm.errors import ConfigError
+    from tinylm.core.config import resolve_device
+    from tinylm.core.errors import ConfigError
+    from tinylm.io.checkpoint import describe_checkpoint
 
     if args.run and args.model and args.run != args.model:
         raise ConfigError(f"give the folder once: RUN ({args.run}) or --model ({args.model})")
@@ -250,8 +250,8 @@ def _mb_or_all(value: str) -> float | None:
 def _cmd_prepare(args: argparse.Namespace) -> int:
     import time
 
-    from tinylm.data import prepare
-    from tinylm.readers import display_path
+    from tinylm.data.prepare import prepare
+    from tinylm.data.readers import display_path
 
     if args.chat:
         return _cmd_prepare_chat(args)
@@ -284,7 +284,7 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def _cmd_prepare_chat(args: argparse.Namespace) -> int:
-    from tinylm.chatdata import prepare_chat
+    from tinylm.data.chatdata import prepare_chat
 
     data = prepare_chat(args.out, args.chat, tokenizer=args.tokenizer,
                         context_length=args.context_length, val_fraction=args.val_fraction,
@@ -301,8 +301,8 @@ def _cmd_prepare_chat(args: argparse.Namespace) -> int:
 
 
 def _add_finetune(sub: argparse._SubParsersAction) -> None:
-    from tinylm.config import TrainConfig
-    from tinylm.finetune import FINETUNE_DROPOUT, FULL_DEFAULTS, LORA_DEFAULTS
+    from tinylm.core.config import TrainConfig
+    from tinylm.training.finetune import FINETUNE_DROPOUT, FULL_DEFAULTS, LORA_DEFAULTS
 
     p = sub.add_parser(
         "finetune",
@@ -342,8 +342,8 @@ def _add_finetune(sub: argparse._SubParsersAction) -> None:
 def _cmd_finetune(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from tinylm.config import TrainConfig
-    from tinylm.finetune import finetune
+    from tinylm.core.config import TrainConfig
+    from tinylm.training.finetune import finetune
 
     overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
                  if getattr(args, f.name, None) is not None}
@@ -384,7 +384,7 @@ def _add_merge(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_merge(args: argparse.Namespace) -> int:
-    from tinylm.finetune import merge
+    from tinylm.training.finetune import merge
 
     print(f"wrote {merge(args.model, args.out, force=args.force)}")
     return 0
@@ -417,7 +417,7 @@ def _add_chat(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_chat(args: argparse.Namespace) -> int:
-    from tinylm.chatsession import open_session, run_terminal
+    from tinylm.use.chatsession import open_session, run_terminal
 
     session = open_session(args.model, system=args.system, temperature=args.temperature,
                            top_k=args.top_k, top_p=args.top_p,
@@ -437,7 +437,7 @@ def _cmd_chat(args: argparse.Namespace) -> int:
 
 
 def _add_compress(sub: argparse._SubParsersAction) -> None:
-    from tinylm.lowrank import DEFAULT_LAYERS
+    from tinylm.layers.lowrank import DEFAULT_LAYERS
 
     p = sub.add_parser(
         "compress",
@@ -490,7 +490,7 @@ def _add_compress(sub: argparse._SubParsersAction) -> None:
 
 
 def _parse_fractions(text: str) -> list[float]:
-    from tinylm.errors import ConfigError
+    from tinylm.core.errors import ConfigError
 
     try:
         values = [float(v) for v in text.split(",") if v.strip()]
@@ -506,7 +506,7 @@ def _parse_fractions(text: str) -> list[float]:
 
 def _check_compress_flags(args: argparse.Namespace) -> list[str]:
     """Flag combinations of compress (before anything is loaded); returns the layers."""
-    from tinylm.errors import ConfigError
+    from tinylm.core.errors import ConfigError
 
     mode = (args.rank, args.energy, args.params_fraction)
     if args.sweep:
@@ -533,8 +533,8 @@ def _check_compress_flags(args: argparse.Namespace) -> list[str]:
 
 
 def _cmd_compress(args: argparse.Namespace) -> int:
-    from tinylm.compression import compress_checkpoint, sweep_checkpoint
-    from tinylm.lowrank import format_report, format_sweep
+    from tinylm.commands.compress import compress_checkpoint, sweep_checkpoint
+    from tinylm.layers.lowrank import format_report, format_sweep
 
     layers = _check_compress_flags(args)
     common = {"layers": layers, "eval_windows": args.eval_windows, "device": args.device}
@@ -605,8 +605,8 @@ def _add_quantize(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_quantize(args: argparse.Namespace) -> int:
-    from tinylm.errors import ConfigError
-    from tinylm.quantize import format_report, quantize_checkpoint
+    from tinylm.core.errors import ConfigError
+    from tinylm.layers.quantize import format_report, quantize_checkpoint
 
     layers = None
     if args.layers is not None:
@@ -690,7 +690,7 @@ def _or_off(kind: type, zero_is_off: bool = False) -> Callable[[str], object]:
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
-    from tinylm.config import ARCH_PRESETS, ModelConfig, TrainConfig
+    from tinylm.core.config import ARCH_PRESETS, ModelConfig, TrainConfig
 
     p = sub.add_parser(
         "train",
@@ -733,8 +733,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     import dataclasses
     from pathlib import Path
 
-    from tinylm.config import ModelConfig, TrainConfig
-    from tinylm.training import UNSET, train_run
+    from tinylm.core.config import ModelConfig, TrainConfig
+    from tinylm.training.loop import UNSET, train_run
 
     names = [f.name for cls in (ModelConfig, TrainConfig) for f in dataclasses.fields(cls)]
     overrides = {n: UNSET if getattr(args, n, None) is _OFF else getattr(args, n, None)
@@ -786,7 +786,7 @@ def _add_plot(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
-    from tinylm.training import plot_runs
+    from tinylm.training.loop import plot_runs
 
     print(f"wrote {plot_runs(args.runs, args.out, log_scale=args.log_scale)}")
     return 0
@@ -825,10 +825,10 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
-    from tinylm.checkpoint import load_checkpoint
-    from tinylm.config import resolve_device
-    from tinylm.errors import CheckpointError, DataError
-    from tinylm.evaluation import evaluate_split, evaluate_text
+    from tinylm.core.config import resolve_device
+    from tinylm.core.errors import CheckpointError, DataError
+    from tinylm.io.checkpoint import load_checkpoint
+    from tinylm.use.evaluation import evaluate_split, evaluate_text
 
     device = resolve_device(args.device)
     model, tokenizer = load_checkpoint(args.model, device, allow_nonfinite=args.allow_nonfinite)
@@ -903,8 +903,8 @@ def _add_explain(sub: argparse._SubParsersAction) -> None:
 def _cmd_explain(args: argparse.Namespace) -> int:
     import json
 
-    from tinylm import inspection
-    from tinylm.explorer import run_explain
+    from tinylm.use import inspection
+    from tinylm.use.explorer import run_explain
 
     report = run_explain(args.model, prompt=args.prompt, top_k=args.top_k,
                          attention=args.attention, html_path=args.html, layer=args.layer,
@@ -978,7 +978,7 @@ def _add_export_checkpoint(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_export_checkpoint(args: argparse.Namespace) -> int:
-    from tinylm.training import export_checkpoint
+    from tinylm.training.loop import export_checkpoint
 
     dest = export_checkpoint(args.checkpoint, args.out, force=args.force)
     print(f"exported {args.checkpoint} -> {dest}")
@@ -986,9 +986,9 @@ def _cmd_export_checkpoint(args: argparse.Namespace) -> int:
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
-    from tinylm.checkpoint import check_target, load_checkpoint, save_checkpoint
-    from tinylm.errors import ConfigError
-    from tinylm.hf import export_family, read_hf_folder, write_hf_folder
+    from tinylm.core.errors import ConfigError
+    from tinylm.io.checkpoint import check_target, load_checkpoint, save_checkpoint
+    from tinylm.io.hf import export_family, read_hf_folder, write_hf_folder
 
     importing = args.from_hf is not None or args.out is not None
     exporting = args.model is not None or args.to_hf is not None
@@ -1084,7 +1084,7 @@ PROMPT_MAX_BYTES = 16 * 1024 * 1024
 def _read_prompt(args: argparse.Namespace) -> str:
     from pathlib import Path
 
-    from tinylm.errors import DataError
+    from tinylm.core.errors import DataError
 
     if args.prompt_file is None:
         return args.prompt or ""
@@ -1119,10 +1119,10 @@ def _read_prompt(args: argparse.Namespace) -> str:
 def _cmd_sample(args: argparse.Namespace) -> int:
     import re
 
-    from tinylm.checkpoint import load_checkpoint
-    from tinylm.config import resolve_device
-    from tinylm.errors import CheckpointError, ConfigError
-    from tinylm.sampling import SamplingConfig, check_generation, generate_text
+    from tinylm.core.config import resolve_device
+    from tinylm.core.errors import CheckpointError, ConfigError
+    from tinylm.io.checkpoint import load_checkpoint
+    from tinylm.use.sampling import SamplingConfig, check_generation, generate_text
 
     SamplingConfig(args.temperature, args.top_k, args.top_p)  # check flags before loading
     device = resolve_device(args.device)
@@ -1205,7 +1205,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from tinylm.errors import ConfigError
+    from tinylm.core.errors import ConfigError
     from tinylm.serve import serve
 
     if not args.timeout > 0:
@@ -1290,7 +1290,7 @@ def _run_command(args: argparse.Namespace) -> int:
     train and finetune take it from their config layers, serve for its decoding loop."""
     if not getattr(args, "apply_threads", False):
         return int(args.func(args) or 0)
-    from tinylm.training import command_threads
+    from tinylm.training.loop import command_threads
 
     with command_threads(args.threads):
         return int(args.func(args) or 0)

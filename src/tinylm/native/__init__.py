@@ -14,7 +14,7 @@
 - :mod:`~tinylm.native.bpe`: the byte-level BPE encoder of ``prepare``, equal to Hugging
   Face tokenizers (``bpe_encoder(tokenizer)``, None where it steps aside).
 
-Nothing in tinylm.model or tinylm.attention imports this package; deleting it leaves a
+Nothing in tinylm.core.model or tinylm.core.attention imports this package; deleting it leaves a
 working, slower tinylm (tinylm.acceleration then hands out reference plans).
 """
 

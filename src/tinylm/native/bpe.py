@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import tokenizers
 
-from tinylm.errors import DataError
+from tinylm.core.errors import DataError
 from tinylm.native import ops
 
 N_CODES = 0x110000
@@ -225,7 +225,7 @@ def _rebuild(config: str, kind: str) -> NativeBPE | None:
 
 
 def bpe_encoder(tokenizer: Any) -> NativeBPE | None:
-    """The native encoder of ``tokenizer`` (a :class:`tinylm.tokenizers.BPETokenizer`),
+    """The native encoder of ``tokenizer`` (a :class:`tinylm.data.tokenizers.BPETokenizer`),
     or None where Hugging Face must encode: not eligible (:func:`ineligible`), the fast
     paths off, or no native library."""
     hf = getattr(tokenizer, "hf", None)

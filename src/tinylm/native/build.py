@@ -136,7 +136,7 @@ def library_key(sources: Path, compiler: str, version: str) -> str:
 
 
 def sha256_file(path: Path) -> str:
-    # tinylm.files.sha256_file's twin: this module imports the standard library only, so
+    # tinylm.io.files.sha256_file's twin: this module imports the standard library only, so
     # a test (and a build in a bare interpreter) can load it on its own.
     h = hashlib.sha256()
     with open(path, "rb") as f:

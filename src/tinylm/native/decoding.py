@@ -7,7 +7,7 @@ with the residual add fused in, LayerNorm, the FFN up-projection with GELU fused
 the down-projection with its residual add. It computes exactly the math of
 ``GPT.forward`` (tests/test_equivalence.py holds it to repeated full forwards). Weights
 are read once per step from packed copies (kept across calls while the weights are
-unchanged); the model itself is never modified. A :class:`tinylm.quantize.QuantizedLinear`
+unchanged); the model itself is never modified. A :class:`tinylm.layers.quantize.QuantizedLinear`
 is read as int8 integers and float32 scales, packed once into panels (``Library.pack_q8``;
 the model keeps them as stored).
 
@@ -15,13 +15,13 @@ the model keeps them as stored).
 variants of ``ModelConfig`` (:func:`tinylm.native.plan.eligibility` decides which):
 the same native linear and cached-attention calls, RMSNorm natively, QK-norm and RoPE
 as one native pass over q's and one over k's heads in place (``tl_rope_heads``; the
-reference modules and :func:`tinylm.attention.apply_rope` for a norm that is not the
+reference modules and :func:`tinylm.core.attention.apply_rope` for a norm that is not the
 reference RMSNorm), the SwiGLU/ReLU² MLPs by torch's ops on the step's (B, ·) rows, and
 grouped-query attention as one attention call per row in which each group of H / H_kv
 query heads reads its one cached key/value head.
 
 :class:`NativeCacheDecoder` (path ``"cache"``) is for a model the fused step does not
-know (e.g. one with tinylm.lowrank's layers): the model's own forward, with a
+know (e.g. one with tinylm.layers.lowrank's layers): the model's own forward, with a
 :class:`NativeKVCache` whose one-token attention is one native pass.
 
 The prompt pass runs the model's own forward (large products, where BLAS is right),
@@ -39,12 +39,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tinylm.attention import KVCache, RMSNorm, apply_rope, rope_angles
-from tinylm.decoding import Decoder
-from tinylm.model import FeedForward, GatedFeedForward
+from tinylm.core.attention import RMSNorm, apply_rope, rope_angles
+from tinylm.core.decoding import Decoder, KVCache
+from tinylm.core.model import FeedForward, GatedFeedForward
+from tinylm.layers.quantize import QuantizedLinear
 from tinylm.native.ops import Library, PackedQ8, check, header_constant
 from tinylm.native.variants import signed_sin
-from tinylm.quantize import QuantizedLinear
 
 
 class NativeKVCache(KVCache):
@@ -358,7 +358,7 @@ class _VariantStep(_FusedStep):
     def _qk(self, q_norm: nn.Module | None, k_norm: nn.Module | None, pos: int) -> None:
         """q, k = RoPE(QKNorm(q)), RoPE(QKNorm(k)) in qkv, each head at position ``pos``:
         natively where the norms are RMSNorm (or absent), else by the reference's
-        modules and :func:`tinylm.attention.apply_rope`."""
+        modules and :func:`tinylm.core.attention.apply_rope`."""
         H, Hkv, D, qkv = self.H, self.Hkv, self.D, self.qkv
         if all(n is None or type(n) is RMSNorm for n in (q_norm, k_norm)):
             c = self.rope[0][pos] if self.rope is not None else None

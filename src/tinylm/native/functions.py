@@ -1,5 +1,5 @@
 """The autograd Functions of the fast training paths: each computes exactly the math of
-the reference modules in tinylm.model / tinylm.attention (docs/attention.md), with
+the reference modules in tinylm.core.model / tinylm.core.attention (docs/attention.md), with
 fewer saved tensors and fewer, larger steps. They are applied by
 :mod:`tinylm.native.plan`, never by the model itself.
 

@@ -4,13 +4,13 @@
 modules' declared types and the config, never hooks or private registries:
 
 - **ffn** (:class:`~tinylm.native.functions.FeedForwardFn`, any device): a
-  :class:`~tinylm.model.FeedForward` whose ``up``/``down`` are plain ``nn.Linear`` and
+  :class:`~tinylm.core.model.FeedForward` whose ``up``/``down`` are plain ``nn.Linear`` and
   whose ``act`` is ``nn.GELU(approximate="tanh")``;
 - **attention** (:class:`~tinylm.native.functions.CausalAttentionFn`, CPU with the
-  library): a :class:`~tinylm.attention.MultiHeadAttention` with plain ``nn.Linear``
+  library): a :class:`~tinylm.core.attention.MultiHeadAttention` with plain ``nn.Linear``
   projections and a head size the kernel takes (a multiple of 16);
 - **block** (:class:`~tinylm.native.functions.BlockFn`, CPU with the library): a
-  :class:`~tinylm.model.Block` whose norms are plain ``nn.LayerNorm`` and whose
+  :class:`~tinylm.core.model.Block` whose norms are plain ``nn.LayerNorm`` and whose
   attention and FFN are both eligible as above; for an architecture variant instead
   (:func:`variant_block_reason`) :class:`~tinylm.native.variants.VariantBlockFn`:
   LayerNorm or RMSNorm, learned or rotary positions, QK-norm, GELU / ReLU² / SwiGLU,
@@ -18,21 +18,22 @@ modules' declared types and the config, never hooks or private registries:
   block runs :func:`~tinylm.native.variants.block_inference`: the variants' forward
   with its temporaries in reused per-thread buffers, nothing kept for backward;
 - **decode** (the fused decoding step of :mod:`tinylm.native.decoding`): a
-  :class:`~tinylm.model.GPT` whose every block is eligible for **block** (any head size)
+  :class:`~tinylm.core.model.GPT` whose every block is eligible for **block** (any head size)
   with plain embeddings, final norm and LM head -- except that here each Linear layer
-  (the LM head too) may also be a :class:`tinylm.quantize.QuantizedLinear`, which the
+  (the LM head too) may also be a :class:`tinylm.layers.quantize.QuantizedLinear`, which the
   step runs with the int8 kernel of ``csrc/quant.c``;
 - **decode_variant** (the fused step for the architecture variants, path
-  ``"fused-variant"``): a :class:`~tinylm.model.GPT` of any layout ``ModelConfig``
+  ``"fused-variant"``): a :class:`~tinylm.core.model.GPT` of any layout ``ModelConfig``
   offers -- LayerNorm or RMSNorm, learned or rotary positions, GELU/ReLU² or SwiGLU MLPs,
   grouped-query attention, QK-norm -- whose pieces are the reference modules with plain
   (or quantized) Linear layers; GPT-2's own layout takes **decode** instead.
 
-A replaced part (tinylm.lowrank's LowRankLinear, a quantized Linear outside decoding,
+A replaced part (tinylm.layers.lowrank's LowRankLinear, a quantized Linear outside decoding,
 another activation or norm) makes the paths that contain it step aside, as does any
 config field this package does not know with a non-default value. A LoRA layer
-(:class:`tinylm.lora.LoRALinear`) is supported by the training paths (block, attention,
-ffn): they multiply by its :meth:`~tinylm.lora.LoRALinear.effective_weight`, W + (α/r)·(A·B)ᵀ,
+(:class:`tinylm.layers.lora.LoRALinear`) is supported by the training paths (block,
+attention, ffn): they multiply by its
+:meth:`~tinylm.layers.lora.LoRALinear.effective_weight`, W + (α/r)·(A·B)ᵀ,
 an autograd expression, so the gradients reach A and B; the decoding steps step aside.
 
 :func:`accelerate` applies the training/forward paths by giving the eligible modules a
@@ -57,14 +58,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from tinylm.attention import KVCache, MultiHeadAttention, RMSNorm
-from tinylm.config import ModelConfig
-from tinylm.decoding import Decoder
-from tinylm.lora import LoRALinear
-from tinylm.model import GPT, Block, FeedForward, GatedFeedForward, ReLUSquared
+from tinylm.core.attention import MultiHeadAttention, RMSNorm
+from tinylm.core.config import ModelConfig
+from tinylm.core.decoding import Decoder, KVCache
+from tinylm.core.model import GPT, Block, FeedForward, GatedFeedForward, ReLUSquared
+from tinylm.layers.lora import LoRALinear
+from tinylm.layers.quantize import QuantizedLinear
 from tinylm.native import decoding, ops, variants
 from tinylm.native.functions import BlockFn, CausalAttentionFn, FeedForwardFn
-from tinylm.quantize import QuantizedLinear
 
 log = logging.getLogger("tinylm.native")
 
@@ -109,7 +110,7 @@ def declared(module: nn.Module) -> type:
 
 
 # The Linear layers each kind of path computes: training paths nn.Linear and LoRA layers
-# (through weight_of); the fused decoding step nn.Linear and tinylm.quantize's
+# (through weight_of); the fused decoding step nn.Linear and tinylm.layers.quantize's
 # QuantizedLinear (csrc/quant.c).
 TRAIN_LINEAR = (nn.Linear, LoRALinear)
 DECODE_LINEAR = (nn.Linear, QuantizedLinear)

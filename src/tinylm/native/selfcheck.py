@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tinylm.attention import apply_rope, rope_angles
+from tinylm.core.attention import apply_rope, rope_angles
 
 
 def _expect(ok: bool, what: str) -> None:

@@ -2,7 +2,7 @@
 :class:`VariantBlockFn`, one autograd step per block, as :class:`~tinylm.native.functions.BlockFn`
 is for GPT-2's layout.
 
-It computes the reference :class:`~tinylm.model.Block` with any of the layouts
+It computes the reference :class:`~tinylm.core.model.Block` with any of the layouts
 ``ModelConfig`` offers: LayerNorm or RMSNorm, learned or rotary positions, QK-norm,
 grouped-query attention (each key/value head repeated for the query heads it serves,
 its gradient summed back), GELU / ReLU² / SwiGLU MLPs, with or without biases. Per block:
@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from tinylm.attention import rope_angles
+from tinylm.core.attention import rope_angles
 from tinylm.native.functions import Scratch, gelu_backward
 from tinylm.native.ops import Library
 

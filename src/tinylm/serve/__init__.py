@@ -14,13 +14,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from tinylm.checkpoint import (
+from tinylm.core.errors import CheckpointError, ConfigError
+from tinylm.io.checkpoint import (
     TOKENIZER_FILE,
     load_checkpoint,
     read_config,
     resolve_checkpoint_dir,
 )
-from tinylm.errors import CheckpointError, ConfigError
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 API_KEY_ENV = "TINYLM_API_KEY"

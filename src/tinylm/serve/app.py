@@ -1,7 +1,7 @@
 """The HTTP app: OpenAI-style routes on Starlette, served by uvicorn.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/explain``,
-``POST /v1/explore`` (the explorer's data, :func:`tinylm.explorer.explorer_data`), the
+``POST /v1/explore`` (the explorer's data, :func:`tinylm.use.explorer.explorer_data`), the
 explorer page in live mode at ``/explorer``,
 ``GET /v1/models``, ``GET /health`` (503 while the model loads), ``GET /metrics``
 (Prometheus text) and the web page at ``/``. With an API key every ``/v1`` route and
@@ -35,10 +35,8 @@ from starlette.responses import (
 )
 from starlette.routing import Route
 
-from tinylm.chat import render_chat, stop_ids
-from tinylm.errors import TinyLMError
-from tinylm.explorer import explorer_data, render_explorer
-from tinylm.inspection import explain
+from tinylm.core.errors import TinyLMError
+from tinylm.data.chat import render_chat, stop_ids
 from tinylm.serve.engine import Engine, QueueFull
 from tinylm.serve.metrics import Metrics
 from tinylm.serve.responses import (
@@ -58,6 +56,8 @@ from tinylm.serve.schemas import (
     parse_explain,
     parse_json,
 )
+from tinylm.use.explorer import explorer_data, render_explorer
+from tinylm.use.inspection import explain
 
 log = logging.getLogger(__name__)
 

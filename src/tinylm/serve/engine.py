@@ -1,8 +1,8 @@
 """Continuous batching: every active request decodes in one batched step.
 
-A request's prompt is prefilled alone in a one-row :class:`~tinylm.attention.KVCache`
+A request's prompt is prefilled alone in a one-row :class:`~tinylm.core.decoding.KVCache`
 (the same forward :func:`tinylm.generate` runs), its first token sampled, and its keys
-and values copied into a row of one :class:`~tinylm.attention.RaggedKVCache`. From
+and values copied into a row of one :class:`~tinylm.core.decoding.RaggedKVCache`. From
 the next step on it decodes together with every other active request: one forward of
 ids (rows, 1) in which each row has its own position and sees only its own keys, so
 its answer is the one it would get alone. A request leaves the batch when it ends
@@ -28,10 +28,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from tinylm.attention import KVCache, RaggedKVCache
-from tinylm.model import GPT
-from tinylm.sampling import SamplingConfig, sample_next
+from tinylm.core.decoding import KVCache, RaggedKVCache
+from tinylm.core.model import GPT
 from tinylm.serve.metrics import Metrics
+from tinylm.use.sampling import SamplingConfig, sample_next
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """From engine events to OpenAI response bodies, for one HTTP request.
 
 A :class:`Run` submits a request's choices (prompts × n) to the engine and turns the
-token events each choice receives into text with :class:`tinylm.sampling.TextStream`
+token events each choice receives into text with :class:`tinylm.use.sampling.TextStream`
 (whole characters only, cut before a stop string; a stop string or a client that went
 away cancels the engine's row). :meth:`Run.updates` yields what changed, which the app
 renders as one JSON body or as server-sent-event chunks.
@@ -18,9 +18,9 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tinylm.sampling import TextStream
 from tinylm.serve.engine import End, Engine, Request, Token
 from tinylm.serve.schemas import Generation, RequestError
+from tinylm.use.sampling import TextStream
 
 
 class Mailbox:

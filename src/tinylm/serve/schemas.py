@@ -12,8 +12,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from tinylm.errors import TinyLMError
-from tinylm.sampling import SamplingConfig
+from tinylm.core.errors import TinyLMError
+from tinylm.use.sampling import SamplingConfig
 
 MAX_STOP = 4  # stop strings per request, as OpenAI
 MAX_LOGPROBS = 5  # completions' logprobs

@@ -1,0 +1,1 @@
+"""Commands that transform a checkpoint into another: compress (low-rank), and more."""

@@ -1,0 +1,195 @@
+"""The chat format: conversations -> token ids with a loss mask, and conversation records.
+
+A conversation is a list of OpenAI-style messages ``{"role": ..., "content": ...}``
+with roles system, user and assistant. Each turn is rendered as its role token, the
+content's ids and the end-of-turn token, with nothing in between::
+
+    <|system|>You answer briefly.<|end|><|user|>What is len?<|end|><|assistant|>...
+
+which is exactly what :data:`tinylm.data.tokenizers.CHAT_TEMPLATE` (Jinja2) renders, so
+Hugging Face ``apply_chat_template`` gives the same ids for the same messages. The one
+difference is on purpose: here content is encoded with ``allow_special=False``, so a
+user who types ``<|assistant|>`` gets the characters, never the role token.
+
+The loss mask marks the tokens a fine-tuned model learns to produce: 1 on an
+assistant's content and the ``<|end|>`` after it, 0 on everything else (role tokens,
+system and user turns).
+
+Records (one JSON object per line of a ``.jsonl`` file) come in three shapes:
+``{"messages": [...]}``, ``{"prompt": ..., "completion": ...}`` and
+``{"instruction": ..., "input": ..., "output": ...}`` (``input`` optional).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tinylm.core.errors import DataError
+from tinylm.data.tokenizers import END_OF_TURN, ROLE_TOKENS, Tokenizer
+
+ROLES = tuple(ROLE_TOKENS)
+Message = Mapping[str, str]
+
+
+def check_messages(messages: Any, *, allow_empty: bool = True) -> list[dict[str, str]]:
+    """``messages`` as a list of ``{"role", "content"}`` dicts, or a DataError saying
+    which message is wrong and how."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise DataError("messages must be a non-empty list of {\"role\", \"content\"} objects")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping):
+            raise DataError(f"message {i} is a {type(m).__name__}, not an object with "
+                            f"\"role\" and \"content\"")
+        role, content = m.get("role"), m.get("content")
+        if role not in ROLES:
+            raise DataError(f"message {i} has role {role!r}; roles are {', '.join(ROLES)}")
+        if not isinstance(content, str):
+            raise DataError(f"message {i} ({role}) has content of type "
+                            f"{type(content).__name__}; content must be a string")
+        if not allow_empty and not content.strip():
+            raise DataError(f"message {i} ({role}) has empty content")
+        out.append({"role": role, "content": content})
+    return out
+
+
+def _chat_ids(tokenizer: Tokenizer) -> tuple[dict[str, int], int]:
+    roles = {r: tokenizer.special_id(t) for r, t in ROLE_TOKENS.items()}
+    return roles, tokenizer.special_id(END_OF_TURN)
+
+
+def render_with_mask(tokenizer: Tokenizer, messages: Sequence[Message],
+                     add_generation_prompt: bool = False) -> tuple[list[int], list[int]]:
+    """(ids, mask) of a conversation: mask 1 on assistant content and its <|end|>."""
+    messages = check_messages(messages)
+    roles, end = _chat_ids(tokenizer)
+    contents = tokenizer.encode_batch([m["content"] for m in messages])
+    ids: list[int] = []
+    mask: list[int] = []
+    for m, content in zip(messages, contents, strict=True):
+        learn = int(m["role"] == "assistant")
+        ids += [roles[m["role"]], *content, end]
+        mask += [0] + [learn] * (len(content) + 1)
+    if add_generation_prompt:
+        ids.append(roles["assistant"])
+        mask.append(0)
+    return ids, mask
+
+
+def render_chat(tokenizer: Tokenizer, messages: Sequence[Message],
+                add_generation_prompt: bool = True) -> list[int]:
+    """The ids of ``messages`` in the chat format, ending with ``<|assistant|>`` when
+    ``add_generation_prompt`` (what a model continues to answer)."""
+    return render_with_mask(tokenizer, messages, add_generation_prompt)[0]
+
+
+def stop_ids(tokenizer: Tokenizer) -> list[int]:
+    """The ids that end an assistant's answer: <|end|>, and end-of-text if present."""
+    ids = [tokenizer.special_id(END_OF_TURN)]
+    if tokenizer.eos_id is not None:
+        ids.append(tokenizer.eos_id)
+    return ids
+
+
+# --- records ---------------------------------------------------------------------------------
+
+
+def messages_of_record(record: Any) -> list[dict[str, str]]:
+    """The conversation in one record (any of the three shapes), checked: valid roles,
+    string non-empty contents, and at least one assistant message to learn from."""
+    if not isinstance(record, dict):
+        raise DataError(f"a record must be a JSON object, got {type(record).__name__}")
+    if "messages" in record:
+        messages = record["messages"]
+    elif "prompt" in record or "completion" in record:
+        messages = [{"role": "user", "content": record.get("prompt")},
+                    {"role": "assistant", "content": record.get("completion")}]
+    elif "instruction" in record or "output" in record:
+        instruction, extra = record.get("instruction"), record.get("input", "")
+        if not isinstance(extra, str):
+            raise DataError(f"\"input\" must be a string, got {type(extra).__name__}")
+        if isinstance(instruction, str) and extra.strip():
+            instruction = f"{instruction}\n\n{extra}"
+        messages = [{"role": "user", "content": instruction},
+                    {"role": "assistant", "content": record.get("output")}]
+    else:
+        raise DataError("record has none of \"messages\", \"prompt\"/\"completion\", "
+                        "\"instruction\"/\"output\"; see docs/finetune.md for the shapes")
+    messages = check_messages(messages, allow_empty=False)
+    if not any(m["role"] == "assistant" for m in messages):
+        raise DataError("conversation has no assistant message, so nothing to learn from")
+    return messages
+
+
+@dataclass(frozen=True)
+class BadRecord:
+    """Where a record was refused and why (``file:line: reason``)."""
+
+    file: str
+    line: int
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}: {self.reason}"
+
+
+def chat_files(path: str | Path) -> list[Path]:
+    """The ``.jsonl`` files of ``path`` (a file, or a folder searched recursively)."""
+    path = Path(path)
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*.jsonl") if p.is_file()
+                       and not any(part.startswith(".") for part in p.relative_to(path).parts))
+        if files:
+            return files
+        raise DataError(f"folder {path} has no .jsonl files; pass conversation records "
+                        f"as JSON Lines")
+    raise DataError(f"chat data {path} does not exist; pass a .jsonl file or a folder of them")
+
+
+def read_records(paths: Sequence[str | Path]
+                 ) -> Iterator[tuple[str, int, list[dict[str, str]] | BadRecord]]:
+    """(file, line, conversation or BadRecord) for every non-blank line of ``paths``."""
+    for path in paths:
+        for file in chat_files(path):
+            try:
+                handle = file.open(encoding="utf-8")
+            except OSError as exc:
+                raise DataError(f"cannot read {file}: {exc.strerror}") from exc
+            with handle:
+                try:
+                    for n, line in enumerate(handle, 1):
+                        if line.strip():
+                            yield str(file), n, _parse_line(str(file), n, line)
+                except UnicodeDecodeError as exc:
+                    raise DataError(f"{file} is not UTF-8 text ({exc.reason}); save it as "
+                                    f"UTF-8") from exc
+
+
+def _parse_line(file: str, n: int, line: str) -> list[dict[str, str]] | BadRecord:
+    try:
+        return messages_of_record(json.loads(line))
+    except json.JSONDecodeError as exc:
+        return BadRecord(file, n, f"not valid JSON ({exc.msg} at column {exc.colno})")
+    except RecursionError:
+        return BadRecord(file, n, "JSON nested too deeply")
+    except DataError as exc:
+        return BadRecord(file, n, str(exc))
+
+
+__all__ = [
+    "ROLES",
+    "BadRecord",
+    "chat_files",
+    "check_messages",
+    "messages_of_record",
+    "read_records",
+    "render_chat",
+    "render_with_mask",
+    "stop_ids",
+]

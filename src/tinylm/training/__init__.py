@@ -1,0 +1,1 @@
+"""Training: the loop, its run folder and log, distributed strategies, fine-tuning."""

@@ -1,0 +1,453 @@
+(function () {
+'use strict';
+/* The tinylm explorer. Data: tinylm.use.explorer.explorer_data (embedded, or POSTed for in
+   live mode). Tensors are float32, base64; everything else is plain JSON. */
+var CFG = JSON.parse(document.getElementById('config').textContent);
+var D = null, T = {};
+var st = {view: 'steps', layer: 0, head: 0, step: 'x', query: 0, mapmode: 'raw',
+          mapsel: [0, 0], ablate: '', rank: 1};
+var LETTERS = {ln1: 'C, E', q: 'C, D', k: 'C, D', v: 'C, D', scores: 'C, C', scaled: 'C, C',
+  masked: 'C, C', attn: 'C, C', out: 'C, D', contrib: 'C, E', attn_out: 'C, E',
+  attn_concat: 'C, E', diff: 'C, E', avg: 'C, C'};
+
+function $(id) { return document.getElementById(id); }
+function el(tag, cls, text) {
+  var e = document.createElement(tag);
+  if (cls) { e.className = cls; }
+  if (text !== undefined) { e.textContent = text; }
+  return e;
+}
+function vis(t) {
+  return t.replace(/ /g, '\u2423').replace(/\n/g, '\\n').replace(/\t/g, '\\t')
+    .replace(/\r/g, '\\r') || '\u2205';
+}
+function tokOf(id) { var t = D.vocab[String(id)]; return t === undefined ? '#' + id : t; }
+function fmt(v) {
+  if (v === -Infinity) { return '\u2212\u221e'; }
+  return Math.abs(v) >= 1e-3 || v === 0 ? v.toPrecision(7) : v.toExponential(6);
+}
+function short(v) { return v === -Infinity ? '\u2212\u221e' : v.toPrecision(4); }
+
+/* --- tensors -------------------------------------------------------------------------- */
+function decode(item) {
+  var bin = atob(item.f32.replace(/-/g, '+').replace(/_/g, '/')), n = bin.length, u = new Uint8Array(n);
+  for (var i = 0; i < n; i++) { u[i] = bin.charCodeAt(i); }
+  return {shape: item.shape, a: new Float32Array(u.buffer)};
+}
+function tensor(name) {
+  if (!T[name]) {
+    if (!D.tensors[name]) { throw new Error('no tensor ' + name); }
+    T[name] = decode(D.tensors[name]);
+  }
+  return T[name];
+}
+function mat(name) {
+  var t = tensor(name), cols = t.shape[1];
+  return {name: name, rows: t.shape[0], cols: cols,
+          get: function (i, j) { return t.a[i * cols + j]; }};
+}
+function derived(name, rows, cols, get) { return {name: name, rows: rows, cols: cols, get: get}; }
+function hp(l, h) { return 'layer' + l + '.head' + h + '.'; }
+function scaled(l, h) {
+  var s = mat(hp(l, h) + 'scores'), r = Math.sqrt(D.sizes.D);
+  return derived(hp(l, h) + 'scaled', s.rows, s.cols, function (i, j) { return s.get(i, j) / r; });
+}
+function masked(l, h) {
+  var s = scaled(l, h);
+  return derived(hp(l, h) + 'masked', s.rows, s.cols,
+                 function (i, j) { return j > i ? -Infinity : s.get(i, j); });
+}
+function headAverage(l) {
+  var H = D.sizes.H, ms = [];
+  for (var h = 0; h < H; h++) { ms.push(mat(hp(l, h) + 'attn')); }
+  return derived('layer' + l + '.avg', ms[0].rows, ms[0].cols, function (i, j) {
+    var s = 0;
+    for (var h = 0; h < H; h++) { s += ms[h].get(i, j); }
+    return s / H;
+  });
+}
+function stats(m) {
+  var n = 0, s = 0, s2 = 0, mx = 0;
+  for (var i = 0; i < m.rows; i++) {
+    for (var j = 0; j < m.cols; j++) {
+      var v = m.get(i, j);
+      if (v === -Infinity) { continue; }
+      n++; s += v; s2 += v * v; mx = Math.max(mx, Math.abs(v));
+    }
+  }
+  var mean = s / n;
+  return {mean: mean, variance: s2 / n - mean * mean, maxabs: mx};
+}
+function shapeOf(name) {
+  var last = name.split('.').pop(), letters = LETTERS[last] || '';
+  var nums = letters.split(', ').map(function (x) { return D.sizes[x]; });
+  return '(' + letters + ') = (' + nums.join(', ') + ')';
+}
+
+/* --- heatmaps ------------------------------------------------------------------------- */
+function colour(v, mode, scale) {
+  if (v === -Infinity) { return '#d8d8d8'; }
+  var t;
+  if (mode === 'prob' || mode === 'log') {
+    t = mode === 'log' ? Math.max(0, 1 + Math.log10(Math.max(v, 1e-6)) / 6) : Math.sqrt(v);
+    return 'rgb(' + Math.round(255 - 225 * t) + ',' + Math.round(255 - 150 * t) + ',' +
+      Math.round(255 - 60 * t) + ')';
+  }
+  t = scale > 0 ? Math.max(-1, Math.min(1, v / scale)) : 0;
+  var w = Math.round(255 * (1 - Math.abs(t)));
+  return t >= 0 ? 'rgb(255,' + w + ',' + w + ')' : 'rgb(' + w + ',' + w + ',255)';
+}
+function show(m, i, j) {
+  var v = m.get(i, j), r = $('readout');
+  var square = /\.(scores|scaled|masked|attn|avg)$/.test(m.name);
+  var key = square ? ' key ' + vis(D.tokens[j]) : '';
+  r.textContent = m.name + ' [' + i + ', ' + j + '] = ' + fmt(v) + '   (query ' +
+    vis(D.tokens[i]) + key + ')';
+  r.dataset.name = m.name; r.dataset.i = i; r.dataset.j = j; r.dataset.value = String(v);
+}
+function heat(m, caption, opts) {
+  opts = opts || {};
+  var fig = el('figure'), cv = document.createElement('canvas');
+  fig.appendChild(el('figcaption', null, caption + '  ' + shapeOf(m.name)));
+  var px = Math.max(1, Math.min(opts.max || 16, Math.floor((opts.width || 520) / m.cols),
+                                 Math.floor((opts.height || 400) / m.rows)));
+  cv.width = m.cols * px; cv.height = m.rows * px;
+  cv.dataset.name = m.name; cv.dataset.rows = m.rows; cv.dataset.cols = m.cols;
+  cv.dataset.px = px;
+  var mode = opts.mode || 'signed', scale = mode === 'signed' ? stats(m).maxabs : 1;
+  var g = cv.getContext('2d');
+  for (var i = 0; i < m.rows; i++) {
+    for (var j = 0; j < m.cols; j++) {
+      g.fillStyle = colour(m.get(i, j), mode, scale);
+      g.fillRect(j * px, i * px, px, px);
+    }
+  }
+  if (opts.row !== undefined && opts.row < m.rows) {
+    g.strokeStyle = '#d33'; g.lineWidth = 1;
+    g.strokeRect(0.5, opts.row * px + 0.5, cv.width - 1, px - 1);
+  }
+  function at(e) { return [Math.floor(e.offsetY / px), Math.floor(e.offsetX / px)]; }
+  cv.onmousemove = function (e) {
+    var p = at(e);
+    if (p[0] >= 0 && p[0] < m.rows && p[1] >= 0 && p[1] < m.cols) { show(m, p[0], p[1]); }
+  };
+  if (opts.onclick) {
+    cv.onclick = function (e) { var p = at(e); if (p[0] < m.rows) { opts.onclick(p[0], p[1]); } };
+  }
+  fig.appendChild(cv);
+  return fig;
+}
+function fill(box, figs) {
+  box.textContent = '';
+  figs.forEach(function (f) { box.appendChild(f); });
+}
+
+/* --- views ---------------------------------------------------------------------------- */
+var STEPS = [
+  {id: 'x', title: '1. x', formula: 'x = LN\u2081(h): the residual stream h, normalised',
+   mats: function (l) { return [[mat('layer' + l + '.ln1'), 'x']]; }},
+  {id: 'qkv', title: '2. Q, K, V',
+   formula: 'Q = x\u00b7W_q^i + b_q,  K = x\u00b7W_k^i + b_k,  V = x\u00b7W_v^i + b_v',
+   mats: function (l, h) {
+     return [[mat(hp(l, h) + 'q'), 'Q'], [mat(hp(l, h) + 'k'), 'K'], [mat(hp(l, h) + 'v'), 'V']];
+   }},
+  {id: 'scores', title: '3. Q\u00b7K\u1d40', formula: 'S = Q\u00b7K\u1d40: S_ab = q_a \u00b7 k_b',
+   mats: function (l, h) { return [[mat(hp(l, h) + 'scores'), 'Q\u00b7K\u1d40']]; }},
+  {id: 'scaled', title: '4. \u00f7 \u221aD', formula: 'S / \u221aD',
+   mats: function (l, h) { return [[scaled(l, h), 'Q\u00b7K\u1d40/\u221aD']]; }},
+  {id: 'masked', title: '5. mask',
+   formula: 'mask(S/\u221aD): \u2212\u221e above the diagonal (key b > query a)',
+   mats: function (l, h) { return [[masked(l, h), 'masked']]; }},
+  {id: 'softmax', title: '6. softmax',
+   formula: 'A = softmax(mask(Q\u00b7K\u1d40/\u221aD)), row by row',
+   mats: function (l, h) { return [[mat(hp(l, h) + 'attn'), 'A', 'prob']]; }},
+  {id: 'av', title: '7. \u00b7V', formula: 'R^i = A\u00b7V',
+   mats: function (l, h) { return [[mat(hp(l, h) + 'out'), 'R^i']]; }},
+  {id: 'wo', title: '8. \u00b7W_o', formula: 'R^i\u00b7W_o^i: head i\u2019s share of the attention output',
+   mats: function (l, h) { return [[mat(hp(l, h) + 'contrib'), 'R^i\u00b7W_o^i']]; }}
+];
+function stepNote(id, l, h) {
+  if (id === 'scores' || id === 'scaled') {
+    var a = stats(mat(hp(l, h) + 'scores')).variance, b = stats(scaled(l, h)).variance;
+    var el2 = $('step-note');
+    el2.dataset.varRaw = String(a); el2.dataset.varScaled = String(b);
+    return 'variance over all C\u00d7C entries: Q\u00b7K\u1d40 ' + short(a) + ' \u2192 Q\u00b7K\u1d40/\u221aD ' +
+      short(b) + ' (divided by D = ' + D.sizes.D + ')';
+  }
+  if (id === 'softmax') {
+    var A = mat(hp(l, h) + 'attn'), worst = 0;
+    for (var i = 0; i < A.rows; i++) {
+      var s = 0;
+      for (var j = 0; j < A.cols; j++) { s += A.get(i, j); }
+      worst = Math.max(worst, Math.abs(s - 1));
+    }
+    return 'every row sums to 1: max |\u03a3_b A_ab \u2212 1| = ' + worst.toExponential(1) +
+      '; the masked entries are exactly 0';
+  }
+  if (id === 'masked') { return 'e^\u2212\u221e = 0: a query never sees a later key'; }
+  return '';
+}
+function renderSteps() {
+  var box = $('steps');
+  if (!box.childElementCount) {
+    STEPS.forEach(function (s) {
+      var b = el('button', null, s.title);
+      b.dataset.step = s.id;
+      b.onclick = function () { st.step = s.id; render(); };
+      box.appendChild(b);
+    });
+  }
+  Array.prototype.forEach.call(box.children, function (b) {
+    b.classList.toggle('on', b.dataset.step === st.step);
+  });
+  var s = STEPS.filter(function (x) { return x.id === st.step; })[0];
+  $('step-title').textContent = s.title + '  \u2014  layer ' + st.layer +
+    (s.id === 'x' ? '' : ', head ' + st.head);
+  $('step-formula').textContent = s.formula;
+  $('step-note').textContent = stepNote(s.id, st.layer, st.head);
+  fill($('step-maps'), s.mats(st.layer, st.head).map(function (p) {
+    return heat(p[0], p[1], {mode: p[2], row: st.query});
+  }));
+}
+function renderHeads() {
+  var l = st.layer, H = D.sizes.H, each = [];
+  $('heads-title').textContent = 'layer ' + l + ': all ' + H + ' heads';
+  for (var h = 0; h < H; h++) {
+    var col = el('div');
+    col.appendChild(heat(mat(hp(l, h) + 'attn'), 'A of head ' + h, {mode: 'prob', max: 6,
+                                                                 width: 200}));
+    col.appendChild(heat(mat(hp(l, h) + 'contrib'), 'R^' + h + '\u00b7W_o^' + h,
+                         {max: 2, width: 260}));
+    each.push(col);
+  }
+  fill($('heads-each'), each);
+  var sum = mat('layer' + l + '.attn_out'), cat = mat('layer' + l + '.attn_concat');
+  var diff = derived('layer' + l + '.diff', sum.rows, sum.cols,
+                     function (i, j) { return sum.get(i, j) - cat.get(i, j); });
+  var d = stats(diff).maxabs;
+  var out = $('heads-diff');
+  out.textContent = 'max |sum form \u2212 concat form| = ' + d.toExponential(2) +
+    ' (float32 rounding: the two forms are the same product)';
+  out.dataset.maxdiff = String(d);
+  fill($('heads-forms'), [heat(sum, 'sum form'), heat(cat, 'concat form'),
+                          heat(diff, 'difference')]);
+}
+function renderMaps() {
+  var grid = $('maps-grid'), L = D.sizes.L, H = D.sizes.H, table = el('table');
+  var avg = st.mapmode === 'avg';
+  for (var l = 0; l < L; l++) {
+    var tr = el('tr');
+    tr.appendChild(el('th', null, 'layer ' + l));
+    for (var h = 0; h < (avg ? 1 : H); h++) {
+      var td = el('td'), m = avg ? headAverage(l) : mat(hp(l, h) + 'attn');
+      var sel = st.mapsel[0] === l && (avg || st.mapsel[1] === h);
+      td.appendChild(heat(m, avg ? 'mean of heads' : 'head ' + h, {
+        mode: st.mapmode === 'log' ? 'log' : 'prob', max: 8, width: 180, height: 180,
+        row: sel ? st.query : undefined,
+        onclick: (function (ll, hh) {
+          return function (i) { st.query = i; st.mapsel = [ll, hh]; render(); };
+        })(l, h)}));
+      tr.appendChild(td);
+    }
+    table.appendChild(tr);
+  }
+  grid.textContent = ''; grid.appendChild(table);
+  var ml = st.mapsel[0], mh = avg ? -1 : st.mapsel[1];
+  var m2 = mh < 0 ? headAverage(ml) : mat(hp(ml, mh) + 'attn'), q = st.query;
+  $('maps-row-title').textContent = 'row of query ' + q + ' (' + vis(D.tokens[q]) + ') in layer ' +
+    ml + (mh < 0 ? ', mean of heads' : ', head ' + mh);
+  var rows = $('maps-row');
+  rows.textContent = '';
+  rows.appendChild(headRow(['key', 'token', 'weight', '']));
+  for (var j = 0; j <= q; j++) {
+    var w = m2.get(q, j);
+    rows.appendChild(barRow([String(j), vis(D.tokens[j]), w.toFixed(4)], w));
+  }
+}
+function headRow(cells) {
+  var tr = el('tr');
+  cells.forEach(function (c) { tr.appendChild(el('th', null, c)); });
+  return tr;
+}
+function barRow(cells, p, extra) {
+  var tr = el('tr');
+  cells.forEach(function (c) { tr.appendChild(el('td', null, c)); });
+  var td = el('td'), bar = el('span', 'bar');
+  bar.style.width = Math.round(160 * p) + 'px';
+  td.appendChild(bar); tr.appendChild(td);
+  if (extra) { tr.appendChild(el('td', null, extra)); }
+  return tr;
+}
+function candCell(c) {
+  var td = el('td'), bar = el('span', 'bar');
+  td.appendChild(document.createTextNode(vis(tokOf(c[0])) + ' ' + c[1].toFixed(4)));
+  bar.style.width = Math.round(80 * c[1]) + 'px';
+  td.appendChild(bar);
+  td.dataset.id = c[0]; td.dataset.prob = String(c[1]);
+  return td;
+}
+function nextTable(box, top, kept) {
+  box.textContent = '';
+  var k = top[0].length, head = ['t', 'token'];
+  for (var c = 0; c < k; c++) { head.push('#' + (c + 1)); }
+  if (kept) { head.push('p(original top)'); }
+  box.appendChild(headRow(head));
+  top.forEach(function (row, t) {
+    var tr = el('tr');
+    tr.appendChild(el('td', null, String(t)));
+    tr.appendChild(el('td', null, vis(D.tokens[t])));
+    row.forEach(function (c) { tr.appendChild(candCell(c)); });
+    if (kept) {
+      var base = D.next[t][0];
+      if (row[0][0] !== base[0]) { tr.className = 'changed'; }
+      tr.appendChild(el('td', null, vis(tokOf(base[0])) + ' ' + base[1].toFixed(4) +
+                        ' \u2192 ' + kept[t].toFixed(4)));
+    }
+    box.appendChild(tr);
+  });
+}
+function renderLens() {
+  var box = $('lens-table');
+  box.textContent = '';
+  box.appendChild(headRow(['t', 'token'].concat(D.lens.map(function (s) { return s.label; }))));
+  D.ids.forEach(function (id, t) {
+    var tr = el('tr');
+    tr.appendChild(el('td', null, String(t)));
+    tr.appendChild(el('td', null, vis(D.tokens[t])));
+    D.lens.forEach(function (s) {
+      var c = s.top[t][0], td = el('td', null, vis(tokOf(c[0])) + ' ' + c[1].toFixed(3));
+      var all = s.top[t].map(function (x) { return vis(tokOf(x[0])) + ' ' + x[1].toFixed(4); });
+      td.title = s.label + ', after "' + D.tokens.slice(0, t + 1).join('') + '": ' + all.join(', ');
+      td.dataset.id = c[0];
+      td.style.background = 'rgba(42,170,102,' + (0.1 + 0.6 * c[1]).toFixed(3) + ')';
+      td.onmouseenter = function () { $('readout').textContent = td.title; };
+      tr.appendChild(td);
+    });
+    box.appendChild(tr);
+  });
+}
+function ablationLabel(key) {
+  var p = key.split('.'), l = p[0].slice(5);
+  if (p[1] === 'attn') { return 'layer ' + l + ' attention (all heads)'; }
+  if (p[1] === 'ffn') { return 'layer ' + l + ' FFN'; }
+  return 'layer ' + l + ' head ' + p[1].slice(4);
+}
+function renderAblation() {
+  var sel = $('ablate');
+  if (!sel.options.length) {
+    sel.add(new Option('nothing (the model as it is)', ''));
+    D.ablations.forEach(function (a) { sel.add(new Option(ablationLabel(a.key), a.key)); });
+    sel.onchange = function () { st.ablate = sel.value; render(); };
+  }
+  sel.value = st.ablate;
+  var a = D.ablations.filter(function (x) { return x.key === st.ablate; })[0];
+  $('ablation-note').textContent = a ? 'next-token table with ' + ablationLabel(a.key) +
+    ' switched off (precomputed); highlighted rows changed their top token; last column: ' +
+    'the probability left to the original top token'
+    : 'pick a part to switch off; every table is precomputed, no server needed';
+  nextTable($('ablation-table'), a ? a.top : D.next, a ? a.orig_top_prob : null);
+}
+function renderLowrank() {
+  var key = 'layer' + st.layer + '.head' + st.head, lr = D.lowrank[key], Dd = D.sizes.D;
+  var slider = $('rank');
+  slider.max = Dd;
+  st.rank = Math.min(st.rank, Dd);
+  slider.value = st.rank;
+  slider.oninput = function () { st.rank = +slider.value; renderLowrank(); };
+  $('lowrank-title').textContent = 'layer ' + st.layer + ', head ' + st.head +
+    ': singular values of W_v^i\u00b7W_o^i (' + D.sizes.E + ' \u00d7 ' + D.sizes.E + ', rank \u2264 D = ' +
+    Dd + ')';
+  var bars = $('lowrank-bars'), top = lr.singular[0] || 1;
+  bars.textContent = '';
+  lr.singular.forEach(function (s, j) {
+    var b = el('div', j < st.rank ? '' : 'drop');
+    b.style.height = Math.max(1, Math.round(130 * s / top)) + 'px';
+    b.title = 's_' + (j + 1) + ' = ' + fmt(s);
+    bars.appendChild(b);
+  });
+  $('rank-value').textContent = st.rank + ' of ' + Dd;
+  var out = $('lowrank-error'), we = lr.weight_error[st.rank], oe = lr.output_error[st.rank];
+  out.textContent = 'keep r = ' + st.rank + ': \u2016M \u2212 M_r\u2016/\u2016M\u2016 = ' + we.toFixed(4) +
+    ';  this head\u2019s output on the prompt, \u2016A\u00b7(x\u00b7M_r + b)\u2212R^i\u00b7W_o^i\u2016/\u2016R^i\u00b7W_o^i\u2016 = ' +
+    oe.toFixed(4);
+  out.dataset.weightError = String(we); out.dataset.outputError = String(oe);
+}
+function renderTokens() {
+  var box = $('tokens');
+  box.textContent = '';
+  D.tokens.forEach(function (t, i) {
+    var s = el('span', 'tok' + (i === st.query ? ' sel' : ''), vis(t));
+    s.title = 'position ' + i + ', id ' + D.ids[i];
+    s.dataset.pos = i;
+    s.onclick = function () { st.query = i; render(); };
+    box.appendChild(s);
+  });
+}
+var VIEWS = {steps: renderSteps, heads: renderHeads, maps: renderMaps, lens: renderLens,
+             ablation: renderAblation, lowrank: renderLowrank,
+             next: function () { nextTable($('next-table'), D.next, null); }};
+function render() {
+  if (!D) { return; }
+  $('layer').value = st.layer; $('head').value = st.head;
+  renderTokens();
+  Array.prototype.forEach.call(document.querySelectorAll('#views button'), function (b) {
+    b.classList.toggle('on', b.dataset.view === st.view);
+    $('view-' + b.dataset.view).hidden = b.dataset.view !== st.view;
+  });
+  var r = $('readout');
+  r.textContent = 'hover a matrix to read its values';
+  delete r.dataset.name; delete r.dataset.value;
+  VIEWS[st.view]();
+  document.body.dataset.view = st.view;
+}
+
+/* --- loading -------------------------------------------------------------------------- */
+function load(data) {
+  D = data; T = {};
+  var s = D.sizes, ls = $('layer'), hs = $('head');
+  ls.textContent = ''; hs.textContent = ''; $('ablate').textContent = '';
+  for (var l = 0; l < s.L; l++) { ls.add(new Option('layer ' + l, l)); }
+  for (var h = 0; h < s.H; h++) { hs.add(new Option('head ' + h, h)); }
+  st.layer = Math.min(D.select.layer, s.L - 1); st.head = Math.min(D.select.head, s.H - 1);
+  st.query = D.ids.length - 1; st.mapsel = [st.layer, st.head]; st.ablate = '';
+  st.rank = Math.max(1, Math.floor(s.D / 4));
+  $('summary').textContent = 'C = ' + s.C + ' tokens, ' + s.L + ' layers, H = ' + s.H +
+    ' heads, E = ' + s.E + ', D = ' + s.D + ', V = ' + s.V + '.  Hover a matrix for its exact ' +
+    'values; click a token to choose the query row.';
+  render();
+}
+$('layer').onchange = function () { st.layer = +this.value; st.mapsel[0] = st.layer; render(); };
+$('head').onchange = function () { st.head = +this.value; st.mapsel[1] = st.head; render(); };
+Array.prototype.forEach.call(document.querySelectorAll('#views button'), function (b) {
+  b.onclick = function () { st.view = b.dataset.view; render(); };
+});
+Array.prototype.forEach.call(document.querySelectorAll('input[name=mapmode]'), function (r) {
+  r.onchange = function () { st.mapmode = r.value; render(); };
+});
+if (CFG.endpoint) {
+  var form = $('live');
+  form.hidden = false;
+  form.onsubmit = function (e) {
+    e.preventDefault();
+    var status = $('live-status');
+    status.textContent = 'computing\u2026';
+    fetch(CFG.endpoint, {method: 'POST', headers: {'Content-Type': 'application/json'},
+      body: JSON.stringify({prompt: $('prompt-input').value, top_k: +$('topk-input').value})})
+      .then(function (r) { return r.json().then(function (j) { return [r.ok, j]; }); })
+      .then(function (p) {
+        if (!p[0]) {
+          var e2 = p[1].error;
+          throw new Error(e2 && e2.message ? e2.message : (p[1].detail || 'request failed'));
+        }
+        status.textContent = ''; load(p[1]);
+      })
+      .catch(function (err) { status.textContent = String(err.message || err); });
+  };
+}
+var embedded = JSON.parse(document.getElementById('data').textContent);
+window.tinylmExplorer = {state: st, load: load, data: function () { return D; }};
+if (embedded) {
+  if (CFG.endpoint && embedded.prompt) { $('prompt-input').value = embedded.prompt; }
+  load(embedded);
+}
+})();
