@@ -9,28 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from tinylm.core.checks import check_fraction, check_int, check_positive
 from tinylm.core.errors import ConfigError
-
-
-def _check_int(name: str, value: Any, minimum: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
-
-
-def _check_fraction(name: str, value: Any, *, low: float = 0.0, high: float = 1.0,
-                    high_open: bool = True) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    ok = ok and low <= value and (value < high if high_open else value <= high)
-    if not ok:
-        bracket = ")" if high_open else "]"
-        raise ConfigError(f"{name} must be a number in [{low}, {high}{bracket}, got {value!r}")
-
 
 #: The largest integer any field of a config accepts (sizes are int32 in every kernel and
 #: file format tinylm writes; counters and seeds are int64), and tighter bounds on sizes
@@ -140,11 +125,11 @@ class ModelConfig(_JSONMixin):
     qkv_bias: bool | None = None
 
     def __post_init__(self) -> None:
-        _check_int("vocab_size", self.vocab_size)
-        _check_int("context_length", self.context_length)
-        _check_int("n_layer", self.n_layer)
-        _check_int("n_head", self.n_head)
-        _check_int("n_embd", self.n_embd)
+        check_int("vocab_size", self.vocab_size)
+        check_int("context_length", self.context_length)
+        check_int("n_layer", self.n_layer)
+        check_int("n_head", self.n_head)
+        check_int("n_embd", self.n_embd)
         if self.head_dim is None:
             if self.n_embd % self.n_head != 0:
                 raise ConfigError(
@@ -154,13 +139,13 @@ class ModelConfig(_JSONMixin):
                 )
             object.__setattr__(self, "head_dim", self.n_embd // self.n_head)
         else:
-            _check_int("head_dim", self.head_dim)
-        _check_fraction("dropout", self.dropout)
+            check_int("head_dim", self.head_dim)
+        check_fraction("dropout", self.dropout)
         if not isinstance(self.bias, bool):
             raise ConfigError(f"bias must be true or false, got {self.bias!r}")
         if not isinstance(self.tie_embeddings, bool):
             raise ConfigError(f"tie_embeddings must be true or false, got {self.tie_embeddings!r}")
-        _check_positive("norm_eps", self.norm_eps)
+        check_positive("norm_eps", self.norm_eps)
         if self.norm_eps == 0:
             raise ConfigError("norm_eps must be > 0 (it keeps the norm's division finite); "
                               "use e.g. 1e-5")
@@ -173,7 +158,7 @@ class ModelConfig(_JSONMixin):
             if value not in allowed:
                 raise ConfigError(f"{name} must be one of {', '.join(allowed)}, got {value!r}; "
                                   f"set --{name} {allowed[0]} (or --arch gpt2|llama|modern)")
-        _check_positive("rope_theta", self.rope_theta)
+        check_positive("rope_theta", self.rope_theta)
         if self.rope_theta == 0:
             raise ConfigError("rope_theta must be > 0 (10000 as in Llama), got 0")
         if self.position == "rope" and self.head_dim % 2:
@@ -181,10 +166,10 @@ class ModelConfig(_JSONMixin):
                               f"of dimensions; choose an even head_dim (or n_embd/n_head) or "
                               f"position=learned")
         if self.ffn_hidden is not None:
-            _check_int("ffn_hidden", self.ffn_hidden)
+            check_int("ffn_hidden", self.ffn_hidden)
         if self.n_kv_head is None:
             object.__setattr__(self, "n_kv_head", self.n_head)
-        _check_int("n_kv_head", self.n_kv_head)
+        check_int("n_kv_head", self.n_kv_head)
         if self.n_head % self.n_kv_head:
             raise ConfigError(f"n_kv_head={self.n_kv_head} does not divide n_head={self.n_head}: "
                               f"each key/value head serves n_head / n_kv_head query heads; "
@@ -336,52 +321,44 @@ class TrainConfig(_JSONMixin):
               "if set, else the cores the machine's load leaves free)")
 
     def __post_init__(self) -> None:
-        _check_int("batch_size", self.batch_size)
-        _check_int("grad_accum", self.grad_accum)
+        check_int("batch_size", self.batch_size)
+        check_int("grad_accum", self.grad_accum)
         if self.tokens_per_step is not None:
-            _check_int("tokens_per_step", self.tokens_per_step)
+            check_int("tokens_per_step", self.tokens_per_step)
             if self.grad_accum != 1:
                 raise ConfigError(f"set either tokens_per_step ({self.tokens_per_step}) or "
                                   f"grad_accum ({self.grad_accum}), not both")
-        _check_positive("lr", self.lr)
-        _check_fraction("min_lr_ratio", self.min_lr_ratio, high_open=False)
-        _check_int("warmup_steps", self.warmup_steps, minimum=0)
-        _check_int("max_steps", self.max_steps)
+        check_positive("lr", self.lr)
+        check_fraction("min_lr_ratio", self.min_lr_ratio, high_open=False)
+        check_int("warmup_steps", self.warmup_steps, minimum=0)
+        check_int("max_steps", self.max_steps)
         if self.time_budget is not None:
-            _check_positive("time_budget", self.time_budget)
-        _check_positive("embedding_lr_ratio", self.embedding_lr_ratio)
-        _check_positive("weight_decay", self.weight_decay, allow_zero=True)
-        _check_fraction("beta1", self.beta1)
-        _check_fraction("beta2", self.beta2)
-        _check_positive("grad_clip", self.grad_clip, allow_zero=True)
+            check_positive("time_budget", self.time_budget)
+        check_positive("embedding_lr_ratio", self.embedding_lr_ratio)
+        check_positive("weight_decay", self.weight_decay, allow_zero=True)
+        check_fraction("beta1", self.beta1)
+        check_fraction("beta2", self.beta2)
+        check_positive("grad_clip", self.grad_clip, allow_zero=True)
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"unknown optimizer {self.optimizer!r}; choose one of "
                               f"{', '.join(OPTIMIZERS)}")
         if self.strategy not in STRATEGIES:
             raise ConfigError(f"unknown strategy {self.strategy!r}; choose one of "
                               f"{', '.join(STRATEGIES)}")
-        _check_int("eval_every", self.eval_every)
+        check_int("eval_every", self.eval_every)
         if self.eval_windows is not None:
-            _check_int("eval_windows", self.eval_windows)
-        _check_int("save_every", self.save_every)
-        _check_int("log_every", self.log_every)
-        _check_int("seed", self.seed, minimum=0)
+            check_int("eval_windows", self.eval_windows)
+        check_int("save_every", self.save_every)
+        check_int("log_every", self.log_every)
+        check_int("seed", self.seed, minimum=0)
         if not isinstance(self.device, str) or not self.device:
             raise ConfigError(f"device must be a name such as auto, cpu, cuda or mps, "
                               f"got {self.device!r}")
         if self.threads is not None:
-            _check_int("threads", self.threads)
+            check_int("threads", self.threads)
         for name in ("compile", "plot_log_scale"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
-
-
-def _check_positive(name: str, value: Any, *, allow_zero: bool = False) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    ok = ok and (value >= 0 if allow_zero else value > 0)
-    if not ok:
-        what = "a finite number >= 0" if allow_zero else "a finite number > 0"
-        raise ConfigError(f"{name} must be {what}, got {value!r}")
 
 
 def read_toml(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -652,6 +652,17 @@ def load_tokenizer_of(path: str | os.PathLike):
                               f"'tinylm prepare'") from exc
 
 
+def require_tokenizer_of(path: str | os.PathLike, needed_for: str):
+    """The checkpoint's tokenizer; a one-line CheckpointError when it has none.
+
+    ``needed_for`` completes the sentence: "<path> has no tokenizer.json; <needed_for>"
+    (say which command needs it and how to get one)."""
+    tokenizer = load_tokenizer_of(path)
+    if tokenizer is None:
+        raise CheckpointError(f"{path} has no tokenizer.json; {needed_for}")
+    return tokenizer
+
+
 def load_checkpoint(path: str | os.PathLike, device: torch.device | str = "cpu", *,
                     allow_nonfinite: bool = False):
     """(model, tokenizer or None) from a checkpoint folder (see :func:`load_model`)."""
