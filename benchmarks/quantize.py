@@ -6,7 +6,7 @@ heads x E=384, C=512, V=50257) with an untied LM head, so that every matrix a de
 step reads can be int8 (``quantize(include_head=True)``) -- greedy decoding of
 --new-tokens tokens after a --prompt-len token prompt at batch 1 and 8:
 
-- tinylm fp32 and tinylm int8 (``tinylm.layers.quantize``; the fused decoding step reads the
+- tinylm fp32 and tinylm int8 (``tinylm.layers.quantized``; the fused decoding step reads the
   int8 weights with ``csrc/quant.c``)
 - Hugging Face ``GPT2LMHeadModel.generate`` (fp32, the same weights via ``tinylm.io.hf``)
 - CTranslate2 ``Generator`` with ``float32`` and ``int8`` weights, converted by
@@ -40,10 +40,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import write_section  # noqa: E402
 from sample import hf_greedy, median_seconds  # noqa: E402
 from tinylm import GPT, ModelConfig, generate, native  # noqa: E402
+from tinylm.commands.quantize import quantize  # noqa: E402
 from tinylm.data.prepare import load_prepared  # noqa: E402
 from tinylm.io.checkpoint import load_checkpoint  # noqa: E402
 from tinylm.io.hf import to_hf  # noqa: E402
-from tinylm.layers.quantize import quantize  # noqa: E402
 from tinylm.use.evaluation import evaluate  # noqa: E402
 
 

@@ -12,13 +12,14 @@ import pytest
 import torch
 
 from tinylm.acceleration import accelerate, plan
+from tinylm.commands.compress import compress
 from tinylm.core.attention import MultiHeadAttention, apply_rope, rope_angles
 from tinylm.core.config import ARCH_PRESETS, ModelConfig, resolve_arch
 from tinylm.core.decoding import KVCache
 from tinylm.core.errors import ConfigError
 from tinylm.core.model import GPT, parameter_count
 from tinylm.io.checkpoint import load_model, save_checkpoint
-from tinylm.layers.lowrank import compress, dense_weight, structure_of
+from tinylm.layers.lowrank import dense_weight, structure_of
 
 BASE = dict(vocab_size=53, context_length=24, n_layer=2, n_head=4, n_embd=32)
 VARIANTS = {
@@ -284,7 +285,7 @@ def test_variant_decoding_step_runs_quantized_layers_and_greedy_equals_full_forw
         name) -> None:
     """The variants' fused decoding step (int8 Linear layers included) gives the greedy
     tokens of repeated full forwards of the same (quantized) model."""
-    from tinylm.layers.quantize import quantize
+    from tinylm.commands.quantize import quantize
     from tinylm.use.sampling import generate
 
     model = build(name)

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from tinylm import GPT, ModelConfig, generate, native
+from tinylm.commands.compress import compress
 from tinylm.core.decoding import Decoder
-from tinylm.layers.lowrank import compress
 from tinylm.native.decoding import NativeKVCache
 
 NATIVE = os.environ.get("TINYLM_NATIVE") != "0"

@@ -25,11 +25,11 @@ import torch
 from torch import nn
 
 from tinylm import GPT, ModelConfig, generate, native
+from tinylm.commands.compress import compress
+from tinylm.commands.quantize import quantize
 from tinylm.core.config import ModelConfig as _Config
 from tinylm.core.decoding import Decoder
 from tinylm.core.model import lm_loss
-from tinylm.layers.lowrank import compress
-from tinylm.layers.quantize import quantize
 from tinylm.native import functions
 
 NATIVE = os.environ.get("TINYLM_NATIVE") != "0"

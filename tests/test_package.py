@@ -65,19 +65,21 @@ def test_only_the_acceleration_door_imports_the_native_package() -> None:
 
 
 def test_the_native_package_sits_below_the_uses() -> None:
-    # tinylm.layers.quantize and tinylm.layers.lora hold the replaced layers QuantizedLinear and
-    # LoRALinear (reference math) at module level and import only torch and errors there
-    # (checked below); their uses import lazily.
-    allowed = {"tinylm.core", "tinylm.layers.lora", "tinylm.native", "tinylm.layers.quantize"}
+    # tinylm.layers.quantized and tinylm.layers.lora hold the replaced layers QuantizedLinear and
+    # LoRALinear (reference math) at module level and import only torch, errors and the one
+    # selection rule there (checked below); tinylm.layers.registry declares them to native.
+    allowed = {"tinylm.core", "tinylm.layers.lora", "tinylm.native", "tinylm.layers.quantized",
+               "tinylm.layers.registry"}
     stdlib_ = set(sys.stdlib_module_names) | {"__future__"}
-    for layer_module in ("layers/quantize.py", "layers/lora.py"):
+    for layer_module in ("layers/quantized.py", "layers/lora.py"):
         top_level = [n for n in ast.parse((SRC / layer_module).read_text()).body
                      if isinstance(n, (ast.Import, ast.ImportFrom))]
         for node in top_level:
             names = [node.module] if isinstance(node, ast.ImportFrom) else \
                 [a.name for a in node.names]
             for m in names:
-                assert m.split(".")[0] in stdlib_ | {"torch"} or m == "tinylm.core.errors", m
+                assert m.split(".")[0] in stdlib_ | {"torch"} or m in (
+                    "tinylm.core.errors", "tinylm.layers.selection"), m
     stdlib = set(sys.stdlib_module_names) | {"__future__", "_ctypes"}
     for path in (SRC / "native").glob("*.py"):
         for m in _imports(path):

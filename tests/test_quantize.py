@@ -1,5 +1,6 @@
-"""tinylm.layers.quantize: the int8 scheme against closed-form bounds, the replaced layer, the
-checkpoint round trip, `tinylm quantize` end to end, and every command loading it."""
+"""tinylm.layers.quantized and tinylm.commands.quantize: the int8 scheme against closed-form
+bounds, the replaced layer, the checkpoint round trip, `tinylm quantize` end to end, and every
+command loading it."""
 
 from __future__ import annotations
 
@@ -13,14 +14,14 @@ from torch import nn
 
 from tinylm import GPT, ModelConfig, acceleration, native
 from tinylm.cli import main
+from tinylm.commands.quantize import quantize
 from tinylm.core.decoding import Decoder
 from tinylm.core.errors import ConfigError
 from tinylm.data.prepare import prepare
 from tinylm.io.checkpoint import load_checkpoint, save_checkpoint
-from tinylm.layers.quantize import (
+from tinylm.layers.quantized import (
     QuantizedLinear,
     dequantize_weight,
-    quantize,
     quantize_weight,
     structure_of,
 )

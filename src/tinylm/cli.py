@@ -533,8 +533,12 @@ def _check_compress_flags(args: argparse.Namespace) -> list[str]:
 
 
 def _cmd_compress(args: argparse.Namespace) -> int:
-    from tinylm.commands.compress import compress_checkpoint, sweep_checkpoint
-    from tinylm.layers.lowrank import format_report, format_sweep
+    from tinylm.commands.compress import (
+        compress_checkpoint,
+        format_report,
+        format_sweep,
+        sweep_checkpoint,
+    )
 
     layers = _check_compress_flags(args)
     common = {"layers": layers, "eval_windows": args.eval_windows, "device": args.device}
@@ -605,8 +609,8 @@ def _add_quantize(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_quantize(args: argparse.Namespace) -> int:
+    from tinylm.commands.quantize import format_report, quantize_checkpoint
     from tinylm.core.errors import ConfigError
-    from tinylm.layers.quantize import format_report, quantize_checkpoint
 
     layers = None
     if args.layers is not None:

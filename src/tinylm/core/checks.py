@@ -35,14 +35,15 @@ def check_int(name: str, value: Any, minimum: int | None = 1, maximum: int | Non
 
 def check_fraction(name: str, value: Any, *, low: float = 0.0, high: float = 1.0,
                    high_open: bool = True, low_open: bool = False,
-                   error: type[TinyLMError] = ConfigError) -> float:
+                   error: type[TinyLMError] = ConfigError, hint: str = "") -> float:
     """``value`` if it is a number in [low, high) (or the bounds ``*_open`` asks for)."""
     ok = _is_number(value) and not (isinstance(value, float) and math.isnan(value))
     ok = ok and (low < value if low_open else low <= value)
     ok = ok and (value < high if high_open else value <= high)
     if not ok:
         left, right = "(" if low_open else "[", ")" if high_open else "]"
-        raise error(f"{name} must be a number in {left}{low}, {high}{right}, got {value!r}")
+        raise error(f"{name} must be a number in {left}{low}, {high}{right}, got {value!r}"
+                    f"{'; ' + hint if hint else ''}")
     return value
 
 

@@ -39,12 +39,10 @@ from torch import Tensor, nn
 from tinylm.core.config import ModelConfig, check_model_fits
 from tinylm.core.errors import CheckpointError, ConfigError, TinyLMError
 from tinylm.core.model import GPT
-from tinylm.io.files import fsync_dir, is_locked, sha256_file, umask_mode, write_error
+from tinylm.io.files import fsync_dir, is_locked, pid_alive, sha256_file, umask_mode, write_error
 from tinylm.io.jsonio import read_json
-from tinylm.layers.lora import apply_lora_structure, is_adapter_key, lora_structure
-from tinylm.layers.lowrank import apply_structure, structure_of
-from tinylm.layers.quantize import apply_structure as apply_quantized
-from tinylm.layers.quantize import structure_of as quantized_layers
+from tinylm.layers import registry
+from tinylm.layers.lora import is_adapter_key
 
 log = logging.getLogger(__name__)
 
@@ -182,12 +180,7 @@ def save_checkpoint(
     base = unwrap_model(model)
     config = {"format": FORMAT, "version": VERSION, "model": base.config.to_dict()}
     config.update(extra_config or {})
-    if structure_of(base):
-        config["lowrank"] = structure_of(base)
-    if quantized_layers(base):
-        config["quantize"] = quantized_layers(base)
-    if lora_structure(base):
-        config["lora"] = lora_structure(base)
+    config.update(registry.structure_of(base))  # "lowrank", "quantize", "lora" when present
     if tmp is None:
         state = model_state(base) if state is None else _without_tied_head(base, state)
         if config.get("lora_base"):  # a LoRA run: the adapters (and grown embeddings) only
@@ -195,21 +188,9 @@ def save_checkpoint(
         tmp = new_temporary(dest)
     current = tmp
     try:
-        if not config.get("sharded"):
-            current = tmp / WEIGHTS_FILE
-            _write_tensors(current, state)
-        if tokenizer is not None:
-            current = tmp / TOKENIZER_FILE
-            _op(f"write {TOKENIZER_FILE}")
-            tokenizer.save(current)
-        if train_tensors is not None:
-            current = tmp / STATE_TENSORS_FILE
-            _write_tensors(current, train_tensors)
-        if train_meta is not None:
-            current = tmp / STATE_JSON_FILE
-            _write_json(current, train_meta)
-        current = tmp / CONFIG_FILE
-        _write_json(current, config)  # last: its presence marks the folder complete
+        for name, write in _file_writes(config, state, tokenizer, train_tensors, train_meta):
+            current = tmp / name
+            write(current)
         _match_umask(tmp)
         _op("fsync tmp")
         fsync_dir(tmp)
@@ -223,6 +204,29 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return dest
+
+
+def _save_tokenizer(tokenizer: Any, path: Path) -> None:
+    _op(f"write {TOKENIZER_FILE}")
+    tokenizer.save(path)
+
+
+def _file_writes(config: dict[str, Any], state: dict[str, Tensor] | None, tokenizer: Any,
+                 train_tensors: dict[str, Tensor] | None, train_meta: dict[str, Any] | None
+                 ) -> list[tuple[str, Callable[[Path], None]]]:
+    """(file name, how to write it) for each file of a save, in order; config.json last,
+    since its presence marks the folder complete."""
+    writes: list[tuple[str, Callable[[Path], None]]] = []
+    if not config.get("sharded"):
+        writes.append((WEIGHTS_FILE, lambda p: _write_tensors(p, state)))
+    if tokenizer is not None:
+        writes.append((TOKENIZER_FILE, lambda p: _save_tokenizer(tokenizer, p)))
+    if train_tensors is not None:
+        writes.append((STATE_TENSORS_FILE, lambda p: _write_tensors(p, train_tensors)))
+    if train_meta is not None:
+        writes.append((STATE_JSON_FILE, lambda p: _write_json(p, train_meta)))
+    writes.append((CONFIG_FILE, lambda p: _write_json(p, config)))
+    return writes
 
 
 def _without_tied_head(base: nn.Module, state: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -321,16 +325,9 @@ def _writer_pid(name: str) -> int | None:
         return None
 
 
-def _alive(pid: int | None) -> bool:
-    if pid is None:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OSError):
-        return True
-    return True
+def _writer_alive(name: str) -> bool:
+    pid = _writer_pid(name)
+    return pid is not None and pid_alive(pid)
 
 
 def _saved_step(folder: Path) -> tuple[int, int]:
@@ -386,7 +383,7 @@ def recover_checkpoint(dest: str | os.PathLike) -> Path | None:
     when it now holds a complete checkpoint, else None.
     """
     dest = Path(dest)
-    dead = [p for p in leftovers(dest) if not _alive(_writer_pid(p.name))]
+    dead = [p for p in leftovers(dest) if not _writer_alive(p.name)]
     complete = [p for p in dead if is_complete(p)]
     current = _saved_step(dest) if is_complete(dest) else None
     newest = max(complete, key=_saved_step, default=None)
@@ -513,16 +510,7 @@ def build_model(config: dict[str, Any]) -> GPT:
     except ConfigError as exc:
         raise CheckpointError(f"config.json describes a model too large to load: {exc}") \
             from None
-    model = GPT(model_config)
-    lowrank = config.get("lowrank")
-    if lowrank:
-        apply_structure(model, lowrank)
-    quantized = config.get("quantize")
-    if quantized:
-        apply_quantized(model, quantized)
-    if config.get("lora"):
-        apply_lora_structure(model, config["lora"])
-    return model
+    return registry.apply_structure(GPT(model_config), config)
 
 
 _EMBEDDINGS = ("tok_emb.weight", "lm_head.weight")

@@ -33,9 +33,7 @@ import torch
 from tinylm.core.config import ModelConfig, check_model_fits
 from tinylm.core.errors import CheckpointError, ConfigError
 from tinylm.core.model import GPT
-from tinylm.layers.lora import LoRALinear, merge_lora
-from tinylm.layers.quantize import dequantized
-from tinylm.layers.quantize import structure_of as structure_of_quantized
+from tinylm.layers import registry
 
 # (Hugging Face name, tinylm name, how). "{i}" is the block index.
 GPT2_NAMES: list[tuple[str, str, str]] = [
@@ -487,6 +485,16 @@ def _hf_config(config: ModelConfig, family: Family, transformers: Any) -> Any:
     return getattr(transformers, cls[family.model_type])(**kw)
 
 
+def _exportable(model: GPT, family: Family) -> GPT:
+    """``model``, or a copy with its replaced layers made dense (int8 layers dequantized,
+    LoRA adapters merged); a kind that has no dense export (low-rank) is refused."""
+    present = [kind for kind in registry.KINDS if kind.present_in(model)]
+    for kind in present:
+        if kind.export_refusal is not None:
+            raise ConfigError(kind.export_refusal.format(architecture=family.architecture))
+    return registry.densified(copy.deepcopy(model), present) if present else model
+
+
 def to_hf(model: GPT, family: str | None = None):
     """A transformers model (GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM or
     MistralForCausalLM; see :func:`export_family`) with the same weights as ``model``."""
@@ -496,13 +504,7 @@ def to_hf(model: GPT, family: str | None = None):
     model = unwrap_model(model)
     c = model.config
     fam = export_family(c, family)
-    if any(type(m).__name__ == "LowRankLinear" for m in model.modules()):
-        raise ConfigError(f"a compressed (low-rank) model has no {fam.architecture} "
-                          f"equivalent; export the model before 'tinylm compress'")
-    if structure_of_quantized(model):  # int8 layers: the export gets dequantized weights
-        model = dequantized(copy.deepcopy(model))
-    if any(isinstance(m, LoRALinear) for m in model.modules()):
-        model = merge_lora(copy.deepcopy(model))  # LoRA adapters: export the merged weights
+    model = _exportable(model, fam)
     hf = getattr(transformers, fam.architecture)(_hf_config(c, fam, transformers))
     ours = model.state_dict()
     sizes = {"q": (0, c.inner_dim), "k": (c.inner_dim, c.kv_dim),

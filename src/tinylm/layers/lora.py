@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tinylm.core.errors import CheckpointError, ConfigError
+from tinylm.layers.selection import select_layers
 
 #: Short names for the layers LoRA can target, -> the module path inside a block.
 TARGETS = {"qkv": "attn.qkv", "out": "attn.out", "up": "ffn.up", "down": "ffn.down"}
@@ -108,15 +109,16 @@ class LoRALinear(nn.Module):
                 f"rank={self.rank}, alpha={self.alpha:g}, bias={self.bias is not None}")
 
 
-
-def parse_targets(targets: str | Sequence[str]) -> tuple[str, ...]:
-    """``"qkv,out"`` or ``["qkv", "out"]`` -> a checked tuple of short target names."""
+def target_patterns(targets: str | Sequence[str]) -> tuple[str, ...]:
+    """``"qkv,out"`` or ``["qkv", "out"]`` -> the checked layer patterns they stand for,
+    ``("attn.qkv", "attn.out")`` (:data:`TARGETS`), for
+    :func:`tinylm.layers.selection.select_layers`."""
     names = [t.strip() for t in (targets.split(",") if isinstance(targets, str) else targets)]
     bad = [t for t in names if t not in TARGETS]
     if bad or not names:
         raise ConfigError(f"LoRA targets {bad or names!r} are not layers LoRA can adapt; "
                           f"choose from {','.join(TARGETS)} (e.g. --lora-targets qkv,out)")
-    return tuple(dict.fromkeys(names))
+    return tuple(TARGETS[t] for t in dict.fromkeys(names))
 
 
 def _check_rank(rank: Any, alpha: Any) -> None:
@@ -127,28 +129,32 @@ def _check_rank(rank: Any, alpha: Any) -> None:
         raise ConfigError(f"LoRA alpha must be a positive number, got {alpha!r}")
 
 
+def _check_adaptable(name: str, layer: nn.Module, rank: int) -> None:
+    if type(layer) is not nn.Linear:
+        raise ConfigError(f"{name} is a {type(layer).__name__}, not a plain linear "
+                          f"layer; LoRA adapts dense models (merge or decompress first)")
+    if rank > min(layer.in_features, layer.out_features):
+        raise ConfigError(f"LoRA rank {rank} exceeds {name}'s smaller side "
+                          f"{min(layer.in_features, layer.out_features)}; use a "
+                          f"smaller --lora-rank")
+
+
 def apply_lora(model: nn.Module, rank: int, alpha: float | None = None,
                targets: str | Sequence[str] = DEFAULT_TARGETS) -> nn.Module:
     """Freeze every parameter of ``model`` and put a rank-``rank`` adapter on the
     ``targets`` layers of every block (in place; returns ``model``). ``alpha``
-    defaults to 2·rank (scale 2)."""
+    defaults to 2·rank (scale 2). The layers are chosen by the one selection rule
+    (:func:`~tinylm.layers.selection.select_layers`, any module type, so that a replaced
+    layer in a target's place is refused by name)."""
     alpha = 2 * rank if alpha is None else alpha
     _check_rank(rank, alpha)
-    names = parse_targets(targets)
+    chosen = select_layers(model, target_patterns(targets), take=None)
+    for name, layer in chosen:
+        _check_adaptable(name, layer, rank)
     for p in model.parameters():
         p.requires_grad_(False)
-    for i in range(len(model.blocks)):
-        for t in names:
-            name = f"blocks.{i}.{TARGETS[t]}"
-            layer = model.get_submodule(name)
-            if type(layer) is not nn.Linear:
-                raise ConfigError(f"{name} is a {type(layer).__name__}, not a plain linear "
-                                  f"layer; LoRA adapts dense models (merge or decompress first)")
-            if rank > min(layer.in_features, layer.out_features):
-                raise ConfigError(f"LoRA rank {rank} exceeds {name}'s smaller side "
-                                  f"{min(layer.in_features, layer.out_features)}; use a "
-                                  f"smaller --lora-rank")
-            model.set_submodule(name, LoRALinear.from_linear(layer, rank, alpha))
+    for name, layer in chosen:
+        model.set_submodule(name, LoRALinear.from_linear(layer, rank, alpha))
     return model
 
 
@@ -221,5 +227,5 @@ __all__ = [
     "is_adapter_key",
     "lora_structure",
     "merge_lora",
-    "parse_targets",
+    "target_patterns",
 ]

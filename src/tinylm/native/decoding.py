@@ -7,7 +7,7 @@ with the residual add fused in, LayerNorm, the FFN up-projection with GELU fused
 the down-projection with its residual add. It computes exactly the math of
 ``GPT.forward`` (tests/test_equivalence.py holds it to repeated full forwards). Weights
 are read once per step from packed copies (kept across calls while the weights are
-unchanged); the model itself is never modified. A :class:`tinylm.layers.quantize.QuantizedLinear`
+unchanged); the model itself is never modified. A :class:`tinylm.layers.quantized.QuantizedLinear`
 is read as int8 integers and float32 scales, packed once into panels (``Library.pack_q8``;
 the model keeps them as stored).
 
@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -42,9 +43,12 @@ from torch import Tensor, nn
 from tinylm.core.attention import RMSNorm, apply_rope, rope_angles
 from tinylm.core.decoding import Decoder, KVCache
 from tinylm.core.model import FeedForward, GatedFeedForward
-from tinylm.layers.quantize import QuantizedLinear
+from tinylm.layers.registry import decoding_of
 from tinylm.native.ops import Library, PackedQ8, check, header_constant
 from tinylm.native.variants import signed_sin
+
+if TYPE_CHECKING:
+    from tinylm.layers.quantized import QuantizedLinear
 
 
 class NativeKVCache(KVCache):
@@ -138,7 +142,7 @@ class FusedDecoder(_NativeArgmax):
         self.lib = lib
         super().__init__(model, batch_size, NativeKVCache.for_model(model, batch_size, lib=lib))
         self._fused = self._step_class()(model, self.cache, lib)
-        self._int8 = any(isinstance(m, QuantizedLinear) for m in model.modules())
+        self._int8 = any(decoding_of(m) == "int8" for m in model.modules())
 
     @staticmethod
     def _step_class() -> type:
@@ -241,7 +245,7 @@ class _FusedStep:
     def _linear(self, lin: nn.Module) -> tuple:
         """(weight pointers, bias, I, O): a packed fp32 weight, or for a QuantizedLinear
         its int8 integers, scales and group size (the int8 kernel of csrc/quant.c)."""
-        if isinstance(lin, QuantizedLinear):
+        if decoding_of(lin) == "int8":
             check("qweight", lin.qweight, (lin.out_features, lin.in_features),
                   dtype=torch.int8, contiguous=False)
             p = packed_q8(self.checked, lin)

@@ -20,7 +20,7 @@ modules' declared types and the config, never hooks or private registries:
 - **decode** (the fused decoding step of :mod:`tinylm.native.decoding`): a
   :class:`~tinylm.core.model.GPT` whose every block is eligible for **block** (any head size)
   with plain embeddings, final norm and LM head -- except that here each Linear layer
-  (the LM head too) may also be a :class:`tinylm.layers.quantize.QuantizedLinear`, which the
+  (the LM head too) may also be a :class:`tinylm.layers.quantized.QuantizedLinear`, which the
   step runs with the int8 kernel of ``csrc/quant.c``;
 - **decode_variant** (the fused step for the architecture variants, path
   ``"fused-variant"``): a :class:`~tinylm.core.model.GPT` of any layout ``ModelConfig``
@@ -62,8 +62,7 @@ from tinylm.core.attention import MultiHeadAttention, RMSNorm
 from tinylm.core.config import ModelConfig
 from tinylm.core.decoding import Decoder, KVCache
 from tinylm.core.model import GPT, Block, FeedForward, GatedFeedForward, ReLUSquared
-from tinylm.layers.lora import LoRALinear
-from tinylm.layers.quantize import QuantizedLinear
+from tinylm.layers.registry import decoding_classes, training_classes, training_weight
 from tinylm.native import decoding, ops, variants
 from tinylm.native.functions import BlockFn, CausalAttentionFn, FeedForwardFn
 
@@ -109,17 +108,17 @@ def declared(module: nn.Module) -> type:
     return getattr(type(module), "reference_class", type(module))
 
 
-# The Linear layers each kind of path computes: training paths nn.Linear and LoRA layers
-# (through weight_of); the fused decoding step nn.Linear and tinylm.layers.quantize's
-# QuantizedLinear (csrc/quant.c).
-TRAIN_LINEAR = (nn.Linear, LoRALinear)
-DECODE_LINEAR = (nn.Linear, QuantizedLinear)
+# The Linear layers each kind of path computes, as tinylm.layers.registry declares them:
+# training paths nn.Linear and the kinds with a training weight (LoRA, through weight_of);
+# the fused decoding step nn.Linear and the kinds it decodes (int8: csrc/quant.c).
+TRAIN_LINEAR = (nn.Linear, *training_classes())
+DECODE_LINEAR = (nn.Linear, *decoding_classes())
 
 
 def weight_of(layer: nn.Module) -> Tensor:
-    """The dense (F, E) weight a training path multiplies by: an nn.Linear's own, or a
-    LoRA layer's W + (α/r)·(A·B)ᵀ (differentiable in A and B)."""
-    return layer.effective_weight() if type(layer) is LoRALinear else layer.weight
+    """The dense (F, E) weight a training path multiplies by: an nn.Linear's own, or the
+    one its kind declares (LoRA: W + (α/r)·(A·B)ᵀ, differentiable in A and B)."""
+    return training_weight(layer)
 
 
 def _linear_reason(name: str, layer: nn.Module, linear: tuple[type, ...]) -> str | None:
@@ -243,6 +242,28 @@ def _model_reason(model: nn.Module) -> str | None:
         _norm_reason("final_norm", model.final_norm)
 
 
+def _block_paths(i: int, block: nn.Module, fits: bool, config_reason: str | None,
+                 variant: bool, reasons: list[str]) -> BlockPaths:
+    """The training/forward paths block ``i`` takes (``fits``: the native kernels are
+    there and take its head size; ``variant``: an architecture variant, which only the
+    variants' block takes); why the others step aside goes to ``reasons``."""
+    if variant:
+        whole = variant_block_reason(block)
+        if whole:
+            reasons.append(f"block {i}: {whole}; the variants' training block steps aside")
+        return BlockPaths(block=fits and whole is None, attention=False, ffn=False)
+    if config_reason is None and declared(block) is Block:
+        ffn, attn, whole = _ffn_reason(block.ffn), _attention_reason(block.attn), \
+            _block_reason(block)
+    else:
+        ffn = attn = whole = config_reason or f"block {i} is a {type(block).__name__}"
+    for what, reason in (("ffn", ffn), ("attention", attn), ("block", whole)):
+        if reason and config_reason is None:
+            reasons.append(f"block {i}: {reason}; its {what} path steps aside")
+    return BlockPaths(block=fits and whole is None, attention=fits and attn is None,
+                      ffn=ffn is None)
+
+
 def eligibility(model: nn.Module, device: torch.device | str | None = None,
                 lib: ops.Library | None = None) -> Eligibility:
     """The fast paths ``model`` may take on ``device`` with the loaded ``lib`` (None: no
@@ -268,28 +289,10 @@ def eligibility(model: nn.Module, device: torch.device | str | None = None,
         reasons.append(config_reason + (": every fast path steps aside" if unknown else
                                         ": the variants' training block and decoding step "
                                         "only"))
-    fits = ops.attention_fits(1, model.config.n_head, model.config.head_dim)
-    blocks = []
-    for i, block in enumerate(model.blocks):
-        ffn = attn = whole = None
-        if config_reason is not None and unknown is None:  # an architecture variant
-            whole = variant_block_reason(block)
-            if whole:
-                reasons.append(f"block {i}: {whole}; the variants' training block steps aside")
-            blocks.append(BlockPaths(block=native and fits and whole is None,
-                                     attention=False, ffn=False))
-            continue
-        if config_reason is None and declared(block) is Block:
-            ffn, attn, whole = _ffn_reason(block.ffn), _attention_reason(block.attn), \
-                _block_reason(block)
-        else:
-            ffn = attn = whole = config_reason or f"block {i} is a {type(block).__name__}"
-        for what, reason in (("ffn", ffn), ("attention", attn), ("block", whole)):
-            if reason and config_reason is None:
-                reasons.append(f"block {i}: {reason}; its {what} path steps aside")
-        blocks.append(BlockPaths(block=native and fits and whole is None,
-                                 attention=native and fits and attn is None,
-                                 ffn=ffn is None))
+    fits = native and ops.attention_fits(1, model.config.n_head, model.config.head_dim)
+    variant = config_reason is not None and unknown is None  # an architecture variant
+    blocks = [_block_paths(i, block, fits, config_reason, variant, reasons)
+              for i, block in enumerate(model.blocks)]
     model_reason = _model_reason(model)
     if model_reason:
         reasons.append(model_reason + "; the fused decoding step steps aside")

@@ -100,6 +100,7 @@ from tinylm.io.checkpoint import (
     unwrap_model,
 )
 from tinylm.io.files import FolderLock, atomic_write, disk_errors
+from tinylm.layers.registry import SECTIONS as STRUCTURE_SECTIONS
 from tinylm.training import distributed
 from tinylm.use.evaluation import (
     check_same_tokenizer,
@@ -1556,7 +1557,7 @@ def train_run(data_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
 
 # --- sharded checkpoints: consolidation ------------------------------------------------------
 
-_STRUCTURE_SECTIONS = ("format", "version", "model", "sharded", "lowrank", "quantize", "lora")
+_STRUCTURE_SECTIONS = ("format", "version", "model", "sharded", *STRUCTURE_SECTIONS)
 
 
 def export_checkpoint(source: str | os.PathLike, out: str | os.PathLike, *,

@@ -1,4 +1,5 @@
-"""Weight-only int8 quantization: a replaced Linear layer and ``tinylm quantize``.
+"""Weight-only int8 quantization: the replaced Linear layer (``tinylm quantize`` is
+:mod:`tinylm.commands.quantize`).
 
 The scheme (symmetric, per output channel or per group of G input features): for a
 weight W (O, I) in ``nn.Linear``'s orientation, each row o is cut into groups of G
@@ -17,18 +18,14 @@ step, |W - q·s| <= s/2, so the error of a group is bounded by its own largest w
 :class:`tinylm.layers.lowrank.LowRankLinear` is for factorised layers. Its int8 integers and
 float32 scales are buffers (``<name>.qweight``, ``<name>.scale``) that go through the
 normal checkpoint path; config.json records the scheme (``"quantize"``) so the loader
-rebuilds the layers without flags. The fast paths of :mod:`tinylm.native` step aside
-for it (its type is not ``nn.Linear``): the model's own forward runs, through the
-native KV cache on the CPU.
+rebuilds the layers without flags. The training and forward fast paths of
+:mod:`tinylm.native` step aside for it (its type is not ``nn.Linear``); the fused
+decoding step reads its integers and scales with the int8 kernel (what
+:mod:`tinylm.layers.registry` declares for this kind).
 """
 
 from __future__ import annotations
 
-import logging
-import os
-from collections.abc import Sequence
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,15 +34,14 @@ from torch import Tensor, nn
 
 from tinylm.core.errors import CheckpointError, ConfigError
 
-log = logging.getLogger(__name__)
-
 SUPPORTED_BITS = range(2, 9)  # stored in int8 whatever the bit width
 
 
 # --- the math as small pure functions ---------------------------------------------------
 
 
-def _check_scheme(bits: Any, group_size: Any, in_features: int | None = None) -> None:
+def check_scheme(bits: Any, group_size: Any) -> None:
+    """A ConfigError unless ``bits`` is in [2, 8] and ``group_size`` None or >= 1."""
     if isinstance(bits, bool) or not isinstance(bits, int) or bits not in SUPPORTED_BITS:
         raise ConfigError(f"bits must be an integer in [2, 8], got {bits!r}; e.g. --bits 8")
     if group_size is not None and (isinstance(group_size, bool) or not isinstance(
@@ -67,7 +63,7 @@ def quantize_weight(W: Tensor, bits: int = 8, group_size: int | None = None
     Groups are ``group_size`` consecutive input features of a row (the last one may be
     shorter); None means one group per row (per output channel).
     """
-    _check_scheme(bits, group_size)
+    check_scheme(bits, group_size)
     if W.dim() != 2:
         raise ValueError(f"quantize_weight needs a 2-D weight, got shape {tuple(W.shape)}")
     O, I = W.shape
@@ -105,7 +101,7 @@ class QuantizedLinear(nn.Module):
                  group_size: int | None = None, bias: bool = True,
                  device: torch.device | str | None = None) -> None:
         super().__init__()
-        _check_scheme(bits, group_size)
+        check_scheme(bits, group_size)
         self.in_features, self.out_features = in_features, out_features
         self.bits, self.group_size = bits, group_size
         G = in_features if group_size is None else min(group_size, in_features)
@@ -157,8 +153,7 @@ class QuantizedLinear(nn.Module):
                 f"bits={self.bits}, group_size={self.group_size}, bias={self.bias is not None}")
 
 
-# --- model structure (used by checkpoint.py and hf.py) ------------------------------------
-
+# --- model structure (tinylm.layers.registry: config.json's "quantize") ------------------
 
 
 def structure_of(model: nn.Module) -> dict[str, dict[str, Any]]:
@@ -199,166 +194,3 @@ def dequantized(model: nn.Module) -> nn.Module:
         if isinstance(m, QuantizedLinear):
             model.set_submodule(name, m.to_linear())
     return model
-
-
-# --- quantize a model ---------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class LayerReport:
-    """One quantized layer: shape (I -> O), groups per row, error and bytes of its weight.
-
-    Errors are relative to the largest weight magnitude of the whole layer, per element:
-    ``max_rel_error`` = max|W - q·s| / max|W|, ``mean_rel_error`` = mean|W - q·s| / mean|W|.
-    """
-
-    name: str
-    in_features: int
-    out_features: int
-    groups: int
-    max_rel_error: float
-    mean_rel_error: float
-    bytes_before: int
-    bytes_after: int
-
-
-@dataclass(frozen=True)
-class QuantizeReport:
-    """What :func:`quantize` did; bytes are the weights' payload (int8 + fp32 scales)."""
-
-    bits: int
-    group_size: int | None
-    layers: tuple[LayerReport, ...]
-    bytes_before: int
-    bytes_after: int
-    val_before: Any = None  # evaluation.EvalResult on --data, when measured
-    val_after: Any = None
-
-    @property
-    def scheme(self) -> str:
-        per = "per output channel" if self.group_size is None else \
-            f"per group of {self.group_size} inputs"
-        return f"int{self.bits} symmetric, {per}"
-
-
-def model_bytes(model: nn.Module) -> int:
-    """Payload bytes of a model's distinct parameters and buffers (as saved)."""
-    seen, total = set(), 0
-    for t in [*model.parameters(), *model.buffers()]:
-        if id(t) not in seen:
-            seen.add(id(t))
-            total += t.numel() * t.element_size()
-    return total
-
-
-def select_layers(model: nn.Module, layers: Sequence[str] | None = None,
-                  include_head: bool = False) -> list[tuple[str, nn.Linear]]:
-    """The ``nn.Linear`` layers to quantize, in model order.
-
-    ``layers`` are names or suffixes ("ffn.up" selects every block's up-projection,
-    "blocks.0.attn.qkv" one layer); None selects every Linear layer of the blocks, which
-    covers any architecture's projections. The LM head only with ``include_head``.
-    """
-    linear = [(n, m) for n, m in model.named_modules()
-              if type(m) is nn.Linear and n != "lm_head"]
-    if layers is None:
-        chosen = [(n, m) for n, m in linear if n.startswith("blocks.")]
-    else:
-        if isinstance(layers, str):
-            layers = [layers]
-        names = set()
-        for pattern in (p.strip() for p in layers):
-            hits = [n for n, _ in linear if pattern and (n == pattern or n.endswith("." + pattern))]
-            if not hits:
-                kinds = sorted({n.split(".", 2)[-1] for n, _ in linear})
-                raise ConfigError(f"unknown layer name {pattern!r}; choose from "
-                                  f"{', '.join(kinds)} (or a full name like "
-                                  f"{linear[0][0] if linear else 'blocks.0.attn.qkv'})")
-            names.update(hits)
-        chosen = [(n, m) for n, m in linear if n in names]
-    if include_head:
-        if getattr(model.config, "tie_embeddings", False):
-            raise ConfigError("--include-head: this model's LM head is its token embedding "
-                              "(tie_embeddings), which stays float32; drop --include-head")
-        if type(model.lm_head) is nn.Linear:
-            chosen.append(("lm_head", model.lm_head))
-    if not chosen:
-        raise ConfigError("no Linear layer to quantize (already quantized?); check --layers")
-    return chosen
-
-
-def quantize(model: nn.Module, bits: int = 8, group_size: int | None = None,
-             layers: Sequence[str] | None = None, include_head: bool = False
-             ) -> QuantizeReport:
-    """Replace the chosen Linear layers of ``model`` by :class:`QuantizedLinear` in place
-    (``copy.deepcopy`` first to keep the original); return the per-layer report."""
-    _check_scheme(bits, group_size)
-    chosen = select_layers(model, layers, include_head)
-    before = model_bytes(model)
-    rows = []
-    for name, layer in chosen:
-        W = layer.weight.detach().to(torch.float32)
-        new = QuantizedLinear.from_linear(layer, bits, group_size)
-        err = (W - new.weight).abs()
-        top, mean = float(W.abs().max()), float(W.abs().mean())
-        rows.append(LayerReport(
-            name, layer.in_features, layer.out_features, new.scale.shape[1],
-            float(err.max()) / top if top > 0 else 0.0,
-            float(err.mean()) / mean if mean > 0 else 0.0,
-            W.numel() * layer.weight.element_size(),
-            new.qweight.numel() + new.scale.numel() * new.scale.element_size()))
-        model.set_submodule(name, new)
-        log.debug("quantized %s (%d->%d) to int%d", name, layer.in_features,
-                  layer.out_features, bits)
-    return QuantizeReport(bits, group_size, tuple(rows), before, model_bytes(model))
-
-
-def format_report(report: QuantizeReport) -> str:
-    """The report as a fixed-width table plus totals, for printing."""
-    lines = [f"quantize ({report.scheme})",
-             f"{'layer':<22} {'shape':>11} {'groups':>6} {'max rel.err':>11} "
-             f"{'mean rel.err':>12} {'bytes before':>13} {'bytes after':>12}"]
-    for r in report.layers:
-        lines.append(f"{r.name:<22} {f'{r.in_features}x{r.out_features}':>11} {r.groups:>6} "
-                     f"{r.max_rel_error:>11.5f} {r.mean_rel_error:>12.5f} "
-                     f"{r.bytes_before:>13,} {r.bytes_after:>12,}")
-    lines.append(f"weights: {report.bytes_before / 1e6:.3f} MB -> {report.bytes_after / 1e6:.3f}"
-                 f" MB ({100 * (1 - report.bytes_after / report.bytes_before):.1f} % smaller)")
-    b, a = report.val_before, report.val_after
-    if b is not None and a is not None:
-        lines.append(f"val loss: {b.loss:.4f} -> {a.loss:.4f} (perplexity {b.perplexity:.3f} "
-                     f"-> {a.perplexity:.3f}, {100 * (a.loss / b.loss - 1):+.2f} %)")
-    return "\n".join(lines)
-
-
-def quantize_checkpoint(model_dir: str | os.PathLike, out: str | os.PathLike, *,
-                        bits: int = 8, group_size: int | None = None,
-                        layers: Sequence[str] | None = None, include_head: bool = False,
-                        data_dir: str | os.PathLike | None = None,
-                        eval_windows: int | None = None, force: bool = False
-                        ) -> tuple[QuantizeReport, Path]:
-    """Load ``model_dir``, quantize it, measure val loss before/after on ``data_dir``
-    (a ``tinylm prepare`` folder, optional) and save it to ``out``, checked first by
-    :func:`tinylm.io.checkpoint.check_target` (a new or empty folder; an existing
-    checkpoint only with ``force``). Returns (report, the checkpoint folder written)."""
-    from tinylm.io.checkpoint import check_target, load_checkpoint, save_checkpoint
-    from tinylm.use.evaluation import evaluate
-
-    _check_scheme(bits, group_size)
-    if eval_windows is not None and eval_windows < 1:
-        raise ConfigError(f"--eval-windows must be >= 1, got {eval_windows}")
-    dest = check_target(out, force=force)
-    model, tokenizer = load_checkpoint(model_dir)
-    val = None
-    if data_dir is not None:
-        from tinylm.data.prepare import load_prepared
-
-        val = load_prepared(data_dir).val
-    before = evaluate(model, val, max_windows=eval_windows) if val is not None else None
-    report = quantize(model, bits, group_size, layers, include_head)
-    after = evaluate(model, val, max_windows=eval_windows) if val is not None else None
-    report = QuantizeReport(report.bits, report.group_size, report.layers,
-                            report.bytes_before, report.bytes_after, before, after)
-    written = save_checkpoint(dest, model, tokenizer, extra_config={"quantized_from": {
-        "source": str(model_dir), "scheme": report.scheme}})
-    return report, written

@@ -1,0 +1,169 @@
+"""``tinylm quantize``: int8 weights for a model (:func:`quantize`), its report, and the
+whole command as a library call (:func:`quantize_checkpoint`: load, quantize, measure,
+write).
+
+The scheme and the layer live in :mod:`tinylm.layers.quantized` (below checkpoints in the
+import order); this module reads and writes checkpoints and evaluates on prepared data.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from tinylm.core.errors import ConfigError
+from tinylm.data.prepare import load_prepared
+from tinylm.io.checkpoint import check_target, load_checkpoint, save_checkpoint
+from tinylm.layers.quantized import QuantizedLinear, check_scheme
+from tinylm.layers.selection import select_layers as select
+from tinylm.use.evaluation import evaluate
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LayerReport:
+    """One quantized layer: shape (I -> O), groups per row, error and bytes of its weight.
+
+    Errors are relative to the largest weight magnitude of the whole layer, per element:
+    ``max_rel_error`` = max|W - q·s| / max|W|, ``mean_rel_error`` = mean|W - q·s| / mean|W|.
+    """
+
+    name: str
+    in_features: int
+    out_features: int
+    groups: int
+    max_rel_error: float
+    mean_rel_error: float
+    bytes_before: int
+    bytes_after: int
+
+
+@dataclass(frozen=True)
+class QuantizeReport:
+    """What :func:`quantize` did; bytes are the weights' payload (int8 + fp32 scales)."""
+
+    bits: int
+    group_size: int | None
+    layers: tuple[LayerReport, ...]
+    bytes_before: int
+    bytes_after: int
+    val_before: Any = None  # evaluation.EvalResult on --data, when measured
+    val_after: Any = None
+
+    @property
+    def scheme(self) -> str:
+        per = "per output channel" if self.group_size is None else \
+            f"per group of {self.group_size} inputs"
+        return f"int{self.bits} symmetric, {per}"
+
+
+def model_bytes(model: nn.Module) -> int:
+    """Payload bytes of a model's distinct parameters and buffers (as saved)."""
+    seen, total = set(), 0
+    for t in [*model.parameters(), *model.buffers()]:
+        if id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return total
+
+
+def select_layers(model: nn.Module, layers: Sequence[str] | None = None,
+                  include_head: bool = False) -> list[tuple[str, nn.Linear]]:
+    """The plain ``nn.Linear`` layers to quantize, in model order.
+
+    ``layers`` are names or suffixes (the one rule of
+    :func:`tinylm.layers.selection.select_layers`: "ffn.up" selects every block's
+    up-projection, "blocks.0.attn.qkv" one layer); None selects every Linear layer of the
+    blocks, which covers any architecture's projections. The LM head only with
+    ``include_head``.
+    """
+    chosen = select(model, layers)
+    if include_head:
+        if getattr(model.config, "tie_embeddings", False):
+            raise ConfigError("--include-head: this model's LM head is its token embedding "
+                              "(tie_embeddings), which stays float32; drop --include-head")
+        if type(model.lm_head) is nn.Linear:
+            chosen.append(("lm_head", model.lm_head))
+    if not chosen:
+        raise ConfigError("no Linear layer to quantize (already quantized?); check --layers")
+    return chosen
+
+
+def quantize(model: nn.Module, bits: int = 8, group_size: int | None = None,
+             layers: Sequence[str] | None = None, include_head: bool = False
+             ) -> QuantizeReport:
+    """Replace the chosen Linear layers of ``model`` by :class:`QuantizedLinear` in place
+    (``copy.deepcopy`` first to keep the original); return the per-layer report."""
+    check_scheme(bits, group_size)
+    chosen = select_layers(model, layers, include_head)
+    before = model_bytes(model)
+    rows = []
+    for name, layer in chosen:
+        W = layer.weight.detach().to(torch.float32)
+        new = QuantizedLinear.from_linear(layer, bits, group_size)
+        err = (W - new.weight).abs()
+        top, mean = float(W.abs().max()), float(W.abs().mean())
+        rows.append(LayerReport(
+            name, layer.in_features, layer.out_features, new.scale.shape[1],
+            float(err.max()) / top if top > 0 else 0.0,
+            float(err.mean()) / mean if mean > 0 else 0.0,
+            W.numel() * layer.weight.element_size(),
+            new.qweight.numel() + new.scale.numel() * new.scale.element_size()))
+        model.set_submodule(name, new)
+        log.debug("quantized %s (%d->%d) to int%d", name, layer.in_features,
+                  layer.out_features, bits)
+    return QuantizeReport(bits, group_size, tuple(rows), before, model_bytes(model))
+
+
+def format_report(report: QuantizeReport) -> str:
+    """The report as a fixed-width table plus totals, for printing."""
+    lines = [f"quantize ({report.scheme})",
+             f"{'layer':<22} {'shape':>11} {'groups':>6} {'max rel.err':>11} "
+             f"{'mean rel.err':>12} {'bytes before':>13} {'bytes after':>12}"]
+    for r in report.layers:
+        lines.append(f"{r.name:<22} {f'{r.in_features}x{r.out_features}':>11} {r.groups:>6} "
+                     f"{r.max_rel_error:>11.5f} {r.mean_rel_error:>12.5f} "
+                     f"{r.bytes_before:>13,} {r.bytes_after:>12,}")
+    lines.append(f"weights: {report.bytes_before / 1e6:.3f} MB -> {report.bytes_after / 1e6:.3f}"
+                 f" MB ({100 * (1 - report.bytes_after / report.bytes_before):.1f} % smaller)")
+    b, a = report.val_before, report.val_after
+    if b is not None and a is not None:
+        lines.append(f"val loss: {b.loss:.4f} -> {a.loss:.4f} (perplexity {b.perplexity:.3f} "
+                     f"-> {a.perplexity:.3f}, {100 * (a.loss / b.loss - 1):+.2f} %)")
+    return "\n".join(lines)
+
+
+def quantize_checkpoint(model_dir: str | os.PathLike, out: str | os.PathLike, *,
+                        bits: int = 8, group_size: int | None = None,
+                        layers: Sequence[str] | None = None, include_head: bool = False,
+                        data_dir: str | os.PathLike | None = None,
+                        eval_windows: int | None = None, force: bool = False
+                        ) -> tuple[QuantizeReport, Path]:
+    """Load ``model_dir``, quantize it, measure val loss before/after on ``data_dir``
+    (a ``tinylm prepare`` folder, optional) and save it to ``out``, checked first by
+    :func:`tinylm.io.checkpoint.check_target` (a new or empty folder; an existing
+    checkpoint only with ``force``). Returns (report, the checkpoint folder written)."""
+    check_scheme(bits, group_size)
+    if eval_windows is not None and eval_windows < 1:
+        raise ConfigError(f"--eval-windows must be >= 1, got {eval_windows}")
+    dest = check_target(out, force=force)
+    model, tokenizer = load_checkpoint(model_dir)
+    val = None
+    if data_dir is not None:
+        val = load_prepared(data_dir).val
+    before = evaluate(model, val, max_windows=eval_windows) if val is not None else None
+    report = quantize(model, bits, group_size, layers, include_head)
+    after = evaluate(model, val, max_windows=eval_windows) if val is not None else None
+    report = QuantizeReport(report.bits, report.group_size, report.layers,
+                            report.bytes_before, report.bytes_after, before, after)
+    written = save_checkpoint(dest, model, tokenizer, extra_config={"quantized_from": {
+        "source": str(model_dir), "scheme": report.scheme}})
+    return report, written
