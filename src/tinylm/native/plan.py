@@ -35,6 +35,9 @@ config field this package does not know with a non-default value. A LoRA layer
 attention, ffn): they multiply by its
 :meth:`~tinylm.layers.lora.LoRALinear.effective_weight`, W + (α/r)·(A·B)ᵀ,
 an autograd expression, so the gradients reach A and B; the decoding steps step aside.
+Which replaced layers each kind of path takes is what :mod:`tinylm.layers.registry`
+declares (:data:`TRAIN_LINEAR`, :data:`DECODE_LINEAR`, :func:`weight_of`); this module
+names no kind.
 
 :func:`accelerate` applies the training/forward paths by giving the eligible modules a
 subclass of their own class (``NativeBlock``, ``NativeAttention``, ``NativeFeedForward``:
