@@ -176,30 +176,35 @@ def _read_prompt(args: argparse.Namespace) -> str:
                         f"convert it to UTF-8") from exc
 
 
-def _cmd_sample(args: argparse.Namespace) -> int:
+def _stop_strings(given: list[str]) -> list[str]:
+    """--stop's strings with the escapes \\n, \\t, \\r and \\\\ made real; none may be empty."""
     import re
 
+    from tinylm.core.errors import ConfigError
+
+    escapes = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
+    stop = [re.sub(r"\\([ntr\\])", lambda m: escapes[m.group(1)], s) for s in given]
+    if any(not s for s in stop):
+        raise ConfigError("--stop needs a non-empty string")
+    return stop
+
+
+def _cmd_sample(args: argparse.Namespace) -> int:
     from tinylm.core.config import resolve_device
-    from tinylm.core.errors import CheckpointError, ConfigError
-    from tinylm.io.checkpoint import load_checkpoint
+    from tinylm.io.checkpoint import load_model, require_tokenizer_of
     from tinylm.use.sampling import SamplingConfig, check_generation, generate_text
 
     SamplingConfig(args.temperature, args.top_k, args.top_p)  # check flags before loading
     device = resolve_device(args.device)
     check_generation(args.max_new_tokens, args.num_samples, args.seed, device=device)
-    escapes = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
-    stop = [re.sub(r"\\([ntr\\])", lambda m: escapes[m.group(1)], s) for s in args.stop]
-    if any(not s for s in stop):
-        raise ConfigError("--stop needs a non-empty string")
+    stop = _stop_strings(args.stop)
     prompt = _read_prompt(args)
-    model, tokenizer = load_checkpoint(args.model, device,
-                                       allow_nonfinite=args.allow_nonfinite)
+    model = load_model(args.model, device, allow_nonfinite=args.allow_nonfinite)
     check_generation(args.max_new_tokens, args.num_samples, args.seed,
                      prompt_tokens=len(prompt.encode("utf-8")) + 1, device=device,
                      model_config=model.config)
-    if tokenizer is None:
-        raise CheckpointError(f"{args.model} has no tokenizer.json; sample needs the model's "
-                              f"tokenizer to turn text into ids")
+    tokenizer = require_tokenizer_of(args.model, "sample needs the model's tokenizer to turn "
+                                     "text into ids")
     pieces = generate_text(model, tokenizer, prompt, args.max_new_tokens,
                            num_samples=args.num_samples, stop=stop,
                            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -302,33 +307,23 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
 
 def _cmd_eval(args: argparse.Namespace) -> int:
     import json
-    from pathlib import Path
 
     from tinylm.core.config import resolve_device
-    from tinylm.core.errors import CheckpointError, DataError
-    from tinylm.io.checkpoint import load_checkpoint
+    from tinylm.io.checkpoint import load_model, load_tokenizer_of, require_tokenizer_of
     from tinylm.use.evaluation import evaluate_split, evaluate_text
 
-    device = resolve_device(args.device)
-    model, tokenizer = load_checkpoint(args.model, device, allow_nonfinite=args.allow_nonfinite)
+    model = load_model(args.model, resolve_device(args.device),
+                       allow_nonfinite=args.allow_nonfinite)
     options = {"stride": args.stride, "batch_size": args.batch_size,
                "max_windows": args.max_windows}
     if args.text is not None:
-        if tokenizer is None:
-            raise CheckpointError(f"{args.model} has no tokenizer.json, so --text cannot be "
-                                  f"encoded; evaluate a prepared split with --data instead")
-        try:
-            text = Path(args.text).read_text(encoding="utf-8")
-        except FileNotFoundError as exc:
-            raise DataError(f"text file {args.text} does not exist; pass a UTF-8 text file "
-                            f"to --text") from exc
-        except (OSError, UnicodeDecodeError) as exc:
-            raise DataError(f"cannot read {args.text} as UTF-8 text ({exc}); convert it to "
-                            f"UTF-8") from exc
-        result = evaluate_text(model, tokenizer, text, **options)
+        tokenizer = require_tokenizer_of(args.model, "--text cannot be encoded without it, so "
+                                         "evaluate a prepared split with --data instead")
+        result = evaluate_text(model, tokenizer, _read_text(args.text), **options)
         what = f"{args.text}"
     else:
-        result = evaluate_split(model, tokenizer, args.data, args.split, **options)
+        result = evaluate_split(model, load_tokenizer_of(args.model), args.data, args.split,
+                                **options)
         what = f"{args.data} ({args.split} split)"
     if args.json:
         print(json.dumps(result.to_dict()))
@@ -340,6 +335,22 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     print(f"perplexity     {result.perplexity:.3f}")
     print(f"bits per byte  {bpb}")
     return 0
+
+
+def _read_text(path: str) -> str:
+    """The UTF-8 text of eval's --text file; a one-line DataError when it cannot be read."""
+    from pathlib import Path
+
+    from tinylm.core.errors import DataError
+
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError as exc:
+        raise DataError(f"text file {path} does not exist; pass a UTF-8 text file "
+                        f"to --text") from exc
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DataError(f"cannot read {path} as UTF-8 text ({exc}); convert it to "
+                        f"UTF-8") from exc
 
 
 def _add_explain(sub: argparse._SubParsersAction) -> None:
