@@ -164,6 +164,40 @@ def test_sample_allow_special_turns_a_spelled_token_into_its_id(run_dir, capsys,
     capsys.readouterr()
 
 
+#: What a module of the cli package may import at its top: the standard library, the
+#: package itself, the version and the errors. The library comes in lazily, in handlers.
+_CLI_TOP_LEVEL = ("tinylm", "tinylm.cli", "tinylm.core.errors")
+
+
+def test_cli_modules_import_the_library_only_inside_handlers() -> None:
+    import ast
+
+    package = SRC / "tinylm" / "cli"
+    assert (package / "__init__.py").is_file() and not (SRC / "tinylm" / "cli.py").exists()
+    for path in sorted(package.glob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            else:
+                continue
+            for name in names:
+                top = name.split(".")[0]
+                ok = (top in sys.stdlib_module_names or name in _CLI_TOP_LEVEL
+                      or name.startswith("tinylm.cli."))
+                assert ok, f"{path.name} imports {name} at module level"
+        assert len(path.read_text().splitlines()) <= 800, path.name
+
+
+def test_console_script_and_module_name_the_same_main() -> None:
+    from tinylm import cli
+
+    pyproject = (SRC.parent / "pyproject.toml").read_text()
+    assert '[project.scripts]\ntinylm = "tinylm.cli:main"\n' in pyproject and cli.main is main
+    assert "from tinylm.cli import main" in (SRC / "tinylm" / "__main__.py").read_text()
+
+
 # --- logging --------------------------------------------------------------------------------
 
 

@@ -1,0 +1,255 @@
+"""The commands that turn one checkpoint into another: ``compress`` (low rank),
+``quantize`` (int8) and ``convert`` (Hugging Face folders, both ways)."""
+
+from __future__ import annotations
+
+import argparse
+
+from tinylm.cli.flags import _device_flag, _threads_flag
+
+
+def _add_compress(sub: argparse._SubParsersAction) -> None:
+    from tinylm.layers.lowrank import DEFAULT_LAYERS
+
+    p = sub.add_parser(
+        "compress",
+        help="low-rank (truncated SVD) compression of a checkpoint, with a report",
+        description="Replace chosen Linear layers W (E->F) by two thin ones W1 (E, r) and "
+        "W2 (r, F), x·W ≈ x·W1·W2, by truncated SVD (the best rank-r approximation). "
+        "Pick the ranks with --rank, --energy or --params-fraction; write a checkpoint "
+        "that every command loads without flags and print a per-layer report. With "
+        "--data also the validation loss before and after (and after --finetune STEPS). "
+        "--sweep measures loss and forward speed over several parameter fractions.",
+    )
+    p.add_argument("--model", required=True, metavar="DIR",
+                   help="checkpoint (or training run) folder to compress")
+    p.add_argument("--out", metavar="DIR",
+                   help="folder for the compressed checkpoint (not needed with --sweep)")
+    how = p.add_mutually_exclusive_group()
+    how.add_argument("--rank", type=int, metavar="R", help="the same rank R in every layer")
+    how.add_argument("--energy", type=float, metavar="F",
+                     help="per layer, the smallest rank keeping a share F in (0, 1] of Σσ²")
+    how.add_argument("--params-fraction", type=float, metavar="P",
+                     help="global budget: the whole model keeps at most a share P in (0, 1] "
+                     "of its parameters; ranks follow singular-value energy across layers")
+    how.add_argument("--sweep", action="store_true",
+                     help="for each of --fractions, validation loss and forward tokens/s "
+                     "(needs --data; --plot FILE.png draws loss vs parameters kept)")
+    p.add_argument("--layers", default=",".join(DEFAULT_LAYERS), metavar="NAMES",
+                   help="comma-separated layer names or suffixes to factorise (default: "
+                   "%(default)s)")
+    p.add_argument("--data", metavar="DIR",
+                   help="prepared data folder ('tinylm prepare --out'): report validation "
+                   "loss and perplexity before and after")
+    p.add_argument("--eval-windows", type=int, metavar="N",
+                   help="evaluate on at most N windows of the validation split (default: all)")
+    p.add_argument("--finetune", type=int, default=0, metavar="STEPS",
+                   help="continue training the factorised model for STEPS steps on --data")
+    p.add_argument("--lr", type=float, default=None, metavar="LR",
+                   help="peak learning rate of --finetune (default: the peak lr the model "
+                   "was trained with, from its config.json, else 1e-3)")
+    p.add_argument("--batch-size", type=int, default=32, metavar="B",
+                   help="sequences per step of --finetune (default: 32)")
+    p.add_argument("--fractions", default="0.9,0.75,0.5,0.35,0.25", metavar="P,P,...",
+                   help="parameter fractions of --sweep (default: 0.9,0.75,0.5,0.35,0.25)")
+    p.add_argument("--plot", metavar="FILE.png",
+                   help="with --sweep: write the loss/speed plot (.png, .svg or .pdf)")
+    p.add_argument("--force", action="store_true",
+                   help="replace an existing checkpoint in --out (never a run folder or a "
+                   "folder with other files)")
+    _device_flag(p)
+    p.set_defaults(func=_cmd_compress)
+
+
+def _parse_fractions(text: str) -> list[float]:
+    from tinylm.core.errors import ConfigError
+
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError as exc:
+        raise ConfigError(f"--fractions must be comma-separated numbers in (0, 1], got "
+                          f"{text!r}; e.g. --fractions 0.9,0.5,0.25") from exc
+    bad = [v for v in values if not 0.0 < v <= 1.0]
+    if not values or bad:
+        raise ConfigError(f"--fractions must be numbers in (0, 1], got {text!r}; e.g. "
+                          f"--fractions 0.9,0.5,0.25")
+    return values
+
+
+def _check_compress_flags(args: argparse.Namespace) -> list[str]:
+    """Flag combinations of compress (before anything is loaded); returns the layers."""
+    from tinylm.core.errors import ConfigError
+
+    mode = (args.rank, args.energy, args.params_fraction)
+    if args.sweep:
+        if not args.data:
+            raise ConfigError("--sweep needs --data DIR to measure the validation loss; pass "
+                              "a folder made by 'tinylm prepare'")
+    elif all(v is None for v in mode):
+        raise ConfigError("choose how much to keep: --rank R, --energy F, --params-fraction P "
+                          "(or --sweep)")
+    elif not args.out:
+        raise ConfigError("--out DIR is missing: where should the compressed checkpoint go?")
+    if args.plot and not args.sweep:
+        raise ConfigError("--plot draws the --sweep figure; add --sweep or drop --plot")
+    if args.finetune < 0 or (args.finetune and not args.data):
+        raise ConfigError(f"--finetune {args.finetune} needs a number of steps >= 1 and "
+                          f"--data DIR to train on")
+    if args.eval_windows is not None and args.eval_windows < 1:
+        raise ConfigError(f"--eval-windows must be >= 1, got {args.eval_windows}")
+    layers = [name.strip() for name in args.layers.split(",") if name.strip()]
+    if not layers:
+        raise ConfigError(f"--layers names no layer ({args.layers!r}); e.g. --layers "
+                          f"attn.qkv,ffn.up")
+    return layers
+
+
+def _cmd_compress(args: argparse.Namespace) -> int:
+    from tinylm.commands.compress import (
+        compress_checkpoint,
+        format_report,
+        format_sweep,
+        sweep_checkpoint,
+    )
+
+    layers = _check_compress_flags(args)
+    common = {"layers": layers, "eval_windows": args.eval_windows, "device": args.device}
+    if args.sweep:
+        rows, plot = sweep_checkpoint(args.model, args.data, _parse_fractions(args.fractions),
+                                      plot=args.plot, **common)
+        print(format_sweep(rows))
+        if plot is not None:
+            print(f"plot: {plot}")
+        return 0
+    mode = {k: v for k, v in (("rank", args.rank), ("energy", args.energy),
+                              ("params_fraction", args.params_fraction)) if v is not None}
+    r = compress_checkpoint(args.model, args.out, mode=mode, data_dir=args.data,
+                            finetune_steps=args.finetune, lr=args.lr,
+                            batch_size=args.batch_size, force=args.force, **common)
+    print(format_report(r.report))
+    if r.before is not None and r.after is not None:
+        print(f"val loss: {r.before.loss:.4f} -> {r.after.loss:.4f} "
+              f"(perplexity {r.before.perplexity:.3f} -> {r.after.perplexity:.3f}, "
+              f"{100 * (r.after.loss / r.before.loss - 1):+.1f} %)")
+    if r.tuned is not None and r.before is not None:
+        print(f"after fine-tuning {r.finetune_steps} steps: val loss {r.tuned.loss:.4f} "
+              f"(perplexity {r.tuned.perplexity:.3f}, "
+              f"{100 * (r.tuned.loss / r.before.loss - 1):+.1f} % vs the uncompressed model)")
+    print(f"file size: {r.bytes_in / 1e6:.2f} MB -> {r.bytes_out / 1e6:.2f} MB "
+          f"({100 * (1 - r.bytes_out / r.bytes_in):.1f} % smaller)")
+    print(f"wrote {r.dest}")
+    return 0
+
+
+def _add_quantize(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "quantize",
+        help="int8 weights (weight-only, symmetric) for CPU inference, with a report",
+        description="Store the chosen Linear layers' weights as int8 integers times float32 "
+        "scales, one scale per output channel (default) or per --group-size G input "
+        "features; activations stay float32. Writes a checkpoint that every command loads "
+        "without flags ('convert --to-hf' exports it dequantized) and prints per layer the "
+        "max and mean relative error and the bytes before and after; with --data also the "
+        "validation loss before and after.",
+    )
+    p.add_argument("--model", required=True, metavar="DIR",
+                   help="checkpoint (or training run) folder to quantize")
+    p.add_argument("--out", required=True, metavar="DIR",
+                   help="folder for the quantized checkpoint (new or empty; an existing "
+                   "checkpoint only with --force)")
+    p.add_argument("--force", action="store_true",
+                   help="replace an existing checkpoint at --out (never a run folder or a "
+                   "folder with other files)")
+    p.add_argument("--bits", type=int, default=8, metavar="B",
+                   help="bits per weight, 2-8, stored in int8 (default: 8)")
+    p.add_argument("--group-size", type=int, default=None, metavar="G",
+                   help="one scale per G consecutive input features (default: one per "
+                   "output channel)")
+    p.add_argument("--layers", default=None, metavar="NAMES",
+                   help="comma-separated layer names or suffixes, e.g. attn.qkv,ffn.up "
+                   "(default: every Linear layer of the blocks)")
+    p.add_argument("--include-head", action="store_true",
+                   help="quantize the LM head too (an untied one; a tied head is the "
+                   "token embedding and stays float32)")
+    p.add_argument("--data", metavar="DIR",
+                   help="prepared data folder ('tinylm prepare --out'): report validation "
+                   "loss and perplexity before and after")
+    p.add_argument("--eval-windows", type=int, metavar="N",
+                   help="evaluate on at most N windows of the validation split (default: all)")
+    _threads_flag(p)
+    p.set_defaults(func=_cmd_quantize)
+
+
+def _cmd_quantize(args: argparse.Namespace) -> int:
+    from tinylm.commands.quantize import format_report, quantize_checkpoint
+    from tinylm.core.errors import ConfigError
+
+    layers = None
+    if args.layers is not None:
+        layers = [name.strip() for name in args.layers.split(",") if name.strip()]
+        if not layers:
+            raise ConfigError(f"--layers names no layer ({args.layers!r}); e.g. --layers "
+                              f"attn.qkv,ffn.up")
+    report, dest = quantize_checkpoint(
+        args.model, args.out, bits=args.bits, group_size=args.group_size, layers=layers,
+        include_head=args.include_head, data_dir=args.data, eval_windows=args.eval_windows,
+        force=args.force)
+    print(format_report(report))
+    print(f"wrote {dest}")
+    return 0
+
+
+def _add_convert(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "convert",
+        help="Hugging Face GPT-2/Llama/Qwen2/Mistral folder <-> tinylm checkpoint",
+        description="--from-hf HF_DIR --out DIR: a Hugging Face GPT-2, Llama, Qwen2 or "
+        "Mistral folder on disk (config.json, model.safetensors or pytorch_model.bin, "
+        "tokenizer.json when present; the family comes from config.json) -> a tinylm "
+        "checkpoint. --model DIR --to-hf HF_DIR: a tinylm checkpoint -> a folder that "
+        "transformers' AutoModelForCausalLM and AutoTokenizer load (GPT-2, Llama or Qwen2, "
+        "from the architecture). Nothing is downloaded.",
+    )
+    p.add_argument("--from-hf", metavar="HF_DIR",
+                   help="a Hugging Face GPT-2/Llama/Qwen2/Mistral folder to import")
+    p.add_argument("--out", metavar="DIR",
+                   help="the tinylm checkpoint to write (--from-hf); a new or empty folder")
+    p.add_argument("--force", action="store_true",
+                   help="--from-hf: replace an existing tinylm checkpoint in --out (never a "
+                   "folder holding other files)")
+    p.add_argument("--model", metavar="DIR", help="a tinylm checkpoint to export")
+    p.add_argument("--to-hf", metavar="HF_DIR",
+                   help="the Hugging Face folder to write (--model); must not exist or be empty")
+    p.add_argument("--weights-only", action="store_true",
+                   help="--to-hf: export the model without its tokenizer (needed for char "
+                   "tokenizers, which have no GPT-2 equivalent)")
+    p.set_defaults(func=_cmd_convert)
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from tinylm.core.errors import ConfigError
+    from tinylm.io.checkpoint import check_target, load_checkpoint, save_checkpoint
+    from tinylm.io.hf import export_family, read_hf_folder, write_hf_folder
+
+    importing = args.from_hf is not None or args.out is not None
+    exporting = args.model is not None or args.to_hf is not None
+    if importing == exporting or (importing and not (args.from_hf and args.out)) or (
+            exporting and not (args.model and args.to_hf)):
+        raise ConfigError("use either --from-hf HF_DIR --out DIR (import) or --model DIR "
+                          "--to-hf HF_DIR (export)")
+    if importing:
+        if args.weights_only:
+            raise ConfigError("--weights-only applies to --to-hf only")
+        check_target(args.out, force=args.force)
+        model, tokenizer = read_hf_folder(args.from_hf)
+        save_checkpoint(args.out, model, tokenizer)
+        tok = f"{tokenizer.kind} tokenizer" if tokenizer is not None else "no tokenizer files"
+        print(f"converted {args.from_hf} -> {args.out} ({model.num_parameters():,} parameters, "
+              f"{tok})")
+    else:
+        model, tokenizer = load_checkpoint(args.model)
+        write_hf_folder(model, tokenizer, args.to_hf, weights_only=args.weights_only)
+        what = "weights only" if args.weights_only else f"{tokenizer.kind} tokenizer"
+        family = export_family(model.config).architecture
+        print(f"exported {args.model} -> {args.to_hf} (Hugging Face {family}, {what})")
+    return 0

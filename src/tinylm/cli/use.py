@@ -1,0 +1,462 @@
+"""The commands that use a model: ``info``, ``sample``, ``chat``, ``eval``, ``explain``
+and ``serve``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from tinylm import __version__
+from tinylm.cli.flags import _allow_nonfinite_flag, _count, _device_flag, _positive
+
+log = logging.getLogger("tinylm")
+
+
+def _add_info(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "info",
+        help="show versions, the device and native kernels, and what a model is",
+        description="Print tinylm/torch versions, the device tinylm picks (cuda > mps > "
+        "cpu) and whether its native kernels are active. Given a checkpoint or run folder, "
+        "also its architecture, parameter count, tokenizer kind and size, training step "
+        "and validation loss, and low-rank ranks.",
+    )
+    p.add_argument("run", nargs="?", metavar="RUN",
+                   help="a checkpoint folder or training run folder to describe")
+    p.add_argument("--model", metavar="DIR", help="the same as RUN")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_cmd_info)
+
+
+def _native_status() -> str:
+    """'active' or 'off' for the native kernels, asked through the acceleration door."""
+    from tinylm import acceleration
+
+    native = getattr(acceleration, "native", None)
+    available = getattr(acceleration, "available", None) or getattr(native, "available", None)
+    if native is None or not callable(available):
+        return "off (no native package)"
+    try:
+        return "active" if available() else "off (torch's kernels)"
+    except Exception:  # a broken build must not break `info`
+        return "off (torch's kernels)"
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    import json
+
+    import torch
+
+    from tinylm.core.config import resolve_device
+    from tinylm.core.errors import ConfigError
+    from tinylm.io.checkpoint import describe_checkpoint
+
+    if args.run and args.model and args.run != args.model:
+        raise ConfigError(f"give the folder once: RUN ({args.run}) or --model ({args.model})")
+    folder = args.run or args.model
+    runtime = {"tinylm": __version__, "torch": torch.__version__,
+               "device": str(resolve_device()), "native_kernels": _native_status()}
+    info = describe_checkpoint(folder) if folder else None
+    if args.json:
+        print(json.dumps({**runtime, **({"checkpoint": info} if info else {})}))
+        return 0
+    print(f"tinylm {runtime['tinylm']}, torch {runtime['torch']}, device {runtime['device']}, "
+          f"native kernels {runtime['native_kernels']}")
+    if info is not None:
+        for label, text in _info_lines(info):
+            print(f"{label:<13} {text}")
+    return 0
+
+
+def _info_lines(info: dict) -> list[tuple[str, str]]:
+    m = dict(info["model"])
+    sizes = [f"{m.pop(k)} {label}" for k, label in (
+        ("n_layer", "layers"), ("n_head", "heads"), ("head_dim", "dims/head"),
+        ("n_embd", "n_embd"), ("context_length", "context"), ("vocab_size", "vocab"))
+        if k in m]
+    options = ", ".join(f"{k}={v}" for k, v in sorted(m.items()))
+    tok = info["tokenizer"]
+    tok_text = "none (no tokenizer.json)" if tok is None else (
+        f"{tok['kind']}, {tok['vocab_size']:,} tokens, end-of-text "
+        f"{tok['eos'] if tok['eos'] is not None else 'none'}")
+    step, val = info["step"], info["val_loss"]
+    training = ", ".join(([f"step {step:,}"] if step is not None else [])
+                         + ([f"val loss {val:.4f}"] if val is not None else [])) or "unknown"
+    ranks = info["lowrank"]
+    lowrank = "none (full-rank)" if not ranks else (
+        f"{len(ranks)} layers, ranks {min(ranks.values())}..{max(ranks.values())}: "
+        + ", ".join(f"{k} {v}" for k, v in list(ranks.items())[:6])
+        + (", ..." if len(ranks) > 6 else ""))
+    lines = [("checkpoint", info["folder"]), ("architecture", ", ".join(sizes)),
+             ("options", options), ("parameters", f"{info['parameters']:,}"),
+             ("tokenizer", tok_text), ("training", training), ("low-rank", lowrank)]
+    if info["nonfinite"]:
+        lines.append(("WARNING", f"{info['nonfinite']:,} weights are NaN or infinite"))
+    return lines
+
+
+def _add_sample(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "sample",
+        help="generate text from a checkpoint (KV cache, temperature/top-k/top-p, streaming)",
+        description="Continue a prompt with a trained model. The prompt goes through the "
+        "model in one pass, then one token per step through the KV cache; text is "
+        "streamed to stdout as it becomes decodable (whole characters only). Without a "
+        "prompt, generation starts from the end-of-text token. Past the context length "
+        "the window slides. A sample ends at the end-of-text token, a --stop string, or "
+        "after --max-new-tokens.",
+    )
+    p.add_argument("--model", required=True, metavar="DIR", help="a checkpoint folder")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", metavar="TEXT", help="the text to continue")
+    src.add_argument("--prompt-file", metavar="FILE",
+                     help="read the prompt from a UTF-8 file ('-' = stdin), used as is")
+    p.add_argument("--max-new-tokens", type=_count, default=200, metavar="N",
+                   help="tokens to generate per sample (default: 200)")
+    p.add_argument("--temperature", type=float, default=1.0, metavar="T",
+                   help="0 = greedy; <1 sharper, >1 more random (default: 1.0)")
+    p.add_argument("--top-k", type=_count, metavar="K",
+                   help="sample among the K most likely (default: all)")
+    p.add_argument("--top-p", type=float, metavar="P",
+                   help="sample among the smallest set of tokens whose probability reaches P "
+                   "(0 < P <= 1) (default: all)")
+    p.add_argument("--seed", type=_count, metavar="S",
+                   help="random seed in [0, 2^63 - 1]: same seed, same text (default: random)")
+    p.add_argument("--num-samples", type=_count, default=1, metavar="N",
+                   help="samples generated together in one batch, printed one after another "
+                   "(default: 1)")
+    p.add_argument("--stop", action="append", default=[], metavar="STRING",
+                   help="end a sample before this string (repeatable; escapes like \\n work)")
+    p.add_argument("--no-echo", action="store_true", help="print only the continuation")
+    p.add_argument("--allow-special", action="store_true",
+                   help="a special token spelled in the prompt (e.g. <|endoftext|>) becomes "
+                   "that token; without it, it is ordinary text")
+    _allow_nonfinite_flag(p)
+    _device_flag(p)
+    p.set_defaults(func=_cmd_sample)
+
+
+def _read_prompt(args: argparse.Namespace) -> str:
+    """--prompt, or the text of --prompt-file (at most ``tinylm.cli.PROMPT_MAX_BYTES``,
+    read when called, so a test may lower it)."""
+    from pathlib import Path
+
+    from tinylm import cli
+    from tinylm.core.errors import DataError
+
+    limit = cli.PROMPT_MAX_BYTES
+    if args.prompt_file is None:
+        return args.prompt or ""
+    name = "stdin" if args.prompt_file == "-" else f"prompt file {args.prompt_file}"
+    try:
+        if args.prompt_file == "-":
+            if sys.stdin is None or sys.stdin.isatty():
+                raise DataError("--prompt-file - reads the prompt from stdin, but stdin is a "
+                                "terminal; pipe text in or use --prompt")
+            raw = getattr(sys.stdin, "buffer", None)  # text-only streams (tests) have none
+            data = raw.read(limit + 1) if raw is not None else \
+                sys.stdin.read(limit + 1).encode("utf-8", "surrogateescape")
+        else:
+            with open(Path(args.prompt_file), "rb") as f:
+                data = f.read(limit + 1)
+    except FileNotFoundError as exc:
+        raise DataError(f"{name} does not exist; pass a UTF-8 text file to --prompt-file") \
+            from exc
+    except OSError as exc:
+        raise DataError(f"cannot read {name} ({exc.strerror or exc}); pass a UTF-8 text file "
+                        f"to --prompt-file") from exc
+    if len(data) > limit:
+        raise DataError(f"{name} is larger than {limit // 2**20} MB; a prompt uses "
+                        f"only its last context-length tokens, so pass the end of the text")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{name} is not UTF-8 text ({exc.reason} at byte {exc.start}); "
+                        f"convert it to UTF-8") from exc
+
+
+def _stop_strings(given: list[str]) -> list[str]:
+    """--stop's strings with the escapes \\n, \\t, \\r and \\\\ made real; none may be empty."""
+    import re
+
+    from tinylm.core.errors import ConfigError
+
+    escapes = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
+    stop = [re.sub(r"\\([ntr\\])", lambda m: escapes[m.group(1)], s) for s in given]
+    if any(not s for s in stop):
+        raise ConfigError("--stop needs a non-empty string")
+    return stop
+
+
+def _cmd_sample(args: argparse.Namespace) -> int:
+    from tinylm.core.config import resolve_device
+    from tinylm.io.checkpoint import load_model, require_tokenizer_of
+    from tinylm.use.sampling import SamplingConfig, check_generation, generate_text
+
+    SamplingConfig(args.temperature, args.top_k, args.top_p)  # check flags before loading
+    device = resolve_device(args.device)
+    check_generation(args.max_new_tokens, args.num_samples, args.seed, device=device)
+    stop = _stop_strings(args.stop)
+    prompt = _read_prompt(args)
+    model = load_model(args.model, device, allow_nonfinite=args.allow_nonfinite)
+    check_generation(args.max_new_tokens, args.num_samples, args.seed,
+                     prompt_tokens=len(prompt.encode("utf-8")) + 1, device=device,
+                     model_config=model.config)
+    tokenizer = require_tokenizer_of(args.model, "sample needs the model's tokenizer to turn "
+                                     "text into ids")
+    pieces = generate_text(model, tokenizer, prompt, args.max_new_tokens,
+                           num_samples=args.num_samples, stop=stop,
+                           temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                           seed=args.seed, allow_special=args.allow_special)
+    echo = "" if args.no_echo else prompt
+    out = sys.stdout
+    if args.num_samples == 1:
+        out.write(echo)
+        out.flush()
+        for _, piece in pieces:
+            out.write(piece)
+            out.flush()
+        out.write("\n")
+        return 0
+    texts = [""] * args.num_samples
+    for i, piece in pieces:
+        texts[i] += piece
+    for i, text in enumerate(texts):
+        if i:
+            out.write("\n")
+        out.write(f"--- sample {i + 1} ---\n{echo}{text}\n")
+    out.flush()
+    return 0
+
+
+def _add_chat(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "chat",
+        help="chat with a fine-tuned model in the terminal (or answer one --prompt)",
+        description="An interactive chat: the history is kept within the model's context "
+        "(the oldest turns are dropped, with a note), answers stream as they are generated. "
+        "Commands: /reset, /system TEXT, /temperature X, /help; Ctrl-D quits. With --prompt, "
+        "answer one message and exit.",
+    )
+    p.add_argument("--model", required=True, metavar="DIR", help="checkpoint or run folder")
+    p.add_argument("--prompt", action="append", metavar="TEXT",
+                   help="answer this message and exit (repeatable: each is answered as a "
+                   "new conversation, printed after its question)")
+    p.add_argument("--system", metavar="TEXT", help="a system message (default: none)")
+    p.add_argument("--temperature", type=float, default=0.7, metavar="T",
+                   help="sampling temperature, 0 = greedy (default: 0.7)")
+    p.add_argument("--top-k", type=int, metavar="K", help="sample from the K likeliest tokens")
+    p.add_argument("--top-p", type=float, default=0.9, metavar="P",
+                   help="nucleus sampling mass (default: 0.9)")
+    p.add_argument("--max-new-tokens", type=int, default=200, metavar="N",
+                   help="longest answer in tokens (default: 200)")
+    p.add_argument("--seed", type=int, metavar="N", help="seed for reproducible answers")
+    _device_flag(p)
+    p.set_defaults(func=_cmd_chat)
+
+
+def _cmd_chat(args: argparse.Namespace) -> int:
+    from tinylm.use.chatsession import open_session, run_terminal
+
+    session = open_session(args.model, system=args.system, temperature=args.temperature,
+                           top_k=args.top_k, top_p=args.top_p,
+                           max_new_tokens=args.max_new_tokens, seed=args.seed,
+                           device=args.device)
+    if args.prompt is None:
+        return run_terminal(session, sys.stdin, sys.stdout)
+    for prompt in args.prompt:
+        session.reset()
+        if len(args.prompt) > 1:
+            sys.stdout.write(f"Q: {prompt}\nA: ")
+        for piece in session.reply(prompt, note=lambda s: print(s, file=sys.stderr)):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+    return 0
+
+
+def _add_eval(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "eval",
+        help="mean loss, perplexity and bits per byte over a split or a text file",
+        description="Score every next-token target of a prepared split (--data) or a text "
+        "file (--text) exactly once: non-overlapping windows of the model's context "
+        "length, or sliding windows with --stride. Bits per byte divide the total loss "
+        "in bits by the UTF-8 size of the text, so they compare across tokenizers.",
+    )
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--data", metavar="DIR", help="a folder written by 'tinylm prepare'")
+    src.add_argument("--text", metavar="FILE", help="a UTF-8 text file")
+    p.add_argument("--model", required=True, metavar="DIR", help="a checkpoint or run folder")
+    p.add_argument("--split", choices=("val", "train"), default="val",
+                   help="which split of --data (default: val)")
+    p.add_argument("--stride", type=_count, metavar="N",
+                   help="sliding-window step, 1..C; each scored token then sees at least "
+                   "C - N tokens of context (default: C, non-overlapping windows)")
+    p.add_argument("--batch-size", type=_count, default=16, metavar="B",
+                   help="windows per forward pass (default: 16)")
+    p.add_argument("--max-windows", type=_count, metavar="N",
+                   help="stop after N windows: a quick estimate instead of the exact value")
+    _device_flag(p)
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object: loss, perplexity, bits_per_byte, tokens")
+    _allow_nonfinite_flag(p)
+    p.set_defaults(func=_cmd_eval)
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    import json
+
+    from tinylm.core.config import resolve_device
+    from tinylm.io.checkpoint import load_model, load_tokenizer_of, require_tokenizer_of
+    from tinylm.use.evaluation import evaluate_split, evaluate_text
+
+    model = load_model(args.model, resolve_device(args.device),
+                       allow_nonfinite=args.allow_nonfinite)
+    options = {"stride": args.stride, "batch_size": args.batch_size,
+               "max_windows": args.max_windows}
+    if args.text is not None:
+        tokenizer = require_tokenizer_of(args.model, "--text cannot be encoded without it, so "
+                                         "evaluate a prepared split with --data instead")
+        result = evaluate_text(model, tokenizer, _read_text(args.text), **options)
+        what = f"{args.text}"
+    else:
+        result = evaluate_split(model, load_tokenizer_of(args.model), args.data, args.split,
+                                **options)
+        what = f"{args.data} ({args.split} split)"
+    if args.json:
+        print(json.dumps(result.to_dict()))
+        return 0
+    bpb = "unknown" if result.bits_per_byte is None else f"{result.bits_per_byte:.4f}"
+    print(f"model          {args.model}")
+    print(f"evaluated on   {what}: {result.tokens:,} tokens")
+    print(f"loss           {result.loss:.4f} nats/token")
+    print(f"perplexity     {result.perplexity:.3f}")
+    print(f"bits per byte  {bpb}")
+    return 0
+
+
+def _read_text(path: str) -> str:
+    """The UTF-8 text of eval's --text file; a one-line DataError when it cannot be read."""
+    from pathlib import Path
+
+    from tinylm.core.errors import DataError
+
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError as exc:
+        raise DataError(f"text file {path} does not exist; pass a UTF-8 text file "
+                        f"to --text") from exc
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DataError(f"cannot read {path} as UTF-8 text ({exc}); convert it to "
+                        f"UTF-8") from exc
+
+
+def _add_explain(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "explain",
+        help="next-token table per position, attention maps (PNG/HTML), embedding neighbours",
+        description="For each position t of the prompt, show the token at t and the top-k "
+        "candidates for the NEXT token with their probabilities (row t is the distribution "
+        "after tokens 0..t, as in the study note's 'This is a pen .' table). Optionally draw "
+        "every attention map (layers x heads) as a PNG, write an offline HTML explorer, "
+        "or list the tokens nearest to one token in embedding space.",
+    )
+    p.add_argument("--model", required=True, metavar="DIR", help="a checkpoint or run folder")
+    p.add_argument("--prompt", metavar="TEXT",
+                   help="the text to explain (at most the model's context length in tokens)")
+    p.add_argument("--top-k", type=int, default=5, metavar="K",
+                   help="candidates per row (default: 5)")
+    p.add_argument("--json", action="store_true",
+                   help="print JSON: a list of rows {token, id, position, candidates: "
+                   "[{token, id, prob}]} (with --neighbours, their list too)")
+    p.add_argument("--attention", metavar="FILE.png",
+                   help="draw all attention maps as a grid of heatmaps, in the format the "
+                   "suffix names: .png, .jpg, .svg or .pdf (needs matplotlib)")
+    p.add_argument("--html", metavar="FILE.html",
+                   help="write the explorer: one offline page that walks every equation of "
+                   "attention on the prompt (steps, heads, maps, logit lens, ablation, low "
+                   "rank, next-token table)")
+    p.add_argument("--layer", type=int, default=0, metavar="L",
+                   help="the layer the page opens on (default: 0)")
+    p.add_argument("--head", type=int, default=0, metavar="H",
+                   help="the head the page opens on (default: 0)")
+    p.add_argument("--neighbours", metavar="TOKEN",
+                   help="list the tokens nearest to TOKEN by cosine similarity of embeddings")
+    p.add_argument("--count", type=int, default=10, metavar="N",
+                   help="how many neighbours (default: 10)")
+    _device_flag(p)
+    p.set_defaults(func=_cmd_explain)
+
+
+def _cmd_explain(args: argparse.Namespace) -> int:
+    import json
+
+    from tinylm.use import inspection
+    from tinylm.use.explorer import run_explain
+
+    report = run_explain(args.model, prompt=args.prompt, top_k=args.top_k,
+                         attention=args.attention, html_path=args.html, layer=args.layer,
+                         head=args.head, neighbours=args.neighbours, count=args.count,
+                         device=args.device)
+    for path in report.written:
+        log.info("wrote %s", path)
+    out: dict[str, object] = {}
+    if report.explanation is not None:
+        out["rows"] = report.explanation.to_json()
+        if not args.json:
+            print(inspection.format_table(report.explanation))
+    if report.neighbours is not None:
+        out["neighbours"] = [{"token": n.token, "id": n.id, "similarity": n.similarity}
+                             for n in report.neighbours]
+        if not args.json:
+            if report.explanation is not None:
+                print()
+            print(inspection.format_neighbours(args.neighbours, report.neighbours))
+    if args.json:
+        print(json.dumps(out if len(out) > 1 else next(iter(out.values())), ensure_ascii=False,
+                         indent=1))
+    return 0
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server (continuous batching) and a web page",
+        description="Serve a checkpoint over HTTP: POST /v1/completions, /v1/chat/completions "
+                    "(models with a chat template), /v1/explain; GET /v1/models, /health, "
+                    "/metrics; the playground and explorer page at /. Concurrent requests "
+                    "decode together in one batched step. Needs the [serve] extra.")
+    p.add_argument("--model", required=True, metavar="DIR", help="checkpoint folder")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default: 127.0.0.1; any other needs an API key)")
+    p.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' (default: $TINYLM_API_KEY; "
+                        "none on 127.0.0.1)")
+    p.add_argument("--max-batch", type=_positive, default=16, metavar="N",
+                   help="requests decoded together in one step (default: 16)")
+    p.add_argument("--max-queue", type=_positive, default=64, metavar="N",
+                   help="requests waiting beyond the batch; more get 429 (default: 64)")
+    p.add_argument("--max-tokens", type=_positive, default=256, metavar="N",
+                   help="the largest max_tokens a request may ask for (default: 256)")
+    p.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="per-request time limit; generation ends there (default: 60)")
+    p.add_argument("--threads", type=_positive, default=None, metavar="N",
+                   help="torch threads of the decoding loop (default: torch's own choice)")
+    p.add_argument("--model-name", default=None, metavar="NAME",
+                   help="the model id clients send (default: the folder's name)")
+    p.set_defaults(func=_cmd_serve)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from tinylm.core.errors import ConfigError
+    from tinylm.serve import serve
+
+    if not args.timeout > 0:
+        raise ConfigError(f"--timeout must be > 0 seconds, got {args.timeout}")
+    kwargs = {} if args.model_name is None else {"model_name": args.model_name}
+    serve(args.model, host=args.host, port=args.port, api_key=args.api_key,
+          max_batch=args.max_batch, max_queue=args.max_queue, max_tokens=args.max_tokens,
+          timeout=args.timeout, threads=args.threads, **kwargs)
+    return 0
