@@ -8,10 +8,14 @@ import os
 import pytest
 import torch
 
-from tinylm import GPT, ModelConfig, generate, native
+from tinylm import GPT, ModelConfig, generate
 from tinylm.commands.compress import compress
 from tinylm.core.decoding import Decoder
-from tinylm.native.decoding import NativeKVCache
+
+pytest.importorskip("tinylm.native", reason="the optional native package is absent")
+
+from tinylm import native  # noqa: E402
+from tinylm.native.decoding import NativeKVCache  # noqa: E402
 
 NATIVE = os.environ.get("TINYLM_NATIVE") != "0"
 

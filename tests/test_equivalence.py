@@ -24,13 +24,17 @@ import pytest
 import torch
 from torch import nn
 
-from tinylm import GPT, ModelConfig, generate, native
+from tinylm import GPT, ModelConfig, generate
 from tinylm.commands.compress import compress
 from tinylm.commands.quantize import quantize
 from tinylm.core.config import ModelConfig as _Config
 from tinylm.core.decoding import Decoder
 from tinylm.core.model import lm_loss
-from tinylm.native import functions
+
+pytest.importorskip("tinylm.native", reason="the optional native package is absent")
+
+from tinylm import native  # noqa: E402
+from tinylm.native import functions  # noqa: E402
 
 NATIVE = os.environ.get("TINYLM_NATIVE") != "0"
 LOSS_TOL = dict(rtol=1e-5, atol=1e-6)

@@ -12,11 +12,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tinylm import native
 from tinylm.core.attention import RMSNorm, apply_rope, repeat_kv, rope_angles
-from tinylm.native import build, ops
-from tinylm.native.decoding import packed_weight
-from tinylm.native.functions import FeedForwardFn
+
+pytest.importorskip("tinylm.native", reason="the optional native package is absent")
+
+from tinylm import native  # noqa: E402
+from tinylm.native import build, ops  # noqa: E402
+from tinylm.native.decoding import packed_weight  # noqa: E402
+from tinylm.native.functions import FeedForwardFn  # noqa: E402
 
 pytestmark = pytest.mark.skipif(os.environ.get("TINYLM_NATIVE") == "0",
                                 reason="native kernels turned off by TINYLM_NATIVE=0")

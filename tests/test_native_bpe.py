@@ -14,11 +14,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tinylm import acceleration, native
+from tinylm import acceleration
 from tinylm.core.errors import DataError
 from tinylm.data.prepare import _encoder, prepare
 from tinylm.data.tokenizers import BPETokenizer, load_tokenizer
-from tinylm.native import bpe
+
+pytest.importorskip("tinylm.native", reason="the optional native package is absent")
+
+from tinylm import native  # noqa: E402
+from tinylm.native import bpe  # noqa: E402
 
 pytestmark = pytest.mark.skipif(os.environ.get("TINYLM_NATIVE") == "0",
                                 reason="the native encoder is off (TINYLM_NATIVE=0)")

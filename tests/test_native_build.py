@@ -21,7 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from tinylm.native import build
+pytest.importorskip("tinylm.native", reason="the optional native package is absent")
+
+from tinylm.native import build  # noqa: E402
 
 CC = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
 pytestmark = pytest.mark.skipif(CC is None, reason="no C compiler on this machine")

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tinylm import GPT, ModelConfig, acceleration, native
+from tinylm import GPT, ModelConfig, acceleration
 from tinylm.cli import main
 from tinylm.commands.quantize import quantize
 from tinylm.core.decoding import Decoder
@@ -25,8 +25,12 @@ from tinylm.layers.quantized import (
     quantize_weight,
     structure_of,
 )
-from tinylm.native.decoding import INT8_PREFILL_ROWS
 from tinylm.use.sampling import generate
+
+pytest.importorskip("tinylm.native", reason="the optional native package is absent")
+
+from tinylm import native  # noqa: E402
+from tinylm.native.decoding import INT8_PREFILL_ROWS  # noqa: E402
 
 TEXT = "the quick brown fox jumps over the lazy dog. attention is all you need!\n" * 40
 

@@ -5,10 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tinylm import native
 from tinylm.core.config import ModelConfig, TrainConfig
 from tinylm.core.model import GPT
 from tinylm.training.loop import MuonAdamW, build_optimizer, newton_schulz
+
+pytest.importorskip("tinylm.native", reason="the optional native package is absent")
+
+from tinylm import native  # noqa: E402
 
 
 def _tiny() -> GPT:

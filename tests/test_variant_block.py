@@ -10,12 +10,15 @@ import copy
 import pytest
 import torch
 
-from tinylm import native
 from tinylm.core.config import ModelConfig, resolve_arch
 from tinylm.core.model import GPT
 from tinylm.layers.lora import apply_lora
-from tinylm.native import variants
 from tinylm.use.evaluation import evaluate
+
+pytest.importorskip("tinylm.native", reason="the optional native package is absent")
+
+from tinylm import native  # noqa: E402
+from tinylm.native import variants  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not native.enabled() or native.load() is None,
                                 reason="the native library is off (TINYLM_NATIVE=0)")

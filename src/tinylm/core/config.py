@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from tinylm.core.checks import check_fraction, check_int, check_positive
+from tinylm.core.checks import check_fraction, check_int, check_positive, is_int
 from tinylm.core.errors import ConfigError
 
 #: The largest integer any field of a config accepts (sizes are int32 in every kernel and
@@ -35,7 +35,7 @@ def _check_plausible(kind: str, data: dict[str, Any]) -> None:
     """Every integer value of ``data`` within the limits above (generic over fields)."""
     limit = _INT_MAX.get(kind, _INT64_MAX)
     for name, value in data.items():
-        if isinstance(value, bool) or not isinstance(value, int):
+        if not is_int(value):
             continue
         bound = min(limit, _PLAUSIBLE_MAX.get(name, limit)) if kind == "ModelConfig" else limit
         if abs(value) > bound:

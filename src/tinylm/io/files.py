@@ -3,6 +3,8 @@
 * :func:`atomic_write` is the one way tinylm replaces a small file (metrics, run.toml,
   plots): the bytes go to a hidden temporary sibling that is fsynced and renamed over
   the target, so a reader or a crash sees the old file or the new one, never half.
+  :func:`atomic_write_with` does the same for a writer that wants a file name (a
+  figure's ``savefig``, a page's ``write_text``).
 * :func:`disk_errors` turns an ``OSError`` (ENOSPC, EDQUOT, EACCES, ...) raised while
   writing into a one-line :class:`~tinylm.core.errors.TinyLMError` naming the path.
 * :class:`FolderLock` is an OS lock (``fcntl.flock``) on ``FOLDER/.lock`` held for the
@@ -17,10 +19,10 @@ import errno
 import hashlib
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from tinylm.core.errors import TinyLMError
+from tinylm.core.errors import ConfigError, TinyLMError
 
 try:  # POSIX; elsewhere FolderLock falls back to an exclusive-create file + pid check
     import fcntl
@@ -79,6 +81,28 @@ def umask_mode(mode: int = 0o666) -> int:
     return mode & ~mask
 
 
+def _replace_with(path: Path, write: Callable[[str], object]) -> None:
+    """``write(tmp)`` on a hidden temporary sibling of ``path``, fsync it, give it the
+    user's umask (like ``open(path, "w")``, not mkstemp's private 0600) and rename it
+    over ``path``. An OSError propagates; the temporary never stays behind."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.chmod(tmp, umask_mode())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    fsync_dir(path.parent)
+
+
 def atomic_write(path: str | os.PathLike, data: bytes | str) -> Path:
     """Replace ``path`` by ``data`` atomically (temporary sibling, fsync, rename).
 
@@ -91,20 +115,22 @@ def atomic_write(path: str | os.PathLike, data: bytes | str) -> Path:
     if path.is_dir():
         raise TinyLMError(f"{path} is a folder; pass a file name")
     with disk_errors(path):
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(raw)
-                f.flush()
-                os.fsync(f.fileno())
-            os.chmod(tmp, umask_mode())
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-    fsync_dir(path.parent)
+        _replace_with(path, lambda tmp: Path(tmp).write_bytes(raw))
     return path
+
+
+def atomic_write_with(path: str | os.PathLike, write: Callable[[str], object]) -> Path:
+    """Call ``write(tmp)`` on a temporary file beside ``path``, then rename it into place
+    (as :func:`atomic_write`; missing parent folders are made first): a failure leaves no
+    half-written file and keeps what was there. An OSError becomes a one-line
+    :class:`~tinylm.core.errors.ConfigError` naming the path."""
+    out = Path(path)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        _replace_with(out, write)
+    except OSError as exc:
+        raise ConfigError(f"cannot write {out}: {exc.strerror}; choose a writable path") from exc
+    return out
 
 
 def sha256_file(path: str | os.PathLike) -> str:

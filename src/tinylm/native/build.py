@@ -146,6 +146,8 @@ def sha256_file(path: Path) -> str:
 
 
 def _pid_alive(pid: int) -> bool:
+    # Its own copy of tinylm.io.files.pid_alive on purpose: this file imports only the
+    # standard library (tests load it alone, and a build must not need torch or io/).
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

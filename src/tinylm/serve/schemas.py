@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from tinylm.core.checks import is_int, is_number
 from tinylm.core.errors import TinyLMError
 from tinylm.use.sampling import SamplingConfig
 
@@ -98,20 +99,11 @@ def parse_json(raw: bytes) -> dict[str, Any]:
 # --- field checks -------------------------------------------------------------------------
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_num(v: Any) -> bool:
-    return (isinstance(v, (int, float)) and not isinstance(v, bool)
-            and v == v and v not in (float("inf"), float("-inf")))
-
-
 def _int(body: dict, name: str, default: int | None, lo: int, hi: int | None) -> int | None:
     v = body.get(name)
     if v is None:
         return default
-    if not _is_int(v) or v < lo or (hi is not None and v > hi):
+    if not is_int(v) or v < lo or (hi is not None and v > hi):
         top = f" and <= {hi}" if hi is not None else ""
         raise RequestError(f"'{name}' must be an integer >= {lo}{top}, got {v!r}", param=name)
     return v
@@ -122,7 +114,7 @@ def _num(body: dict, name: str, default: float | None, lo: float, hi: float,
     v = body.get(name)
     if v is None:
         return default
-    if not _is_num(v) or v > hi or v < lo or (lo_open and v == lo):
+    if not is_number(v, finite=True) or v > hi or v < lo or (lo_open and v == lo):
         side = "(" if lo_open else "["
         raise RequestError(f"'{name}' must be a number in {side}{lo}, {hi}], got {v!r}",
                            param=name)
@@ -198,10 +190,10 @@ def _prompts(v: Any, limits: Limits) -> tuple[str | tuple[int, ...], ...]:
     list of such lists."""
     if isinstance(v, str):
         return (v,)
-    if isinstance(v, list) and v and all(_is_int(i) for i in v):
+    if isinstance(v, list) and v and all(is_int(i) for i in v):
         return (tuple(v),)
     if isinstance(v, list) and v and len(v) <= limits.max_prompts and all(
-            isinstance(p, str) or (isinstance(p, list) and p and all(_is_int(i) for i in p))
+            isinstance(p, str) or (isinstance(p, list) and p and all(is_int(i) for i in p))
             for p in v):
         return tuple(p if isinstance(p, str) else tuple(p) for p in v)
     raise RequestError(f"'prompt' must be a string, a list of token ids, or a list of at most "

@@ -10,12 +10,12 @@ stays) and the session says so. :func:`run_terminal` is the interactive loop:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator
 from typing import Any, TextIO
 
 import torch
 
+from tinylm.core.checks import is_number
 from tinylm.core.config import resolve_device
 from tinylm.core.errors import ConfigError, TinyLMError
 from tinylm.data.chat import render_chat, stop_ids
@@ -46,8 +46,7 @@ class ChatSession:
         self._stops = stop_ids(tokenizer)
 
     def set_temperature(self, value: float) -> None:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-                not math.isfinite(value) or not 0 <= value <= 100:
+        if not is_number(value, finite=True) or not 0 <= value <= 100:
             raise ConfigError(f"temperature must be a number in [0, 100] (0 = greedy), "
                               f"got {value!r}")
         self.temperature = float(value)
@@ -111,12 +110,10 @@ class ChatSession:
 def open_session(model_dir: str, *, device: str = "auto", **settings: Any) -> ChatSession:
     """A :class:`ChatSession` with the model and tokenizer of a checkpoint or run folder
     (``device`` as ``--device``: auto picks cuda > mps > cpu)."""
-    from tinylm.io.checkpoint import load_checkpoint
+    from tinylm.io.checkpoint import load_model, require_tokenizer_of
 
-    model, tokenizer = load_checkpoint(model_dir, device=resolve_device(device))
-    if tokenizer is None:
-        raise ConfigError(f"{model_dir} has no tokenizer.json; chat needs the model's "
-                          f"tokenizer")
+    model = load_model(model_dir, resolve_device(device))
+    tokenizer = require_tokenizer_of(model_dir, "chat needs the model's tokenizer")
     return ChatSession(model, tokenizer, **settings)
 
 

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tinylm import acceleration
+from tinylm.core.checks import check_int, is_int
 from tinylm.core.errors import ConfigError, DataError
 from tinylm.data.prepare import iter_windows
 from tinylm.data.shards import TokenShards
@@ -134,14 +135,9 @@ def evaluate(
     if stride is not None:
         stride = min(stride, arr.size - 1)  # a split shorter than C is one window anyway
 
-    if device is not None:
-        from tinylm.core.config import resolve_device
-
-        model.to(resolve_device(str(device)))
-    device = next(base.parameters()).device
+    device = _place(model, base, device)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" \
         else torch.autocast(device.type, enabled=False)
-
     was_training = model.training
     model.eval()
     try:
@@ -161,18 +157,26 @@ def evaluate(
     return EvalResult(loss=loss, perplexity=perplexity(loss), bits_per_byte=bpb, tokens=scored)
 
 
+def _place(model: nn.Module, base: nn.Module, device: torch.device | str | None
+           ) -> torch.device:
+    """The device ``base``'s weights are on, after moving ``model`` to ``device`` (if given)."""
+    if device is not None:
+        from tinylm.core.config import resolve_device
+
+        model.to(resolve_device(str(device)))
+    return next(base.parameters()).device
+
+
 def _check_options(model_context: int, C: Any, batch_size: Any, max_windows: Any,
                    stride: Any) -> None:
-    if isinstance(C, bool) or not isinstance(C, int) or not 1 <= C <= model_context:
+    if not is_int(C) or not 1 <= C <= model_context:
         raise ConfigError(f"context length must be between 1 and the model's "
                           f"{model_context}, got {C!r}")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ConfigError(f"batch size must be an integer >= 1, got {batch_size!r}")
-    if max_windows is not None and (isinstance(max_windows, bool)
-                                    or not isinstance(max_windows, int) or max_windows < 1):
+    check_int("batch size", batch_size)
+    if max_windows is not None and (not is_int(max_windows) or max_windows < 1):
         raise ConfigError(f"max_windows must be an integer >= 1 or None, got {max_windows!r}")
-    if stride is not None and (isinstance(stride, bool) or not isinstance(stride, int)):
-        raise ConfigError(f"stride must be an integer, got {stride!r}")
+    if stride is not None:
+        check_int("stride", stride, None)
 
 
 def _score_windows(base: nn.Module, arr: np.ndarray, C: int, batch_size: int,

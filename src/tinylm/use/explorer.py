@@ -28,10 +28,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from tinylm.core.checks import is_int
 from tinylm.core.config import resolve_device
-from tinylm.core.errors import CheckpointError, ConfigError, DataError
+from tinylm.core.errors import ConfigError, DataError
 from tinylm.core.model import GPT
-from tinylm.io.checkpoint import load_checkpoint, unwrap_model
+from tinylm.io.checkpoint import load_checkpoint, require_tokenizer_of, unwrap_model
+from tinylm.io.files import atomic_write_with
 from tinylm.use.inspection import (
     Explanation,
     Neighbour,
@@ -46,7 +48,6 @@ from tinylm.use.inspection import (
     plot_attention,
     token_text,
     trace,
-    write_atomically,
 )
 
 log = logging.getLogger(__name__)
@@ -147,7 +148,7 @@ def low_rank(base: GPT, tr: Trace, layer: int, head: int) -> dict[str, Any]:
 
 
 def _check_choice(name: str, value: Any, count: int, flag: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < count:
+    if not is_int(value) or not 0 <= value < count:
         raise ConfigError(f"{name} {value!r} is out of range: this model has {count} "
                           f"{name}s (0..{count - 1}); pass {flag} between 0 and {count - 1}")
 
@@ -161,7 +162,7 @@ def explorer_data(model: nn.Module, tokenizer: Any, prompt: str | Sequence[int],
     cfg = base.config
     _check_choice("layer", layer, cfg.n_layer, "--layer")
     _check_choice("head", head, cfg.n_head, "--head")
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= 50:
+    if not is_int(top_k) or not 1 <= top_k <= 50:
         raise ConfigError(f"top-k must be an integer in 1..50, got {top_k!r}; use --top-k 5")
     ids = encode_prompt(tokenizer, prompt, cfg.context_length)
     if max(ids) >= cfg.vocab_size:
@@ -222,13 +223,13 @@ def render_explorer(data: dict[str, Any] | None, *, title: str = "tinylm explore
 
 def write_explorer(data: dict[str, Any], path: str | os.PathLike, *,
                    title: str = "tinylm explorer") -> Path:
-    """Write the static page to ``path`` (atomically: :func:`inspection.write_atomically`)."""
+    """Write the static page to ``path`` (atomically: :func:`tinylm.io.files.atomic_write_with`)."""
     out = Path(path)
     page = render_explorer(data, title=title)
     if out.is_dir():
         raise ConfigError(f"cannot write the page to {out}: it is a folder; pass a file "
                           f"name such as {out / 'explorer.html'}")
-    write_atomically(out, lambda tmp: Path(tmp).write_text(page, encoding="utf-8"))
+    atomic_write_with(out, lambda tmp: Path(tmp).write_text(page, encoding="utf-8"))
     return out
 
 
@@ -258,9 +259,8 @@ def run_explain(model_dir: str | os.PathLike, *, prompt: str | None = None, top_
         raise ConfigError(f"cannot write the page to {html_path}: it is a folder; pass a "
                           f"file name such as {Path(html_path) / 'explorer.html'}")
     model, tokenizer = load_checkpoint(model_dir, resolve_device(device))
-    if tokenizer is None:
-        raise CheckpointError(f"{model_dir} has no tokenizer.json; explain needs the model's "
-                              f"tokenizer to show tokens")
+    if tokenizer is None:  # the one "has no tokenizer.json" error
+        require_tokenizer_of(model_dir, "explain needs the model's tokenizer to show tokens")
     cfg = check_traceable(model).config if html_path else unwrap_model(model).config
     _check_choice("layer", layer, cfg.n_layer, "--layer")
     _check_choice("head", head, cfg.n_head, "--head")

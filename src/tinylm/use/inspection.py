@@ -22,7 +22,6 @@ import dataclasses
 import logging
 import math
 import os
-import tempfile
 import unicodedata
 import warnings
 from collections.abc import Sequence
@@ -40,9 +39,11 @@ from tinylm.core.attention import (
     causal_mask,
     explicit_attention,
 )
+from tinylm.core.checks import check_int
 from tinylm.core.errors import ConfigError, DataError
 from tinylm.core.model import GPT, FeedForward
 from tinylm.io.checkpoint import unwrap_model
+from tinylm.io.files import atomic_write_with
 
 log = logging.getLogger(__name__)
 
@@ -96,8 +97,7 @@ class Explanation:
 
 
 def _check_top_k(top_k: Any) -> None:
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
-        raise ConfigError(f"top-k must be an integer >= 1, got {top_k!r}; use --top-k 5")
+    check_int("top-k", top_k, hint="use --top-k 5")
 
 
 def next_token_rows(probs: Tensor, ids: Sequence[int], tokenizer: Any, top_k: int = 5
@@ -457,8 +457,7 @@ def nearest_tokens(model: nn.Module, tokenizer: Any, token: str, count: int = 10
                    ) -> list[Neighbour]:
     """The ``count`` tokens whose embedding rows (tok_emb, (V, E)) have the highest
     cosine similarity with ``token``'s, most similar first; the token itself leads."""
-    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-        raise ConfigError(f"count must be an integer >= 1, got {count!r}; use --count 10")
+    check_int("count", count, hint="use --count 10")
     base = unwrap_model(model)
     query = token_id_of(tokenizer, token)
     with torch.inference_mode():
@@ -536,28 +535,6 @@ def format_neighbours(token: str, neighbours: Sequence[Neighbour]) -> str:
 # --- rendering: PNG ---------------------------------------------------------------------
 
 
-def write_atomically(path: str | os.PathLike, write: Any) -> Path:
-    """Call ``write(tmp)`` on a temporary file beside ``path``, then rename it into place:
-    a failure leaves no half-written file and keeps what was there. The file gets the
-    usual permissions (0666 less the umask), not mkstemp's private 0600."""
-    out = Path(path)
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
-        os.close(fd)
-        try:
-            write(tmp)
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(tmp, 0o666 & ~umask)
-            os.replace(tmp, out)
-        finally:
-            Path(tmp).unlink(missing_ok=True)
-    except OSError as exc:
-        raise ConfigError(f"cannot write {out}: {exc.strerror}; choose a writable path") from exc
-    return out
-
-
 # Picture formats --attention writes, by file suffix (matplotlib's own writers).
 PICTURE_FORMATS = {".png": "png", ".jpg": "jpeg", ".jpeg": "jpeg", ".svg": "svg", ".pdf": "pdf"}
 
@@ -628,7 +605,7 @@ def plot_attention(explanation: Explanation, path: str | os.PathLike, *,
     out = Path(path)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        write_atomically(out, lambda tmp: fig.savefig(tmp, format=fmt, dpi=110))
+        atomic_write_with(out, lambda tmp: fig.savefig(tmp, format=fmt, dpi=110))
     missing = {str(w.message) for w in caught if "missing from font" in str(w.message)}
     if missing:
         log.info("%d character(s) in the token labels have no glyph in matplotlib's font and "
@@ -662,5 +639,4 @@ __all__ = [
     "token_id_of",
     "token_text",
     "trace",
-    "write_atomically",
 ]

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from tinylm import acceleration
+from tinylm.core.checks import check_int, is_int, is_number
 from tinylm.core.config import available_memory, format_bytes
 from tinylm.core.decoding import Decoder
 from tinylm.core.errors import ConfigError, DataError
@@ -125,22 +126,18 @@ class SamplingConfig:
 
     def __post_init__(self) -> None:
         t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t >= 0 \
-                or t == float("inf"):
+        if not is_number(t) or not t >= 0 or t == float("inf"):
             raise ConfigError(f"temperature must be a number >= 0 (0 = greedy), got {t!r}; "
                               f"try --temperature 0.8")
         if 0 < t < _F32_TINY or t > _F32_MAX:
             raise ConfigError(f"temperature {t!r} is outside what float32 logits can be "
                               f"divided by ({_F32_TINY:.3g} to {_F32_MAX:.3g}); use "
                               f"--temperature 0 for greedy decoding, or e.g. 0.8")
-        k = self.top_k
-        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1
-                              or k > _INT64_MAX):
-            raise ConfigError(f"top_k must be an integer in [1, {_INT64_MAX}], got {k!r}; try "
-                              f"--top-k 40, or leave it out to keep every token")
+        if self.top_k is not None:
+            check_int("top_k", self.top_k, 1, _INT64_MAX,
+                      hint="try --top-k 40, or leave it out to keep every token")
         p = self.top_p
-        if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float))
-                              or not 0 < p <= 1):
+        if p is not None and (not is_number(p) or not 0 < p <= 1):
             raise ConfigError(f"top_p must be a number in (0, 1], got {p!r}; try --top-p 0.9,"
                               f" or leave it out to keep every token")
         if p is not None and p < _F32_TINY:
@@ -167,12 +164,8 @@ def check_generation(max_new_tokens: Any, num_samples: Any = 1, seed: Any = None
     2·L·B·C·kv_dim) and the logits (B·V) on ``device``."""
     for name, value, flag in (("max_new_tokens", max_new_tokens, "--max-new-tokens 200"),
                               ("num_samples", num_samples, "--num-samples 4")):
-        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value \
-                <= _INT64_MAX:
-            raise ConfigError(f"{name} must be an integer in [1, {_INT64_MAX}], got "
-                              f"{value!r}; e.g. {flag}")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
-                             or not 0 <= seed <= _INT64_MAX):
+        check_int(name, value, 1, _INT64_MAX, hint=f"e.g. {flag}")
+    if seed is not None and (not is_int(seed) or not 0 <= seed <= _INT64_MAX):
         raise ConfigError(f"seed must be an integer in [0, {_INT64_MAX}] (int64), got "
                           f"{seed!r}; e.g. --seed 1")
     tokens = num_samples * (prompt_tokens + max_new_tokens)
@@ -280,9 +273,7 @@ def generate_stream(
     break out of the loop at any time.
     """
     config = SamplingConfig(temperature, top_k, top_p)
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
-            or max_new_tokens < 1:
-        raise ConfigError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    check_int("max_new_tokens", max_new_tokens)
     param = next(model.parameters())
     device = param.device
     prompt = _as_batch(ids, device)  # (B, T)
@@ -489,8 +480,7 @@ def generate_text(
     Joining the pieces of sample i gives its full continuation (without the prompt).
     ``allow_special``: special tokens spelled in the prompt become their ids.
     """
-    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
-        raise ConfigError(f"num_samples must be an integer >= 1, got {num_samples!r}")
+    check_int("num_samples", num_samples)
     ids = encode_prompt(tokenizer, prompt, allow_special=allow_special)
     eos = tokenizer.eos_id
     V = model.config.vocab_size
