@@ -351,7 +351,7 @@ def quantize_checkpoint(model_dir: str | os.PathLike, out: str | os.PathLike, *,
     model, tokenizer = load_checkpoint(model_dir)
     val = None
     if data_dir is not None:
-        from tinylm.data.prepare import load_prepared
+        from tinylm.data import load_prepared
 
         val = load_prepared(data_dir).val
     before = evaluate(model, val, max_windows=eval_windows) if val is not None else None
