@@ -125,7 +125,8 @@ def _shard_index(path: Path, meta: dict[str, Any], split: str) -> list[dict[str,
 
 
 def load_prepared(path: str | Path) -> PreparedData:
-    """Open a folder written by :func:`prepare` (shards memory-mapped read-only).
+    """Open a folder written by :func:`tinylm.data.pipeline.prepare` (shards memory-mapped
+    read-only).
 
     Checks meta.json, every shard's size, the tokenizer's size, and that no token id
     (the largest is recorded at prepare time) reaches past the tokenizer's vocabulary.
