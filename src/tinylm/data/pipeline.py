@@ -253,8 +253,12 @@ def _write_results(results: Iterator[Any], writers: Sequence[ShardWriter], scan:
     return top
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Encoded:
+    """What pass 2 wrote: each split's shard index, tokens and documents, the largest id,
+    the separator's ids, the split mode (:class:`tinylm.data.encoding.Route`) and the
+    number of workers."""
+
     shards: dict[str, list[dict[str, Any]]]
     tokens: dict[str, int]
     documents: dict[str, int]
@@ -412,7 +416,9 @@ def _frozen_heap() -> Iterator[None]:
 
 
 def _phases(plan: Plan, stage: Path, old_meta: dict[str, Any] | None) -> int:
-    """scan -> encode (+ split) -> commit, staged in ``stage``; returns the input bytes."""
+    """The phases after the plan: scan -> encode (+ split) -> commit, staged in ``stage``
+    (the state between them: ``scan``, what pass 1 learnt; ``enc``, what pass 2 wrote);
+    returns the input bytes."""
     sources, val_source = _sources(plan, stage)  # what to read
     # pass 1: count, build the tokenizer; hash the inputs now if a dataset is there to compare
     scan = scan_inputs(plan, sources, hash_now=bool(old_meta) and not plan.opts.force)
