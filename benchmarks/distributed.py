@@ -56,7 +56,7 @@ STRATEGIES = ("ddp", "zero1", "fsdp")
 
 
 def _prepare(work: Path, context_length: int, bpe: bool) -> Path:
-    from tinylm.data.prepare import prepare
+    from tinylm.data import prepare
 
     kw = {"tokenizer": "bpe", "vocab_size": 8192} if bpe else {"tokenizer": "char"}
     return prepare(work / "data", corpus="python-docs", context_length=context_length,

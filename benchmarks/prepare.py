@@ -87,7 +87,7 @@ MONITOR = textwrap.dedent("""
 """)
 
 PREPARE = MONITOR + textwrap.dedent("""
-    from tinylm.data.prepare import prepare
+    from tinylm.data import prepare
     out, src, tok, workers = sys.argv[1:5]
     def run():
         d = prepare(out, [src], tokenizer=tok, special_tokens=[EOT] if tok == "char" else (),

@@ -41,7 +41,7 @@ from report import write_section  # noqa: E402
 from sample import hf_greedy, median_seconds  # noqa: E402
 from tinylm import GPT, ModelConfig, generate, native  # noqa: E402
 from tinylm.commands.quantize import quantize  # noqa: E402
-from tinylm.data.prepare import load_prepared  # noqa: E402
+from tinylm.data import load_prepared  # noqa: E402
 from tinylm.io.checkpoint import load_checkpoint  # noqa: E402
 from tinylm.io.hf import to_hf  # noqa: E402
 from tinylm.use.evaluation import evaluate  # noqa: E402

@@ -16,7 +16,7 @@ SRC = Path(tinylm.__file__).resolve().parents[1]
 
 @pytest.mark.parametrize("name, module", [("train", "tinylm.training.loop"),
                                           ("evaluate", "tinylm.use.evaluation"),
-                                          ("prepare", "tinylm.data.prepare")])
+                                          ("prepare", "tinylm.data.pipeline")])
 def test_lazy_exports_are_the_real_functions(name, module) -> None:
     import importlib
 

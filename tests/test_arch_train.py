@@ -38,8 +38,8 @@ def _one_thread():
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory) -> Path:
+    from tinylm.data import prepare
     from tinylm.data.corpora import load_corpus
-    from tinylm.data.prepare import prepare
 
     root = tmp_path_factory.mktemp("arch-data")
     text = root / "text.txt"

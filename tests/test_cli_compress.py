@@ -9,7 +9,7 @@ import torch
 
 from tinylm import GPT, ModelConfig
 from tinylm.cli import main
-from tinylm.data.prepare import prepare
+from tinylm.data import prepare
 from tinylm.io.checkpoint import load_checkpoint, save_checkpoint
 from tinylm.layers.lowrank import structure_of
 

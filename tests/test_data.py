@@ -16,16 +16,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import tinylm.data.prepare as data_mod
+import tinylm.data.encoding as encoding_mod
+import tinylm.data.pipeline as pipeline_mod
 from tinylm.core.errors import DataError
-from tinylm.data.corpora import load_corpus
-from tinylm.data.prepare import (
+from tinylm.data import (
     dtype_for_vocab,
     get_batch,
     iter_windows,
     load_prepared,
     prepare,
 )
+from tinylm.data.corpora import load_corpus
 from tinylm.data.tokenizers import STANDARD_SPECIALS, CharTokenizer, load_tokenizer
 
 JAPANESE = "言語モデルは次のトークンを予測する。注意機構🌤️\n"
@@ -66,8 +67,8 @@ def test_bpe_streaming_in_small_pieces_equals_one_shot(tmp_path, monkeypatch) ->
                    + (JAPANESE if i % 11 == 0 else "") for i, p in enumerate(parts))
     src = tmp_path / "in.txt"
     src.write_text(text, encoding="utf-8", newline="")
-    monkeypatch.setattr(data_mod, "PIECE_CHARS", 997)
-    monkeypatch.setattr(data_mod, "TASK_CHARS", 5000)
+    monkeypatch.setattr(encoding_mod, "PIECE_CHARS", 997)
+    monkeypatch.setattr(encoding_mod, "TASK_CHARS", 5000)
     d = prepare(tmp_path / "out", [src], tokenizer="bpe", vocab_size=400, chunk_bytes=4099,
                 progress=False)
     assert d.tokenizer.kind == "bpe" and d.vocab_size == 400
@@ -150,7 +151,7 @@ def test_failed_or_interrupted_run_leaves_folder_untouched(tmp_path, monkeypatch
     def interrupted(path):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(data_mod, "_fsync", interrupted)
+    monkeypatch.setattr(pipeline_mod, "_fsync", interrupted)
     with pytest.raises(KeyboardInterrupt):
         prepare(out, tokenizer="bpe", vocab_size=300, force=True, progress=False)
     assert _snapshot(out) == before  # no temporary files left either
@@ -194,7 +195,7 @@ def test_big_jsonl_corpus_prepares_in_flat_memory(tmp_path) -> None:
     # (shared pages counted once), sampled by a thread, minus what it was before.
     script = textwrap.dedent(f"""
         import json, threading, time, psutil
-        from tinylm.data.prepare import prepare
+        from tinylm.data import prepare
         me = psutil.Process()
         def pss():
             total = 0

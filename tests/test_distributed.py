@@ -56,8 +56,8 @@ def _one_thread():
 
 
 def _prepare(root: Path, chars: int) -> Path:
+    from tinylm.data import prepare
     from tinylm.data.corpora import load_corpus
-    from tinylm.data.prepare import prepare
 
     text = root / "text.txt"
     text.write_text(load_corpus("python-docs")[:chars], encoding="utf-8")

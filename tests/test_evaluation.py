@@ -137,7 +137,7 @@ TEXT = "This is a pen. これはペンです。\n" * 30
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory):
     """A prepared char dataset and a tiny random model saved with its tokenizer."""
-    from tinylm.data.prepare import prepare
+    from tinylm.data import prepare
     from tinylm.io.checkpoint import save_checkpoint
 
     root = tmp_path_factory.mktemp("eval")
@@ -224,7 +224,7 @@ def test_cli_eval_bad_flags(run, capsys, args: list[str], message: str) -> None:
 
 def test_cli_eval_bad_inputs(run, tmp_path, capsys) -> None:
     from tinylm.cli import main
-    from tinylm.data.prepare import prepare
+    from tinylm.data import prepare
     from tinylm.io.checkpoint import save_checkpoint
 
     root, data, m, ckpt = run

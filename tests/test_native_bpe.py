@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 
 from tinylm import acceleration
 from tinylm.core.errors import DataError
-from tinylm.data.prepare import _encoder, prepare
+from tinylm.data import prepare
+from tinylm.data.encoding import make_encoder
 from tinylm.data.tokenizers import BPETokenizer, load_tokenizer
 
 pytest.importorskip("tinylm.native", reason="the optional native package is absent")
@@ -177,8 +178,6 @@ def test_lone_surrogates_are_refused_as_hf_refuses_them(trained) -> None:
 def test_it_steps_aside_for_what_it_does_not_reproduce(trained, monkeypatch) -> None:
     import tokenizers
 
-    from tinylm.data.prepare import _encoder as encoder_of
-
     hf = tokenizers.Tokenizer.from_str(trained.hf.to_str())
     hf.normalizer = tokenizers.normalizers.NFC()
     assert native.bpe_encoder(BPETokenizer(hf)) is None
@@ -189,8 +188,8 @@ def test_it_steps_aside_for_what_it_does_not_reproduce(trained, monkeypatch) -> 
     hf.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=True)
     assert native.bpe_encoder(BPETokenizer(hf)) is None
     sep = np.zeros(0, dtype=np.uint32)
-    assert encoder_of(trained, sep, np.dtype(np.uint16), True).fast is None  # allow_special
-    assert encoder_of(trained, sep, np.dtype(np.uint16), False).fast is not None
+    assert make_encoder(trained, sep, np.dtype(np.uint16), True).fast is None  # allow_special
+    assert make_encoder(trained, sep, np.dtype(np.uint16), False).fast is not None
     with native.disabled():
         assert acceleration.bpe_encoder(trained) is None
     monkeypatch.setenv("TINYLM_NATIVE", "0")
@@ -204,7 +203,7 @@ def test_prepare_is_the_same_with_the_native_encoder_on_and_off(trained, tmp_pat
     src.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs), encoding="utf-8")
     trained.save(tmp_path / "tok.json")
     tok = load_tokenizer(tmp_path / "tok.json")
-    assert _encoder(tok, np.zeros(0, np.uint32), np.dtype(np.uint16), False).fast is not None
+    assert make_encoder(tok, np.zeros(0, np.uint32), np.dtype(np.uint16), False).fast is not None
     on = prepare(tmp_path / "on", [src], tokenizer=tmp_path / "tok.json", workers=2,
                  context_length=8, progress=False)
     monkeypatch.setenv("TINYLM_NATIVE", "0")

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from tinylm.cli import main
-from tinylm.data.prepare import load_prepared
+from tinylm.data import load_prepared
 
 
 def _snapshot(folder) -> dict[str, bytes]:

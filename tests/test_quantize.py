@@ -17,7 +17,7 @@ from tinylm.cli import main
 from tinylm.commands.quantize import quantize
 from tinylm.core.decoding import Decoder
 from tinylm.core.errors import ConfigError
-from tinylm.data.prepare import prepare
+from tinylm.data import prepare
 from tinylm.io.checkpoint import load_checkpoint, save_checkpoint
 from tinylm.layers.quantized import (
     QuantizedLinear,
@@ -366,7 +366,7 @@ def test_a_llama_layout_quantizes_and_every_command_loads_it(setup, tmp_path, ca
     eval and explain load it, and the dequantized Hugging Face export gives its logits."""
     transformers = pytest.importorskip("transformers")
     from tinylm.core.config import resolve_arch
-    from tinylm.data.prepare import load_prepared
+    from tinylm.data import load_prepared
 
     data = load_prepared(setup / "data")
     torch.manual_seed(1)

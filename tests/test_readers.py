@@ -18,7 +18,7 @@ import zstandard
 
 from tinylm.cli import main
 from tinylm.core.errors import DataError
-from tinylm.data.prepare import load_prepared, prepare
+from tinylm.data import load_prepared, prepare
 
 EOT = "<|endoftext|>"
 DOCS = [

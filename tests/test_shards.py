@@ -12,13 +12,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import tinylm.data.prepare as data_mod
+import tinylm.data.encoding as encoding_mod
+import tinylm.data.pool as pool_mod
+import tinylm.data.scan as scan_mod
 from tinylm.cli import main
 from tinylm.core.config import ModelConfig, TrainConfig
 from tinylm.core.errors import DataError
 from tinylm.core.model import GPT
+from tinylm.data import get_batch, iter_windows, load_prepared, prepare
 from tinylm.data.corpora import load_corpus
-from tinylm.data.prepare import get_batch, iter_windows, load_prepared, prepare
 from tinylm.data.shards import TokenShards
 from tinylm.training.loop import train
 from tinylm.use.evaluation import evaluate
@@ -90,8 +92,8 @@ def test_tiny_shards_same_tokens_batches_and_windows_as_one(jsonl, tmp_path) -> 
 @pytest.mark.parametrize("tokenizer", ["char", "bpe"])
 def test_one_and_three_workers_write_identical_files(jsonl, tmp_path, monkeypatch,
                                                      tokenizer) -> None:
-    monkeypatch.setattr(data_mod, "TASK_CHARS", 7_000)  # many tasks in flight
-    monkeypatch.setattr(data_mod, "PIECE_CHARS", 900)  # long documents cut in pieces
+    monkeypatch.setattr(encoding_mod, "TASK_CHARS", 7_000)  # many tasks in flight
+    monkeypatch.setattr(encoding_mod, "PIECE_CHARS", 900)  # long documents cut in pieces
     kw = dict(tokenizer=tokenizer, vocab_size=400, special_tokens=[EOT], context_length=16,
               shard_tokens=5_000, progress=False)
     d1 = prepare(tmp_path / "w1", [jsonl], workers=1, **kw)
@@ -135,9 +137,9 @@ def test_workers_reading_units_write_what_one_process_writes(jsonl, tmp_path, mo
                        special_tokens=[EOT], context_length=16, progress=False)
     tok = tmp_path / "tok" / "tokenizer.json"
     monkeypatch.setattr(readers_mod, "UNIT_BYTES", 3_000)  # many units, lines cut across
-    monkeypatch.setattr(data_mod, "PIECE_CHARS", 900)
+    monkeypatch.setattr(encoding_mod, "PIECE_CHARS", 900)
     scans, from_meta = [], []
-    monkeypatch.setattr(data_mod, "_scan_units", lambda *a, f=data_mod._scan_units:
+    monkeypatch.setattr(scan_mod, "scan_units", lambda *a, f=scan_mod.scan_units:
                         scans.append(1) or f(*a))
     monkeypatch.setattr(readers_mod, "_rows_without_nulls", lambda *a,
                         f=readers_mod._rows_without_nulls: from_meta.append(f(*a))
@@ -148,7 +150,7 @@ def test_workers_reading_units_write_what_one_process_writes(jsonl, tmp_path, mo
         kw = dict(tokenizer=tok, context_length=16, shard_tokens=4_000, skip_bad=True,
                   progress=False, force=True, **extra)
         with monkeypatch.context() as serial:
-            serial.setattr(data_mod, "units_apply", lambda sources: False)
+            serial.setattr(scan_mod, "units_apply", lambda sources: False)
             ref = prepare(tmp_path / "ref", inputs, workers=1, **kw)
         d1 = prepare(tmp_path / "w1", inputs, workers=1, **kw)
         d3 = prepare(tmp_path / "w3", inputs, workers=3, **kw)
@@ -179,13 +181,13 @@ def test_parquet_scanned_by_metadata_alone_needs_no_pool(tmp_path, monkeypatch) 
     kw = dict(tokenizer=tmp_path / "tok" / "tokenizer.json", context_length=16,
               shard_tokens=3_000, progress=False)
     with monkeypatch.context() as serial:
-        serial.setattr(data_mod, "units_apply", lambda sources: False)
+        serial.setattr(scan_mod, "units_apply", lambda sources: False)
         ref = prepare(tmp_path / "ref", inputs, workers=1, **kw)
     pools = []
-    monkeypatch.setattr(data_mod, "_pooled", lambda *a, f=data_mod._pooled:
+    monkeypatch.setattr(pool_mod, "_pooled", lambda *a, f=pool_mod._pooled:
                         pools.append(a[1].__name__) or f(*a))
     d3 = prepare(tmp_path / "w3", inputs, workers=3, **kw)
-    assert pools == ["_encode_unit"]  # no pool for the scan
+    assert pools == ["encode_unit"]  # no pool for the scan
     assert _files(tmp_path / "w3") == _files(tmp_path / "ref")
     assert d3.meta["documents"] == ref.meta["documents"] and d3.meta["inputs"] == ref.meta[
         "inputs"] and d3.meta["input_chars"] == ref.meta["input_chars"]

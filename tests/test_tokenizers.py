@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tinylm.core.errors import DataError, TinyLMError
+from tinylm.data import safe_split
 from tinylm.data.corpora import load_corpus
-from tinylm.data.prepare import safe_split
 from tinylm.data.tokenizers import (
     CHAT_TEMPLATE,
     STANDARD_SPECIALS,
@@ -322,7 +322,7 @@ def test_chat_template_only_with_every_chat_token() -> None:
 
 
 def test_prepare_gives_every_built_tokenizer_eos_and_chat_tokens(tmp_path) -> None:
-    from tinylm.data.prepare import prepare
+    from tinylm.data import prepare
 
     (tmp_path / "in.txt").write_text(("hello world " * 20 + "\n") * 20 + HOSTILE)
     for kind in ("char", "bpe"):

@@ -108,8 +108,8 @@ def test_muon_leaves_an_untied_head_to_adamw() -> None:
 
 
 def test_train_with_muon_saves_and_resumes_exactly(tmp_path) -> None:
+    from tinylm.data import prepare
     from tinylm.data.corpora import load_corpus
-    from tinylm.data.prepare import prepare
     from tinylm.training.loop import train
 
     text = tmp_path / "text.txt"

@@ -47,8 +47,8 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory) -> Path:
+    from tinylm.data import prepare
     from tinylm.data.corpora import load_corpus
-    from tinylm.data.prepare import prepare
 
     root = tmp_path_factory.mktemp("train-data")
     text = root / "text.txt"
@@ -165,7 +165,7 @@ def test_run_folder_metrics_and_checkpoints(reference_run, data_dir) -> None:
     assert records[-1]["final"] is True
     assert records[-1]["val_ppl"] == pytest.approx(math.exp(records[-1]["val_loss"]))
     # The final val loss is the exact mean over the whole validation split.
-    from tinylm.data.prepare import load_prepared
+    from tinylm.data import load_prepared
     from tinylm.use.evaluation import estimate_loss, evaluate, sample_windows
 
     model, tok = load_checkpoint(reference_run)  # a run folder resolves to latest/
@@ -645,8 +645,8 @@ def test_resume_refuses_data_with_another_tokenizer(reference_run, data_dir, tmp
     """Same size, different ids: refused by content hash, and the message says what differs."""
     import shutil
 
+    from tinylm.data import prepare
     from tinylm.data.corpora import load_corpus
-    from tinylm.data.prepare import prepare
     from tinylm.data.tokenizers import STANDARD_SPECIALS
 
     text = load_corpus("python-docs")[:40_000]
@@ -674,7 +674,7 @@ def test_token_ids_outside_the_vocabulary_are_refused(data_dir, tmp_path) -> Non
 
     import numpy as np
 
-    from tinylm.data.prepare import load_prepared
+    from tinylm.data import load_prepared
 
     bad = tmp_path / "bad"
     shutil.copytree(data_dir, bad)
@@ -735,7 +735,7 @@ class _Masked:
 def test_loss_mask_and_frozen_parameters(data_dir, tmp_path) -> None:
     import numpy as np
 
-    from tinylm.data.prepare import load_prepared
+    from tinylm.data import load_prepared
     from tinylm.training.distributed import DistContext
     from tinylm.training.loop import _draw_batch
 

@@ -3,7 +3,7 @@
 The model, its config and errors, checkpoints and sampling import with the package;
 ``train`` (:func:`tinylm.training.loop.train`), ``evaluate``
 (:func:`tinylm.use.evaluation.evaluate`) and ``prepare``
-(:func:`tinylm.data.prepare.prepare`) import on first use, so ``import tinylm`` does not
+(:func:`tinylm.data.pipeline.prepare`) import on first use, so ``import tinylm`` does not
 load the training loop (nor, by itself, the data pipeline).
 """
 
@@ -21,7 +21,7 @@ from tinylm.use.sampling import generate, generate_stream  # noqa: E402
 _LAZY = {
     "train": "tinylm.training.loop",
     "evaluate": "tinylm.use.evaluation",
-    "prepare": "tinylm.data.prepare",
+    "prepare": "tinylm.data.pipeline",
 }
 
 __all__ = [

@@ -26,7 +26,7 @@ from torch import nn
 
 from tinylm.core.config import TrainConfig, resolve_device
 from tinylm.core.errors import ConfigError
-from tinylm.data.prepare import load_prepared
+from tinylm.data import load_prepared
 from tinylm.io.checkpoint import (
     WEIGHTS_FILE,
     check_target,

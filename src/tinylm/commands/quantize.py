@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from tinylm.core.errors import ConfigError
-from tinylm.data.prepare import load_prepared
+from tinylm.data import load_prepared
 from tinylm.io.checkpoint import check_target, load_checkpoint, save_checkpoint
 from tinylm.layers.quantized import QuantizedLinear, check_scheme
 from tinylm.layers.selection import select_layers as select

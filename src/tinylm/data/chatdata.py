@@ -32,18 +32,19 @@ from typing import Any
 
 import numpy as np
 
-from tinylm.core.errors import DataError, TinyLMError
+from tinylm.core.checks import check_int
+from tinylm.core.errors import DataError
 from tinylm.data import instructions
 from tinylm.data.chat import BadRecord, read_records, render_with_mask
-from tinylm.data.prepare import FORMAT, PreparedData, dtype_for_vocab, load_prepared
+from tinylm.data.format import FORMAT, PreparedData, dtype_for_vocab, load_prepared
 from tinylm.data.tokenizers import (
     STANDARD_SPECIALS,
     BPETokenizer,
     CharTokenizer,
     Tokenizer,
+    checkpoint_tokenizer_file,
     load_tokenizer,
 )
-from tinylm.io.checkpoint import load_tokenizer_of
 
 log = logging.getLogger(__name__)
 
@@ -82,9 +83,10 @@ def chat_tokenizer(spec: str | Path | Tokenizer, texts: Sequence[str]) -> Tokeni
         path = Path(spec)
         found = None
         if path.is_dir() and not (path / "tokenizer.json").is_file():
+            file = checkpoint_tokenizer_file(path)  # a checkpoint or run folder's
             try:
-                found = load_tokenizer_of(path)
-            except TinyLMError:
+                found = load_tokenizer(file) if file is not None else None
+            except Exception:  # unreadable: refused below, as a tokenizer folder
                 found = None
         tok = found if found is not None else load_tokenizer(path)
     return tok.with_special_tokens(STANDARD_SPECIALS)
@@ -173,9 +175,7 @@ def prepare_chat(out_dir: str | Path, inputs: Sequence[str | Path], *,
     """Render the conversations of ``inputs`` (.jsonl files or folders) into ``out_dir``.
 
     Nothing in ``out_dir`` changes unless the whole run succeeds."""
-    if isinstance(context_length, bool) or not isinstance(context_length, int) \
-            or context_length < 1:
-        raise DataError(f"context length must be an integer >= 1, got {context_length!r}")
+    check_int("context length", context_length, error=DataError)
     if not 0 < val_fraction < 1:
         raise DataError(f"--val-fraction must be between 0 and 1, got {val_fraction!r}")
     out = Path(out_dir)

@@ -108,7 +108,7 @@ class Tokenizer(ABC):
         """The ids of the concatenation of ``texts`` as one uint32 array (fast path).
 
         Callers must split the text only where tokenization does not look across the
-        cut (see :func:`tinylm.data.prepare.safe_split`); for char tokenizers any cut works.
+        cut (see :func:`tinylm.data.encoding.safe_split`); for char tokenizers any cut works.
         """
 
     @abstractmethod
@@ -653,6 +653,20 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     return tokenizer_from_json(text, path)
 
 
+def checkpoint_tokenizer_file(folder: str | Path) -> Path | None:
+    """The tokenizer.json of a checkpoint folder, or of a training run folder's newest
+    checkpoint: ``tinylm train --out RUN`` writes RUN/latest, and a run folder stands for
+    it (as :func:`tinylm.io.checkpoint.resolve_checkpoint_dir` decides); None when there
+    is none. Only reads: a save interrupted mid-swap is recovered by the checkpoint
+    readers of :mod:`tinylm.io.checkpoint`, not here."""
+    folder = Path(folder)
+    latest = folder / "latest"
+    if not (folder / "config.json").is_file() and (latest / "config.json").is_file():
+        folder = latest
+    path = folder / "tokenizer.json"
+    return path if path.is_file() else None
+
+
 __all__ = [
     "CHAT_TEMPLATE",
     "CHAT_TOKENS",
@@ -665,6 +679,7 @@ __all__ = [
     "BPETokenizer",
     "CharTokenizer",
     "Tokenizer",
+    "checkpoint_tokenizer_file",
     "load_tokenizer",
     "standard_special_tokens",
     "tokenizer_from_json",

@@ -76,7 +76,7 @@ from tinylm.core.config import (
 )
 from tinylm.core.errors import CheckpointError, ConfigError, DataError, TinyLMError
 from tinylm.core.model import GPT, lm_loss
-from tinylm.data.prepare import get_batch, load_prepared
+from tinylm.data import get_batch, load_prepared
 from tinylm.io.checkpoint import (
     CONFIG_FILE,
     RUN_BEST,
@@ -588,7 +588,7 @@ def preflight(out: Path, n_params: int) -> None:
 
 
 class TrainData(Protocol):
-    """What :func:`train` reads from its data (``tinylm.data.prepare.PreparedData`` is one).
+    """What :func:`train` reads from its data (``tinylm.data.PreparedData`` is one).
 
     ``train``/``val`` are 1-D integer token arrays (numpy arrays or memmaps);
     ``tokenizer`` made them. Optional ``train_mask``/``val_mask`` (same length as the

@@ -9,7 +9,7 @@ returns their mean cross-entropy:
     scored    only the targets no earlier window scored (a suffix of each window),
               so every target counts once
 
-The windows come from :func:`tinylm.data.prepare.iter_windows` (the one windowing routine).
+The windows come from :func:`tinylm.data.iter_windows` (the one windowing routine).
 With the default stride S = C they do not overlap (each target sees the tokens since
 its window's start). A smaller stride gives each scored target at least C - S tokens
 of left context (sliding-window evaluation, the scheme of the Hugging Face perplexity
@@ -36,7 +36,7 @@ from torch import nn
 from tinylm import acceleration
 from tinylm.core.checks import check_int, is_int
 from tinylm.core.errors import ConfigError, DataError
-from tinylm.data.prepare import iter_windows
+from tinylm.data import iter_windows
 from tinylm.data.shards import TokenShards
 from tinylm.io.checkpoint import unwrap_model
 
@@ -373,7 +373,7 @@ def evaluate_split(model: nn.Module, tokenizer: Any, data_dir: Any, split: str =
     The split must have been made with the model's tokenizer (``tokenizer``, or None to
     skip the check). Bits per byte use the UTF-8 size of the decoded split.
     """
-    from tinylm.data.prepare import load_prepared
+    from tinylm.data import load_prepared
 
     if split not in ("train", "val"):
         raise ConfigError(f"split must be 'train' or 'val', got {split!r}")
