@@ -36,7 +36,7 @@ from tinylm.layers.lowrank import (
     plot_sweep,
     sweep,
 )
-from tinylm.training.loop import train, using_threads
+from tinylm.training import train, using_threads
 from tinylm.use.evaluation import EvalResult, evaluate
 from tinylm.use.plotting import figure_path
 

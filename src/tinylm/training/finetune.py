@@ -3,7 +3,7 @@
 :func:`finetune` loads a base checkpoint (a tinylm run or one converted from Hugging
 Face), grows its vocabulary when the chat data's tokenizer appended the chat tokens,
 optionally puts LoRA adapters on it (:mod:`tinylm.layers.lora`), and trains it with
-:func:`tinylm.training.loop.train` on the data's loss mask, so the loss counts only the
+:func:`tinylm.training.train` on the data's loss mask, so the loss counts only the
 assistants' tokens. It is the same loop as ``tinylm train``: schedule, clipping,
 accumulation, evaluation on the validation conversations, checkpoints, exact resume,
 DDP, metrics.jsonl and loss.png.
@@ -36,7 +36,7 @@ from tinylm.io.checkpoint import (
 )
 from tinylm.io.files import sha256_file
 from tinylm.layers.lora import DEFAULT_TARGETS, adapter_parameters, apply_lora, merge_lora
-from tinylm.training.loop import TrainResult, command_threads, train
+from tinylm.training import TrainResult, command_threads, train
 
 #: Fine-tuning defaults where they differ from pretraining's (flags override them).
 FULL_DEFAULTS = {"lr": 1e-4, "warmup_steps": 20, "max_steps": 300, "eval_every": 50,
