@@ -31,6 +31,8 @@ from tinylm.data.tokenizers import STANDARD_SPECIALS, Tokenizer
 from tinylm.io.checkpoint import (
     WEIGHTS_FILE,
     load_checkpoint,
+    load_model,
+    require_tokenizer_of,
     resolve_checkpoint_dir,
     save_checkpoint,
 )
@@ -87,11 +89,9 @@ def base_model(model_dir: str | os.PathLike, data: ChatData,
                dropout: float = FINETUNE_DROPOUT) -> GPT:
     """The base checkpoint, checked against the data's tokenizer, grown to fit it, with
     ``dropout`` for the fine-tuning run."""
-    model, tok = load_checkpoint(model_dir)
-    model = with_dropout(model, dropout)
-    if tok is None:
-        raise DataError(f"{model_dir} has no tokenizer.json, so its tokens cannot be matched "
-                        f"to the chat data; fine-tune a checkpoint that has one")
+    model = with_dropout(load_model(model_dir), dropout)
+    tok = require_tokenizer_of(model_dir, "its tokens cannot be matched to the chat data; "
+                                          "fine-tune a checkpoint that has one")
     if not _same_tokens(tok, data.tokenizer):
         raise DataError(f"the chat data {data.dir} was prepared with another tokenizer than "
                         f"{model_dir}'s ({tok.kind}, {tok.vocab_size} tokens); prepare it with "
