@@ -511,8 +511,9 @@ def train_run(data_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
               config_file: str | os.PathLike | None = None,
               overrides: dict[str, Any] | None = None, resume: bool | str | None = None,
               progress: bool | None = None, arch: str | None = None) -> TrainResult:
-    """``tinylm train``: :func:`layer_configs`, then :func:`train`, with ``threads``
-    defaulting to :func:`tinylm.core.config.default_threads` when no layer sets it."""
+    """``tinylm train``: :func:`~tinylm.training.runfolder.layer_configs`, then
+    :func:`train`, with ``threads`` defaulting to
+    :func:`tinylm.core.config.default_threads` when no layer sets it."""
     model_config, train_config = layer_configs(out_dir, config_file=config_file,
                                                overrides=overrides, resume=resume, arch=arch)
     with command_threads(train_config.threads):

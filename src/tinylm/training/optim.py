@@ -159,8 +159,9 @@ class MuonAdamW(torch.optim.AdamW):
     Muon step for a matrix W (out, in) with gradient G: momentum buffer
     M ← μ·M + (1-μ)·G, Nesterov update U = (1-μ)·G + μ·M (torch.optim.Muon's form),
     W ← W·(1 - η·λ) - η·√max(1, out/in)·NS(U) with η = ``muon_lr_ratio`` × the group's lr.
-    One lr drives both parts, so the warm-up/cosine schedule of :func:`train` applies
-    unchanged; the state is an ordinary ``state_dict`` (checkpoints and resume work).
+    One lr drives both parts, so the warm-up/cosine schedule of
+    :func:`tinylm.training.train` applies unchanged; the state is an ordinary
+    ``state_dict`` (checkpoints and resume work).
     Under fsdp each sharded matrix is gathered whole for its Newton–Schulz step.
     """
 
