@@ -63,7 +63,7 @@ def held_out_loss(model_dir: Path, data_dir: Path) -> float:
 def _base(out: Path, seconds: float) -> Path:
     from tinylm.core.config import ModelConfig, TrainConfig
     from tinylm.data import prepare
-    from tinylm.training.loop import train
+    from tinylm.training import train
 
     data = prepare(out / "pretrain-data", corpus="python-docs", tokenizer="bpe",
                    vocab_size=1024, context_length=128, progress=False)

@@ -46,7 +46,7 @@ from tinylm import acceleration  # noqa: E402
 from tinylm.core.config import ARCH_PRESETS, ModelConfig, TrainConfig, resolve_arch  # noqa: E402
 from tinylm.core.model import GPT  # noqa: E402
 from tinylm.data import get_batch, load_prepared, prepare  # noqa: E402
-from tinylm.training.loop import build_optimizer, lr_at, set_lr  # noqa: E402
+from tinylm.training import build_optimizer, lr_at, set_lr  # noqa: E402
 from tinylm.use.evaluation import evaluate  # noqa: E402
 
 HERE = Path(__file__).resolve().parent

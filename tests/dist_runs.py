@@ -15,8 +15,7 @@ import json
 import sys
 
 from tinylm.core.config import ModelConfig, TrainConfig
-from tinylm.training import distributed
-from tinylm.training.loop import train
+from tinylm.training import distributed, train
 
 
 def main(spec_path: str) -> int:

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from tinylm.cli import main
 from tinylm.core.config import ModelConfig, TrainConfig
 from tinylm.io.checkpoint import load_train_state, read_config
-from tinylm.training.loop import read_metrics, train
+from tinylm.training import read_metrics, train
 
 MODEL = dict(n_layer=2, n_head=4, n_kv_head=2, n_embd=32, context_length=32, dropout=0.1,
              norm="rmsnorm", position="rope", mlp="swiglu", qk_norm=True, bias=False,
@@ -64,7 +64,7 @@ def test_variant_kill_and_resume_is_bitwise_exact(data_dir, tmp_path) -> None:
     script = textwrap.dedent("""
         import json, os, signal, sys
         from tinylm.core.config import ModelConfig, TrainConfig
-        from tinylm.training.loop import train
+        from tinylm.training import train
 
         def on_step(step):
             if step == 7:  # between the checkpoints at 5 and 10

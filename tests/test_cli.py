@@ -125,7 +125,7 @@ def test_every_computing_command_takes_threads() -> None:
 def test_threads_apply_to_the_whole_command(run_dir, capsys, monkeypatch, given, want) -> None:
     import torch
 
-    from tinylm.training import loop as training
+    from tinylm.training import threads as training
 
     monkeypatch.setattr(training, "default_threads", lambda: 3)
     seen: list[int] = []

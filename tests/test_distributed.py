@@ -30,10 +30,11 @@ import torch
 from safetensors.torch import load_file
 
 from tinylm.cli import main
+from tinylm.commands.export import export_checkpoint
 from tinylm.core.config import ModelConfig, TrainConfig
 from tinylm.core.errors import CheckpointError, ConfigError
 from tinylm.io.checkpoint import is_sharded, load_checkpoint, load_train_state
-from tinylm.training.loop import export_checkpoint, read_metrics, train
+from tinylm.training import read_metrics, train
 
 HERE = Path(__file__).parent
 MODEL = dict(n_layer=2, n_head=2, n_embd=32, context_length=32, dropout=0.0)

@@ -22,7 +22,7 @@ from tinylm.core.model import GPT
 from tinylm.data import get_batch, iter_windows, load_prepared, prepare
 from tinylm.data.corpora import load_corpus
 from tinylm.data.shards import TokenShards
-from tinylm.training.loop import train
+from tinylm.training import train
 from tinylm.use.evaluation import evaluate
 
 EOT = "<|endoftext|>"

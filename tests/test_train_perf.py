@@ -7,7 +7,7 @@ import torch
 
 from tinylm.core.config import ModelConfig, TrainConfig
 from tinylm.core.model import GPT
-from tinylm.training.loop import MuonAdamW, build_optimizer, newton_schulz
+from tinylm.training import MuonAdamW, build_optimizer, newton_schulz
 
 pytest.importorskip("tinylm.native", reason="the optional native package is absent")
 
@@ -110,7 +110,7 @@ def test_muon_leaves_an_untied_head_to_adamw() -> None:
 def test_train_with_muon_saves_and_resumes_exactly(tmp_path) -> None:
     from tinylm.data import prepare
     from tinylm.data.corpora import load_corpus
-    from tinylm.training.loop import train
+    from tinylm.training import train
 
     text = tmp_path / "text.txt"
     text.write_text(load_corpus("python-docs")[:20_000], encoding="utf-8")

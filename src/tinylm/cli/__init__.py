@@ -143,7 +143,7 @@ def _run_command(args: argparse.Namespace) -> int:
     train and finetune take it from their config layers, serve for its decoding loop."""
     if not getattr(args, "apply_threads", False):
         return int(args.func(args) or 0)
-    from tinylm.training.loop import command_threads
+    from tinylm.training import command_threads
 
     with command_threads(args.threads):
         return int(args.func(args) or 0)

@@ -69,7 +69,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from tinylm.core.config import ModelConfig, TrainConfig
-    from tinylm.training.loop import UNSET, train_run
+    from tinylm.training import UNSET, train_run
 
     names = [f.name for cls in (ModelConfig, TrainConfig) for f in dataclasses.fields(cls)]
     overrides = {n: UNSET if getattr(args, n, None) is _OFF else getattr(args, n, None)
@@ -211,7 +211,7 @@ def _add_plot(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
-    from tinylm.training.loop import plot_runs
+    from tinylm.training import plot_runs
 
     print(f"wrote {plot_runs(args.runs, args.out, log_scale=args.log_scale)}")
     return 0
@@ -238,7 +238,7 @@ def _add_export_checkpoint(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_export_checkpoint(args: argparse.Namespace) -> int:
-    from tinylm.training.loop import export_checkpoint
+    from tinylm.commands.export import export_checkpoint
 
     dest = export_checkpoint(args.checkpoint, args.out, force=args.force)
     print(f"exported {args.checkpoint} -> {dest}")

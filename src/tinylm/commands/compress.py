@@ -50,7 +50,7 @@ from tinylm.layers.lowrank import (
     weight_params,
 )
 from tinylm.layers.selection import select_layers as select
-from tinylm.training.loop import train, using_threads
+from tinylm.training import train, using_threads
 from tinylm.use.evaluation import EvalResult, evaluate
 from tinylm.use.plotting import figure_path, new_figure, save_figure
 

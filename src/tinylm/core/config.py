@@ -259,7 +259,7 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-#: Optimizers TrainConfig.optimizer accepts (built in tinylm.training.loop.build_optimizer).
+#: Optimizers TrainConfig.optimizer accepts (built in tinylm.training.optim.build_optimizer).
 OPTIMIZERS = ("adamw", "muon")
 
 #: Multi-process strategies TrainConfig.strategy accepts (applied in tinylm.training.distributed).

@@ -3,7 +3,7 @@
 :func:`finetune` loads a base checkpoint (a tinylm run or one converted from Hugging
 Face), grows its vocabulary when the chat data's tokenizer appended the chat tokens,
 optionally puts LoRA adapters on it (:mod:`tinylm.layers.lora`), and trains it with
-:func:`tinylm.training.loop.train` on the data's loss mask, so the loss counts only the
+:func:`tinylm.training.train` on the data's loss mask, so the loss counts only the
 assistants' tokens. It is the same loop as ``tinylm train``: schedule, clipping,
 accumulation, evaluation on the validation conversations, checkpoints, exact resume,
 DDP, metrics.jsonl and loss.png.
@@ -31,12 +31,14 @@ from tinylm.data.tokenizers import STANDARD_SPECIALS, Tokenizer
 from tinylm.io.checkpoint import (
     WEIGHTS_FILE,
     load_checkpoint,
+    load_model,
+    require_tokenizer_of,
     resolve_checkpoint_dir,
     save_checkpoint,
 )
 from tinylm.io.files import sha256_file
 from tinylm.layers.lora import DEFAULT_TARGETS, adapter_parameters, apply_lora, merge_lora
-from tinylm.training.loop import TrainResult, command_threads, train
+from tinylm.training import TrainResult, command_threads, train
 
 #: Fine-tuning defaults where they differ from pretraining's (flags override them).
 FULL_DEFAULTS = {"lr": 1e-4, "warmup_steps": 20, "max_steps": 300, "eval_every": 50,
@@ -87,11 +89,9 @@ def base_model(model_dir: str | os.PathLike, data: ChatData,
                dropout: float = FINETUNE_DROPOUT) -> GPT:
     """The base checkpoint, checked against the data's tokenizer, grown to fit it, with
     ``dropout`` for the fine-tuning run."""
-    model, tok = load_checkpoint(model_dir)
-    model = with_dropout(model, dropout)
-    if tok is None:
-        raise DataError(f"{model_dir} has no tokenizer.json, so its tokens cannot be matched "
-                        f"to the chat data; fine-tune a checkpoint that has one")
+    model = with_dropout(load_model(model_dir), dropout)
+    tok = require_tokenizer_of(model_dir, "its tokens cannot be matched to the chat data; "
+                                          "fine-tune a checkpoint that has one")
     if not _same_tokens(tok, data.tokenizer):
         raise DataError(f"the chat data {data.dir} was prepared with another tokenizer than "
                         f"{model_dir}'s ({tok.kind}, {tok.vocab_size} tokens); prepare it with "
