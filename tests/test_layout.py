@@ -212,7 +212,7 @@ def test_the_native_package_sits_below_the_uses() -> None:
 def test_the_replaced_layers_import_only_torch_and_core_at_module_level() -> None:
     # tinylm.layers.quantized and tinylm.layers.lora hold QuantizedLinear and LoRALinear
     # (reference math), which native/ builds on: module level stays torch, core and the
-    # one layer-selection rule (tinylm.layers.selection).
+    # one layer-selection rule (tinylm.layers.selection) and tinylm.layers.dense.
     for name in ("layers/quantized.py", "layers/lora.py"):
         for node in ast.parse((SRC / name).read_text(encoding="utf-8")).body:
             if isinstance(node, (ast.Import, ast.ImportFrom)):
@@ -220,7 +220,7 @@ def test_the_replaced_layers_import_only_torch_and_core_at_module_level() -> Non
                     [a.name for a in node.names]
                 for m in names:
                     assert m.split(".")[0] in STDLIB | {"torch"} or _in(
-                        m, {"tinylm.core", "tinylm.layers.selection"}), \
+                        m, {"tinylm.core", "tinylm.layers.selection", "tinylm.layers.dense"}), \
                         f"{name} imports {m}"
 
 

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tinylm.core.errors import CheckpointError, ConfigError
+from tinylm.layers.dense import dense_linear
 from tinylm.layers.selection import select_layers
 
 #: Short names for the layers LoRA can target, -> the module path inside a block.
@@ -96,13 +97,7 @@ class LoRALinear(nn.Module):
 
     def merged(self) -> nn.Linear:
         """The equivalent plain layer, with weight W' (:meth:`effective_weight`)."""
-        layer = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
-                          device=self.weight.device, dtype=self.weight.dtype)
-        with torch.no_grad():
-            layer.weight.copy_(self.effective_weight())
-            if self.bias is not None:
-                layer.bias.copy_(self.bias)
-        return layer
+        return dense_linear(self.effective_weight(), self.bias)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

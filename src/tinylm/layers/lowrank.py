@@ -46,6 +46,7 @@ from torch import Tensor, nn
 
 from tinylm.core.checks import check_fraction
 from tinylm.core.errors import CheckpointError, ConfigError
+from tinylm.layers.dense import dense_linear
 
 #: The layers ``tinylm compress`` factorises by default (patterns for
 #: :func:`tinylm.layers.selection.select_layers`); ffn.gate exists only in a gated
@@ -251,13 +252,7 @@ class LowRankLinear(nn.Module):
 
     def to_linear(self) -> nn.Linear:
         """An ``nn.Linear`` holding the product W1·W2 (the same function, dense again)."""
-        dense = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
-                          device=self.W1.device, dtype=self.W1.dtype)
-        with torch.no_grad():
-            dense.weight.copy_(self.weight)
-            if self.bias is not None:
-                dense.bias.copy_(self.bias)
-        return dense
+        return dense_linear(self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tinylm.core.errors import CheckpointError, ConfigError
+from tinylm.layers.dense import dense_linear
 
 SUPPORTED_BITS = range(2, 9)  # stored in int8 whatever the bit width
 
@@ -140,13 +141,7 @@ class QuantizedLinear(nn.Module):
 
     def to_linear(self) -> nn.Linear:
         """An ``nn.Linear`` holding the dequantized weight (same function)."""
-        dense = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
-                          device=self.qweight.device)
-        with torch.no_grad():
-            dense.weight.copy_(self.weight)
-            if self.bias is not None:
-                dense.bias.copy_(self.bias)
-        return dense
+        return dense_linear(self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
