@@ -1,6 +1,6 @@
 """Each native kernel against its torch equivalent, on this machine.
 
-    python benchmarks/kernels.py [--repeats 31] [--threads N] [--step] [--only NAME]
+    python benchmarks/native_kernels.py [--repeats 31] [--threads N] [--step] [--only NAME]
 
 The training ops run at the two training shapes of benchmarks/train.py (4x128: E=128,
 H=4, C=64, B=12; 6x384: E=384, H=6, C=256, B=8); the decoding ops at E=384 for batch 1
