@@ -534,6 +534,42 @@ def to_hf(model: GPT, family: str | None = None):
 # --- Hugging Face folders on disk (tinylm convert) ----------------------------------------
 
 
+#: What ``hub_folder`` fetches of a repository: weights as safetensors only (never a
+#: pickle), the configs, the tokenizer files and a chat template.
+HUB_FILES = ("*.json", "*.safetensors", "merges.txt", "vocab.json", "*.jinja")
+
+
+def is_hub_name(source: str) -> bool:
+    """True for ``ORG/NAME`` that is not a path on disk (a Hugging Face Hub repository)."""
+    parts = source.split("/")
+    return (len(parts) == 2 and all(parts) and not Path(source).exists()
+            and not source.startswith((".", "~")))
+
+
+def hub_folder(repo_id: str, *, revision: str | None = None) -> Path:
+    """The local folder of Hub repository ``repo_id`` (``ORG/NAME``): downloaded through
+    ``huggingface_hub`` into its cache, or taken from the cache alone when the machine is
+    offline (``HF_HUB_OFFLINE=1``). Only :data:`HUB_FILES` are fetched."""
+    try:
+        import huggingface_hub
+    except ImportError as exc:
+        raise CheckpointError("--from-hf ORG/NAME needs huggingface_hub (pip install "
+                              "'tinylm[hf]'), or pass a folder on disk") from exc
+    try:
+        return Path(huggingface_hub.snapshot_download(
+            repo_id, revision=revision, allow_patterns=list(HUB_FILES)))
+    except (OSError, ValueError) as exc:  # its errors are OSError/ValueError kinds
+        offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
+        hint = ("it is not in the Hugging Face cache and HF_HUB_OFFLINE is set" if offline
+                else "check the name and the network, or pass a folder on disk")
+        raise CheckpointError(f"cannot get {repo_id} from the Hugging Face Hub: "
+                              f"{_first_line(exc)}; {hint}") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
 def _has_tokenizer_files(folder: Path) -> bool:
     return (folder / "tokenizer.json").is_file() or (
         (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file())
