@@ -274,7 +274,22 @@ def test_spm_bytes_round_trip_and_specials(spm: dict[bool, Path]) -> None:
     assert tok.encode("<|im_end|>", allow_special=True) == [4]
     assert 4 not in tok.encode("<|im_end|>")
     assert set(tok.special_tokens) == {"<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"}
-    assert not tok.byte_level
+    assert not tok.byte_level and tok.metaspace
+
+
+def test_spm_tokens_are_shown_as_text(spm: dict[bool, Path]) -> None:
+    """id_to_token shows "▁" as a space and <0xNN> as its byte, as byte-level tokens are
+    shown; token_to_id takes that spelling back (a byte whose character is also a piece
+    gives the piece)."""
+    tok = tokenizer_from_gguf(_fields(spm[True]))
+    assert tok.id_to_token(tok.hf.token_to_id("\u2581\u2581")) == "  "
+    assert tok.id_to_token(tok.hf.token_to_id("<0xF0>")) == "\\xf0"
+    assert tok.id_to_token(tok.hf.token_to_id("<0x0A>")) == "\n"
+    assert tok.id_to_token(3) == "<|im_start|>"
+    for i in range(tok.vocab_size):
+        shown = tok.id_to_token(i)
+        j = tok.token_to_id(shown)
+        assert j == i or (6 <= i < 262 and tok.id_to_token(j) == shown), (i, shown, j)
 
 
 # --- special tokens and flags ----------------------------------------------------------------
@@ -331,18 +346,24 @@ def smollm2() -> Path:
     return Path(path)
 
 
-def test_smollm2_ids_equal_llama_cpp(smollm2: Path) -> None:
-    fields = _fields(smollm2)
+@pytest.fixture(scope="module")
+def smollm2_fields(smollm2: Path) -> dict[str, Any]:
+    return _fields(smollm2)
+
+
+def test_smollm2_ids_equal_llama_cpp(smollm2: Path, smollm2_fields: dict[str, Any]) -> None:
+    fields = smollm2_fields
     assert fields["tokenizer.ggml.pre"] == "smollm"
     tok = tokenizer_from_gguf(fields)
     assert tok.vocab_size == 49152 and len(tok.special_tokens) == 17
     _assert_same_as_llama(tok, _llama(smollm2), CORPUS + TRAIN + _fuzz(1500, seed=6))
 
 
-def test_smollm2_ids_equal_transformers_but_digits_after_spaces(smollm2: Path) -> None:
+def test_smollm2_ids_equal_transformers_but_digits_after_spaces(
+        smollm2: Path, smollm2_fields: dict[str, Any]) -> None:
     transformers = pytest.importorskip("transformers")
     hf = transformers.AutoTokenizer.from_pretrained(str(smollm2.parent), gguf_file=smollm2.name)
-    tok = tokenizer_from_gguf(_fields(smollm2))
+    tok = tokenizer_from_gguf(smollm2_fields)
     texts = CORPUS + TRAIN + _fuzz(1500, seed=7)
     differ = [t for t in texts
               if tok.encode(t, allow_special=True) != hf.encode(t, add_special_tokens=False)]
@@ -361,8 +382,8 @@ def _space_run_before_digit(text: str) -> bool:
     return any(text[i].isdigit() and text[i - 2:i].isspace() for i in range(2, len(text)))
 
 
-def test_smollm2_special_tokens_and_template(smollm2: Path) -> None:
-    got = special_tokens_of_gguf(_fields(smollm2))
+def test_smollm2_special_tokens_and_template(smollm2_fields: dict[str, Any]) -> None:
+    got = special_tokens_of_gguf(smollm2_fields)
     assert got["bos_token"] == "<|im_start|>" and got["eos_token"] == "<|im_end|>"
     assert got["unk_token"] == "<|endoftext|>" and got["pad_token"] == "<|im_end|>"
     assert got["eot_token"] == "<|im_end|>"
