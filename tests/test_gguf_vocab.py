@@ -232,6 +232,27 @@ def test_saved_tokenizer_json_loads_back_with_the_same_ids(byte_level: dict[str,
                     text, allow_special=special)
 
 
+@pytest.mark.parametrize("name", ["llama-bpe", "spm"])
+def test_tokenizer_json_of_transformers_loads_with_its_ids(byte_level: dict[str, Path],
+                                                          spm: dict[bool, Path], name: str,
+                                                          tmp_path: Path) -> None:
+    """A Llama-3-shaped (Split + ByteLevel) and a Llama-2-shaped (Metaspace, byte
+    fallback) tokenizer.json written by transformers, as ``convert --from-hf`` meets
+    them, load as tinylm tokenizers that give transformers' ids."""
+    transformers = pytest.importorskip("transformers")
+    path = byte_level[name] if name != "spm" else spm[True]
+    hf = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    hf.save_pretrained(str(tmp_path))
+    tok = load_tokenizer(tmp_path)
+    assert tok.kind == "file" and tok.byte_level == (name != "spm")
+    for text in CORPUS:
+        assert tok.encode(text, allow_special=True) == hf.encode(text, add_special_tokens=False)
+        assert tok.encode(text) == hf.encode(text, add_special_tokens=False,
+                                             split_special_tokens=True)
+    ids = tok.encode("Hello  world")
+    assert "".join(tok.id_to_token(i) for i in ids).strip() == "Hello  world"
+
+
 # --- SentencePiece-style --------------------------------------------------------------------
 
 
