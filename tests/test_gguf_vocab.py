@@ -197,6 +197,18 @@ def test_byte_level_ids_equal_transformers(byte_level: dict[str, Path], pre: str
             text, add_special_tokens=False), text
 
 
+def test_absent_pre_is_llama_cpp_default(byte_level: dict[str, Path], tmp_path: Path) -> None:
+    fields = _fields(byte_level["default"])
+    path = _write(tmp_path / "nopre.gguf", fields["tokenizer.ggml.tokens"],
+                  fields["tokenizer.ggml.token_type"], "gpt2",
+                  merges=fields["tokenizer.ggml.merges"])
+    tok = tokenizer_from_gguf(_fields(path))
+    assert "tokenizer.ggml.pre" not in _fields(path)
+    _assert_same_as_llama(tok, _llama(path), CORPUS + _fuzz(100, seed=8))
+    default = tokenizer_from_gguf(fields)
+    assert all(tok.encode(t) == default.encode(t) for t in CORPUS)
+
+
 def test_pre_tokenizers_that_differ_are_told_apart(byte_level: dict[str, Path]) -> None:
     """Not a vacuous table: on this vocabulary the pre-tokenizers give different ids."""
     toks = {pre: tokenizer_from_gguf(_fields(p)) for pre, p in byte_level.items()}
@@ -403,8 +415,16 @@ def _space_run_before_digit(text: str) -> bool:
     return any(text[i].isdigit() and text[i - 2:i].isspace() for i in range(2, len(text)))
 
 
-def test_smollm2_special_tokens_and_template(smollm2_fields: dict[str, Any]) -> None:
+def test_smollm2_special_tokens_and_template(smollm2: Path,
+                                            smollm2_fields: dict[str, Any]) -> None:
     got = special_tokens_of_gguf(smollm2_fields)
+    pytest.importorskip("transformers")
+    from transformers.integrations.gguf import get_gguf_tokenizer
+
+    _, _, config = get_gguf_tokenizer(str(smollm2))  # transformers' own reading
+    for key in ("bos_token", "eos_token", "unk_token", "pad_token", "add_bos_token",
+                "chat_template"):
+        assert got[key] == config[key], key
     assert got["bos_token"] == "<|im_start|>" and got["eos_token"] == "<|im_end|>"
     assert got["unk_token"] == "<|endoftext|>" and got["pad_token"] == "<|im_end|>"
     assert got["eot_token"] == "<|im_end|>"
