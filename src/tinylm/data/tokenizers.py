@@ -368,6 +368,8 @@ def _byte_decoder() -> dict[str, int]:
 
 _BYTE_DECODER = _byte_decoder()
 _BYTE_ENCODER = {b: c for c, b in _BYTE_DECODER.items()}
+_SPM_SPACE = "\u2581"  # SentencePiece's visible space
+_SPM_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 def _require_hf_tokenizers():
@@ -399,6 +401,10 @@ class BPETokenizer(Tokenizer):
                                   "use_regex": True} and cfg.get("normalizer") is None
         self._specials = tuple(t["content"] for t in cfg.get("added_tokens", [])
                                if t.get("special"))
+        #: True for a SentencePiece-style vocabulary (spaces spelled "▁", bytes as
+        #: <0xNN> tokens): id_to_token shows both as text, as it does byte-level tokens.
+        self.metaspace = not self.byte_level and _SPM_SPACE in json.dumps(
+            cfg.get("decoder"), ensure_ascii=False)
         # User text never becomes a special id: special tokens' spellings are encoded
         # as ordinary text unless a call asks otherwise (allow_special).
         self._tok.encode_special_tokens = True
@@ -504,8 +510,11 @@ class BPETokenizer(Tokenizer):
         return self._tok.decode(arr.tolist(), skip_special_tokens=False)
 
     def _token_bytes(self, token: str) -> bytes | None:
-        if not self.byte_level or token in self._specials:
+        if token in self._specials or not (self.byte_level or self.metaspace):
             return None
+        if self.metaspace:
+            byte = _SPM_BYTE.fullmatch(token)
+            return bytes([int(byte[1], 16)]) if byte else token.replace(_SPM_SPACE, " ").encode()
         try:
             return bytes(_BYTE_DECODER[c] for c in token)
         except KeyError:
@@ -519,7 +528,7 @@ class BPETokenizer(Tokenizer):
         return token if raw is None else raw.decode("utf-8", errors="backslashreplace")
 
     def token_to_id(self, token: str) -> int | None:
-        if token in self._specials or not self.byte_level:
+        if token in self._specials or not (self.byte_level or self.metaspace):
             return self._tok.token_to_id(token)
         candidates = [token.encode("utf-8")]
         if "\\x" in token:
@@ -527,11 +536,26 @@ class BPETokenizer(Tokenizer):
                 candidates.append(codecs.escape_decode(token.encode("utf-8"))[0])
             except ValueError:
                 pass
+        if self.metaspace:
+            return self._spm_token_to_id(token, candidates)
         for raw in candidates:
             found = self._tok.token_to_id("".join(_BYTE_ENCODER[b] for b in raw))
             if found is not None:
                 return found
         return self._tok.token_to_id(token)  # the raw byte-level spelling, e.g. "Ġthe"
+
+    def _spm_token_to_id(self, token: str, candidates: list[bytes]) -> int | None:
+        """A piece (spaces as "▁") whose text is the token, else a byte token <0xNN>."""
+        for raw in candidates:
+            try:
+                found = self._tok.token_to_id(raw.decode("utf-8").replace(" ", _SPM_SPACE))
+            except UnicodeDecodeError:
+                found = None
+            if found is None and len(raw) == 1:
+                found = self._tok.token_to_id(f"<0x{raw[0]:02X}>")
+            if found is not None:
+                return found
+        return self._tok.token_to_id(token)  # the raw spelling, e.g. "▁the" or "<0x0A>"
 
     def to_hf_json(self) -> dict[str, Any]:
         return json.loads(self._tok.to_str())
