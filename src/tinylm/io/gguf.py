@@ -127,8 +127,8 @@ def _open(path: Path) -> Any:
     try:
         from gguf import GGUFReader
     except ImportError as exc:
-        raise ConfigError("reading GGUF files needs the 'gguf' package; install it with: "
-                          "pip install 'tinylm[gguf]' (or pip install gguf)") from exc
+        raise ConfigError("reading GGUF files needs the 'gguf' package (llama.cpp's own "
+                          "reader); install it with: pip install gguf") from exc
     if not path.exists():
         raise CheckpointError(f"GGUF file {path} does not exist; pass the path of a .gguf file")
     if not path.is_file():
