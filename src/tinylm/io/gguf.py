@@ -154,7 +154,15 @@ def read_gguf(path: str | os.PathLike) -> GGUFModel:
     """
     path = Path(path)
     reader = _open(path)
-    fields = {k: _plain(f) for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    fields: dict[str, Any] = {}
+    for key, f in reader.fields.items():
+        if key.startswith("GGUF."):  # the reader's own header entries (version, counts)
+            continue
+        try:
+            fields[key] = _plain(f)
+        except Exception as exc:  # e.g. an array of arrays, or text that is not UTF-8
+            raise CheckpointError(f"{path}: metadata key {key[:80]!r} cannot be read "
+                                  f"({type(exc).__name__}); the file is corrupt") from None
     tensors = {t.name: t for t in reader.tensors}
     types = {t.name: t.tensor_type.name for t in reader.tensors}
     arch = fields.get("general.architecture")
