@@ -365,6 +365,7 @@ def test_kept_minimum_survives_a_checkpoint_and_decoding(tmp_path) -> None:
 def test_fused_decoding_steps_aside_for_a_minimum(tmp_path) -> None:
     pytest.importorskip("tinylm.native")
     from tinylm import acceleration
+    from tinylm.use.sampling import generate
 
     path = write_gguf(tmp_path / "m.gguf", "llama", hf_model("llama"), Q.Q4_1)
     kept = gguf_to_tinylm(path, keep_quantized=True)
@@ -373,9 +374,13 @@ def test_fused_decoding_steps_aside_for_a_minimum(tmp_path) -> None:
         pytest.skip("no native kernels here")
     assert not plan.eligibility.decode_variant
     assert any("minimum" in r for r in plan.eligibility.reasons)
-    q8 = gguf_to_tinylm(write_gguf(tmp_path / "q8.gguf", "llama", hf_model("llama"), Q.Q8_0),
-                        keep_quantized=True)
-    assert acceleration.plan(q8, "cpu").eligibility.decode_variant  # Q8_0 stays fused
+    for qtype in (Q.Q8_0, Q.Q4_0):  # no minimum: the int8 kernel runs them, as it should
+        path = write_gguf(tmp_path / f"{qtype.name}.gguf", "llama", hf_model("llama"), qtype)
+        kept, dense = gguf_to_tinylm(path, keep_quantized=True), gguf_to_tinylm(path)
+        assert acceleration.plan(kept, "cpu").eligibility.decode_variant
+        prompt = torch.randint(0, 100, (1, 5))
+        assert torch.equal(generate(kept, prompt, 12, temperature=0.0),
+                           generate(dense, prompt, 12, temperature=0.0))
 
 
 def test_old_quantized_structure_is_unchanged() -> None:
