@@ -14,6 +14,13 @@ approximated. Rounding to the nearest step makes every element's error at most h
 step, |W - q·s| <= s/2, so the error of a group is bounded by its own largest weight
 (m / 254 for 8 bits). An all-zero group gets scale 1 (q = 0, exact).
 
+A layer may also carry a per-group ``minimum`` (the asymmetric form w = q·s + m with
+unsigned codes q in [0, 2^bits - 1], GGUF's Q4_1 and Q5_1 blocks, kept by
+:mod:`tinylm.io.gguf`): the reference layer adds it after the product; the int8
+decoding kernel does not, so the fused decoding step steps aside for such layers
+(:func:`decoding_refusal`, what the registry declares). ``tinylm quantize`` itself
+writes the symmetric form only.
+
 :class:`QuantizedLinear` is the reference form (dequantize, then ``F.linear``), as
 :class:`tinylm.layers.lowrank.LowRankLinear` is for factorised layers. Its int8 integers and
 float32 scales are buffers (``<name>.qweight``, ``<name>.scale``) that go through the
@@ -41,10 +48,16 @@ SUPPORTED_BITS = range(2, 9)  # stored in int8 whatever the bit width
 # --- the math as small pure functions ---------------------------------------------------
 
 
-def check_scheme(bits: Any, group_size: Any) -> None:
-    """A ConfigError unless ``bits`` is in [2, 8] and ``group_size`` None or >= 1."""
+def check_scheme(bits: Any, group_size: Any, minimum: Any = False) -> None:
+    """A ConfigError unless ``bits`` is in [2, 8] ([2, 7] with a ``minimum``: the unsigned
+    codes 0 .. 2^bits - 1 are stored in int8) and ``group_size`` None or >= 1."""
     if isinstance(bits, bool) or not isinstance(bits, int) or bits not in SUPPORTED_BITS:
         raise ConfigError(f"bits must be an integer in [2, 8], got {bits!r}; e.g. --bits 8")
+    if not isinstance(minimum, bool):
+        raise ConfigError(f"minimum must be true or false, got {minimum!r}")
+    if minimum and bits > 7:
+        raise ConfigError(f"bits={bits} with a minimum does not fit int8 (unsigned codes "
+                          f"0 .. 2^bits - 1); use bits <= 7")
     if group_size is not None and (isinstance(group_size, bool) or not isinstance(
             group_size, int) or group_size < 1):
         raise ConfigError(f"group size must be an integer >= 1 (input features per scale), "
@@ -78,31 +91,38 @@ def quantize_weight(W: Tensor, bits: int = 8, group_size: int | None = None
     return q.view(O, n * G)[:, :I].to(torch.int8).contiguous(), scale.contiguous()
 
 
-def dequantize_weight(q: Tensor, scale: Tensor, group_size: int | None = None) -> Tensor:
-    """W (O, I) float32 = q·s, each scale repeated over its group of ``group_size``
-    input features (None: the whole row)."""
+def dequantize_weight(q: Tensor, scale: Tensor, group_size: int | None = None,
+                      minimum: Tensor | None = None) -> Tensor:
+    """W (O, I) float32 = q·s (+ m), each scale (and minimum) repeated over its group of
+    ``group_size`` input features (None: the whole row). The product is rounded before
+    the minimum is added, as GGUF's own dequantization does (bit-exact with it)."""
     O, I = q.shape
     G = I if group_size is None else min(group_size, I)
     s = scale.repeat_interleave(G, dim=1)[:, :I]  # (O, n) -> (O, n·G) -> (O, I)
-    return q.to(scale.dtype) * s
+    w = q.to(scale.dtype) * s
+    if minimum is not None:
+        w = w + minimum.repeat_interleave(G, dim=1)[:, :I]
+    return w
 
 
 # --- the module ---------------------------------------------------------------------------
 
 
 class QuantizedLinear(nn.Module):
-    """y = x·(q·s)ᵀ + b: a Linear layer whose weight is int8 integers times fp32 scales.
+    """y = x·(q·s + m)ᵀ + b: a Linear layer whose weight is int8 integers times fp32
+    scales (plus, with ``minimum=True``, a per-group fp32 minimum m; without: m = 0).
 
-    ``qweight`` (O, I) int8 and ``scale`` (O, n_groups) float32 are buffers (not trained);
-    ``bias`` (O,) stays a float32 parameter. Build one with :meth:`from_linear`, or
-    construct it empty and load a state dict into it (what the checkpoint loader does).
+    ``qweight`` (O, I) int8, ``scale`` (O, n_groups) float32 and ``minimum`` (O, n_groups,
+    or None) are buffers (not trained); ``bias`` (O,) stays a float32 parameter. Build one
+    with :meth:`from_linear`, or construct it empty and load a state dict into it (what
+    the checkpoint loader does).
     """
 
     def __init__(self, in_features: int, out_features: int, bits: int = 8,
                  group_size: int | None = None, bias: bool = True,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, minimum: bool = False) -> None:
         super().__init__()
-        check_scheme(bits, group_size)
+        check_scheme(bits, group_size, minimum)
         self.in_features, self.out_features = in_features, out_features
         self.bits, self.group_size = bits, group_size
         G = in_features if group_size is None else min(group_size, in_features)
@@ -110,6 +130,8 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("qweight", torch.zeros(out_features, in_features,
                                                     dtype=torch.int8, device=device))
         self.register_buffer("scale", torch.ones(out_features, n, device=device))
+        self.register_buffer("minimum", torch.zeros(out_features, n, device=device)
+                             if minimum else None)
         if bias:
             self.bias = nn.Parameter(torch.zeros(out_features, device=device))
         else:
@@ -132,8 +154,8 @@ class QuantizedLinear(nn.Module):
 
     @property
     def weight(self) -> Tensor:
-        """The dequantized weight in ``nn.Linear``'s (O, I) orientation, q·s."""
-        return dequantize_weight(self.qweight, self.scale, self.group_size)
+        """The dequantized weight in ``nn.Linear``'s (O, I) orientation, q·s (+ m)."""
+        return dequantize_weight(self.qweight, self.scale, self.group_size, self.minimum)
 
     def forward(self, x: Tensor) -> Tensor:
         return F.linear(x, self.weight.to(x.dtype),
@@ -145,15 +167,25 @@ class QuantizedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bits={self.bits}, group_size={self.group_size}, bias={self.bias is not None}")
+                f"bits={self.bits}, group_size={self.group_size}, bias={self.bias is not None}"
+                + (", minimum=True" if self.minimum is not None else ""))
+
+
+def decoding_refusal(layer: QuantizedLinear) -> str | None:
+    """Why the fused decoding step's int8 kernel cannot run ``layer`` (None: it can)."""
+    if layer.minimum is not None:
+        return "its weight has a per-group minimum (w = q·s + m), which the int8 kernel omits"
+    return None
 
 
 # --- model structure (tinylm.layers.registry: config.json's "quantize") ------------------
 
 
 def structure_of(model: nn.Module) -> dict[str, dict[str, Any]]:
-    """{module name: {"bits": b, "group_size": G or None}} of every QuantizedLinear."""
-    return {name: {"bits": m.bits, "group_size": m.group_size}
+    """{module name: {"bits": b, "group_size": G or None}} of every QuantizedLinear, with
+    ``"minimum": true`` added for a layer that has one (older files never do)."""
+    return {name: {"bits": m.bits, "group_size": m.group_size,
+                   **({"minimum": True} if m.minimum is not None else {})}
             for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
 
 
@@ -174,7 +206,8 @@ def apply_structure(model: nn.Module, layers: Any) -> nn.Module:
                                   f"checkpoint is corrupt or mixes files from different models")
         try:
             new = QuantizedLinear(layer.in_features, layer.out_features, scheme.get("bits"),
-                                  scheme.get("group_size"), bias=layer.bias is not None)
+                                  scheme.get("group_size"), bias=layer.bias is not None,
+                                  minimum=scheme.get("minimum", False))
         except ConfigError as exc:
             raise CheckpointError(f"config.json's quantization of {name!r} is invalid "
                                   f"({exc}); the checkpoint is corrupt") from exc

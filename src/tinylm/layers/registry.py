@@ -15,7 +15,8 @@ says, in one :class:`LayerKind` row of :data:`KINDS`:
 - which fast paths of :mod:`tinylm.native` take it: ``training_weight`` (the dense
   weight the training/forward paths multiply by; None: they step aside) and
   ``decoding`` (how the fused decoding step reads it, e.g. ``"int8"``; None: it steps
-  aside).
+  aside), with ``decoding_refusal(layer)`` naming a layer of the kind that step still
+  cannot read (an int8 layer with a per-group minimum: it steps aside for that one).
 
 A new kind (say 4-bit GGUF blocks) is one module with its layer and one row here;
 ``io/checkpoint.py``, ``io/hf.py``, ``native/plan.py``, ``native/decoding.py`` and the
@@ -46,6 +47,7 @@ class LayerKind:
     dense: Callable[[nn.Module], nn.Linear]
     training_weight: Callable[[nn.Module], Tensor] | None = None
     decoding: str | None = None
+    decoding_refusal: Callable[[nn.Module], str | None] | None = None
     export_refusal: str | None = None  # {architecture} is filled in
 
     def present_in(self, model: nn.Module) -> bool:
@@ -63,7 +65,7 @@ QUANTIZED = LayerKind(
     section="quantize", classes=(quantized.QuantizedLinear,),
     build=quantized.QuantizedLinear.from_linear, describe=quantized.structure_of,
     rebuild=quantized.apply_structure, dense=quantized.QuantizedLinear.to_linear,
-    decoding="int8")
+    decoding="int8", decoding_refusal=quantized.decoding_refusal)
 LORA = LayerKind(
     section="lora", classes=(lora.LoRALinear,),
     build=lora.LoRALinear.from_linear, describe=lora.lora_structure,
@@ -129,12 +131,23 @@ def training_weight(layer: nn.Module) -> Tensor:
 
 
 def decoding_of(layer: nn.Module) -> str | None:
-    """How the fused decoding step reads ``layer`` ("int8"), None for a plain layer or a
-    kind it does not take."""
+    """How the fused decoding step reads ``layer`` ("int8"), None for a plain layer, a
+    kind it does not take, or a layer its kind's ``decoding_refusal`` names."""
     kind = _BY_CLASS.get(type(layer))
-    return None if kind is None else kind.decoding
+    if kind is None or decoding_refusal(layer) is not None:
+        return None
+    return kind.decoding
+
+
+def decoding_refusal(layer: nn.Module) -> str | None:
+    """Why the fused decoding step cannot read ``layer``, a layer of a kind it takes
+    (None: it can, or the layer is not of such a kind)."""
+    kind = _BY_CLASS.get(type(layer))
+    if kind is None or kind.decoding is None or kind.decoding_refusal is None:
+        return None
+    return kind.decoding_refusal(layer)
 
 
 __all__ = ["KINDS", "LORA", "LOWRANK", "QUANTIZED", "SECTIONS", "LayerKind", "apply_structure",
-           "decoding_classes", "decoding_of", "densified", "kind_of", "select_layers",
-           "structure_of", "training_classes", "training_weight"]
+           "decoding_classes", "decoding_of", "decoding_refusal", "densified", "kind_of",
+           "select_layers", "structure_of", "training_classes", "training_weight"]

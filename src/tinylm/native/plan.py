@@ -21,7 +21,8 @@ modules' declared types and the config, never hooks or private registries:
   :class:`~tinylm.core.model.GPT` whose every block is eligible for **block** (any head size)
   with plain embeddings, final norm and LM head -- except that here each Linear layer
   (the LM head too) may also be a :class:`tinylm.layers.quantized.QuantizedLinear`, which the
-  step runs with the int8 kernel of ``csrc/quant.c``;
+  step runs with the int8 kernel of ``csrc/quant.c`` (except one with a per-group minimum,
+  GGUF's Q4_1: the registry's ``decoding_refusal``, for which the step steps aside);
 - **decode_variant** (the fused step for the architecture variants, path
   ``"fused-variant"``): a :class:`~tinylm.core.model.GPT` of any layout ``ModelConfig``
   offers -- LayerNorm or RMSNorm, learned or rotary positions, GELU/ReLU² or SwiGLU MLPs,
@@ -65,7 +66,12 @@ from tinylm.core.attention import MultiHeadAttention, RMSNorm
 from tinylm.core.config import ModelConfig
 from tinylm.core.decoding import Decoder, KVCache
 from tinylm.core.model import GPT, Block, FeedForward, GatedFeedForward, ReLUSquared
-from tinylm.layers.registry import decoding_classes, training_classes, training_weight
+from tinylm.layers.registry import (
+    decoding_classes,
+    decoding_refusal,
+    training_classes,
+    training_weight,
+)
 from tinylm.native import decoding, ops, variants
 from tinylm.native.functions import BlockFn, CausalAttentionFn, FeedForwardFn
 
@@ -128,6 +134,9 @@ def _linear_reason(name: str, layer: nn.Module, linear: tuple[type, ...]) -> str
     if type(layer) not in linear:
         return f"{name} is a {type(layer).__name__}, not " + \
             " or ".join(t.__name__ for t in linear)
+    refusal = decoding_refusal(layer) if linear is DECODE_LINEAR else None
+    if refusal:  # a layer of a kind the decoding step takes, but not this one (registry)
+        return f"{name} is a {type(layer).__name__} the decoding step cannot read: {refusal}"
     return None
 
 
