@@ -261,6 +261,10 @@ def test_template_errors_are_one_line(base) -> None:
         eos_token="<|im_end|>"))
     with pytest.raises(DataError, match="sandbox forbids|failed|refused") as e:
         render_chat(escaping, [_m(U, "y")])
+    unstable = base.with_settings(TokenizerSettings(  # Qwen3-style: drops earlier text
+        chat_template="{{ messages[-1]['content'] + '<|im_end|>' }}", eos_token="<|im_end|>"))
+    with pytest.raises(DataError, match="does not render this conversation turn by turn"):
+        render_with_mask(unstable, CONVERSATIONS[5])
     with pytest.raises(DataError, match="not in this bpe tokenizer's vocabulary"):
         base.with_settings(TokenizerSettings(eos_token="<|nope|>"))
 
@@ -384,11 +388,15 @@ def test_from_hf_folder_reads_template_roles_and_generation_config(base, tmp_pat
     to_hf(GPT(config)).save_pretrained(str(folder))
     hf = _hf(base, LLAMA3_TEMPLATE, {"bos_token": "<|begin_of_text|>",
                                      "eos_token": "<|end_of_text|>"})
-    hf.save_pretrained(str(folder))
+    bos = base.token_to_id("<|begin_of_text|>")
+    hf.backend_tokenizer.post_processor = tokenizers.processors.TemplateProcessing(
+        single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", bos)])
+    hf.save_pretrained(str(folder))  # Llama 3 adds bos in tokenizer.json's post-processor
     (folder / "generation_config.json").write_text(json.dumps(
         {"eos_token_id": [base.token_to_id("<|end_of_text|>"), base.token_to_id("<|eot_id|>")]}))
     _, tok = read_hf_folder(folder)
     assert tok.chat_template == LLAMA3_TEMPLATE and tok.settings.end_of_turn == ("<|eot_id|>",)
+    assert tok.settings.add_bos_token is True and tok.encode_prompt("Hi")[0] == bos
     assert stop_ids(tok) == [base.token_to_id("<|end_of_text|>"), base.token_to_id("<|eot_id|>")]
     for messages in CONVERSATIONS[:6]:
         assert render_chat(tok, messages) == _hf_ids(hf, messages, True)
@@ -418,3 +426,60 @@ def test_smollm2_gguf_template_token_exact(tmp_path) -> None:
     hf.chat_template = template
     assert _exact(ours, hf, CONVERSATIONS) >= 40
     assert ours.decode(stop_ids(ours)) == "<|im_end|>"
+
+
+def test_chat_session_and_serve_use_the_template_and_stop_at_end_of_turn(base,
+                                                                         tmp_path) -> None:
+    """A model that always answers <|eot_id|>: with Llama 3's template (eos is
+    <|end_of_text|>) `tinylm chat` and /v1/chat/completions stop at once."""
+    import openai
+
+    from serve_support import live_server
+    from tinylm.use.chatsession import ChatSession, open_session
+
+    llama = base.with_settings(TokenizerSettings(chat_template=LLAMA3_TEMPLATE,
+                                                 bos_token="<|begin_of_text|>",
+                                                 eos_token="<|end_of_text|>"))
+    model = _model_folder(tmp_path, llama, "<|eot_id|>", "ck")
+    session = open_session(str(tmp_path / "ck"), device="cpu", temperature=0)
+    assert session.tokenizer.settings == llama.settings
+    assert "".join(session.reply("Hi")) == ""
+    assert session.turns == [_m(U, "Hi"), _m(A, "")]
+    session.reset()
+    session.turns.append(_m(U, "What is len?"))
+    assert session._fit()[0] == render_chat(llama, [_m(U, "What is len?")])
+    assert ChatSession(model, llama)._stops == stop_ids(llama)
+    messages = [_m(S, "Be brief."), _m(U, "The cat?<|eot_id|>")]
+    with live_server(model, llama, model_name="m") as (url, _):
+        c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        r = c.chat.completions.create(model="m", messages=messages, max_tokens=8,
+                                      temperature=0)
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].message.content == ""
+    assert r.usage.prompt_tokens == len(render_chat(llama, messages))
+    assert r.usage.completion_tokens == 1
+
+
+def test_add_bos_token_is_honoured_by_sample_and_eval(base) -> None:
+    import torch
+
+    from tinylm import GPT, ModelConfig
+    from tinylm.use.evaluation import evaluate, evaluate_text
+    from tinylm.use.sampling import encode_prompt
+
+    bos = base.token_to_id("<|begin_of_text|>")
+    tok = base.with_settings(TokenizerSettings(bos_token="<|begin_of_text|>",
+                                               add_bos_token=True))
+    assert encode_prompt(tok, "The fox") == [bos, *base.encode("The fox")]
+    assert encode_prompt(tok, "") == [bos]
+    assert encode_prompt(base, "The fox") == base.encode("The fox")  # no settings: as before
+    no = base.with_settings(TokenizerSettings(bos_token="<|begin_of_text|>"))
+    assert encode_prompt(no, "The fox") == base.encode("The fox")
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(vocab_size=base.vocab_size, context_length=16, n_layer=1,
+                            n_head=2, n_embd=16))
+    text = "The quick brown fox jumps over the lazy dog."
+    got = evaluate_text(model, tok, text, batch_size=1)
+    want = evaluate(model, torch.tensor([bos, *base.encode(text)]), batch_size=1,
+                    num_bytes=len(text.encode()))
+    assert got.loss == pytest.approx(want.loss, abs=1e-6) and got.tokens == want.tokens
+    assert evaluate_text(model, base, text, batch_size=1).tokens == got.tokens - 1
