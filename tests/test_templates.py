@@ -256,11 +256,15 @@ def test_template_errors_are_one_line(base) -> None:
                                                    eos_token="<|im_end|>"))
     with pytest.raises(DataError, match="failed: TypeError") as e:
         render_chat(failing, [_m(U, "y")])
-    escaping = base.with_settings(TokenizerSettings(
-        chat_template="{{ messages.__class__.__mro__[1].__subclasses__() }}",
-        eos_token="<|im_end|>"))
-    with pytest.raises(DataError, match="sandbox forbids|failed|refused") as e:
-        render_chat(escaping, [_m(U, "y")])
+    for escape in ("{{ cycler.__init__.__globals__ }}",
+                   "{% set ns = namespace() %}{% set ns._x = 1 %}"):
+        escaping = base.with_settings(TokenizerSettings(chat_template=escape,
+                                                        eos_token="<|im_end|>"))
+        with pytest.raises(DataError, match="sandbox forbids"):
+            render_chat(escaping, [_m(U, "y")])
+    counting = ("{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}"
+                "{% endfor %}{{ ns.n }}{{ dict(a=1) | tojson }}")
+    assert render_template(counting, CONVERSATIONS[5]) == '4{"a": 1}'
     unstable = base.with_settings(TokenizerSettings(  # Qwen3-style: drops earlier text
         chat_template="{{ messages[-1]['content'] + '<|im_end|>' }}", eos_token="<|im_end|>"))
     with pytest.raises(DataError, match="does not render this conversation turn by turn"):

@@ -229,6 +229,37 @@ def _generation_tag() -> Any:
     return Generation
 
 
+def _plain_dict(*args: Any, **kwargs: Any) -> dict:
+    return dict(*args, **kwargs)
+
+
+@lru_cache(maxsize=1)
+def _namespace_class() -> Any:
+    """jinja2's ``namespace``, refusing names that start with "_" (a template could
+    otherwise store an attribute the sandbox would not let it read)."""
+    import jinja2.exceptions
+    import jinja2.utils
+
+    def check(name: Any) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"a namespace attribute cannot start with "
+                                                  f"'_' ({name!r})")
+
+    class Namespace(jinja2.utils.Namespace):
+        def __init__(*args: Any, **kwargs: Any) -> None:
+            self, rest = args[0], args[1:]
+            attrs = dict(*rest, **kwargs)
+            for name in attrs:
+                check(name)
+            jinja2.utils.Namespace.__init__(self, attrs)
+
+        def __setitem__(self, name: str, value: Any) -> None:
+            check(name)
+            jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    return Namespace
+
+
 @lru_cache(maxsize=16)
 def compile_template(template: str) -> Any:
     """The compiled sandboxed template; a one-line DataError when it does not parse."""
@@ -245,6 +276,8 @@ def compile_template(template: str) -> Any:
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
+    env.globals["dict"] = _plain_dict  # not the type itself: nothing to climb from
+    env.globals["namespace"] = _namespace_class()
     try:
         return env.from_string(template)
     except jinja2.exceptions.TemplateSyntaxError as exc:
