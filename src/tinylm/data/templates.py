@@ -269,7 +269,10 @@ def compile_template(template: str) -> Any:
         from jinja2.sandbox import ImmutableSandboxedEnvironment
     except ImportError as exc:
         raise DataError("a model's own chat template needs the 'jinja2' package; install "
-                        "it with: pip install jinja2") from exc
+                        "it with: pip install 'jinja2>=3.1.6'") from exc
+    if _version(jinja2.__version__) < (3, 1, 6):
+        raise DataError(f"jinja2 {jinja2.__version__} has known sandbox escapes, and a chat "
+                        f"template is a model's code; upgrade: pip install 'jinja2>=3.1.6'")
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=[jinja2.ext.loopcontrols,
                                                     _generation_tag()])
@@ -283,6 +286,14 @@ def compile_template(template: str) -> Any:
     except jinja2.exceptions.TemplateSyntaxError as exc:
         raise DataError(f"the model's chat template does not parse: {_one_line(exc)} (line "
                         f"{exc.lineno}); fix its chat_template") from None
+
+
+def _version(text: str) -> tuple[int, ...]:
+    parts = []
+    for part in text.split(".")[:3]:
+        digits = "".join(c for c in part if c.isdigit()) if part[:1].isdigit() else ""
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts)
 
 
 def _one_line(exc: BaseException) -> str:

@@ -32,13 +32,16 @@ A model's own chat settings: a tokenizer may carry
 :class:`~tinylm.data.templates.TokenizerSettings` (its own chat template, bos/eos/pad/unk
 roles, ``add_bos_token``, end-of-turn tokens; :meth:`Tokenizer.with_settings`), stored
 beside its tokenizer.json as Hugging Face's ``tokenizer_config.json`` (and read from a
-``chat_template.jinja`` there too, which wins) by :func:`save_settings` and read back by
-:func:`load_tokenizer`. A tokenizer without them keeps tinylm's own format.
+``chat_template.jinja`` there too, which wins) by
+:func:`tinylm.data.templates.write_settings` (``save_checkpoint`` and ``prepare --chat``
+call it) and read back by :func:`load_tokenizer`. A tokenizer without them keeps
+tinylm's own format.
 """
 
 from __future__ import annotations
 
 import codecs
+import copy
 import dataclasses
 import json
 import logging
@@ -169,8 +172,6 @@ class Tokenizer(ABC):
     def with_settings(self, settings: TokenizerSettings) -> Tokenizer:
         """A copy carrying ``settings``; a DataError when it names a token that is not
         in the vocabulary."""
-        import copy
-
         for role in ("bos_token", "eos_token", "pad_token", "unk_token"):
             token = getattr(settings, role)
             if token is not None and self.token_to_id(token) is None:
@@ -180,7 +181,7 @@ class Tokenizer(ABC):
         if missing:
             raise DataError(f"the end-of-turn token {missing[0]!r} is not in this tokenizer's "
                             f"vocabulary; fix the tokenizer config")
-        new = copy.copy(self)
+        new = copy.copy(self)  # the vocabulary is shared: settings change no id
         new._settings = settings
         return new
 

@@ -24,7 +24,7 @@ import pickle
 import re
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -580,8 +580,6 @@ def _with_hf_roles(tokenizer: Any, folder: Path) -> Any:
     end-of-turn tokens of generation_config.json's ``eos_token_id`` (an id or a list),
     and ``add_bos_token`` from the post-processor of tokenizer.json when the config
     does not say (Llama 3's adds bos there)."""
-    import dataclasses
-
     settings = tokenizer.settings
     path = folder / "generation_config.json"
     ids: Any = None
@@ -601,7 +599,7 @@ def _with_hf_roles(tokenizer: Any, folder: Path) -> Any:
         with_specials = hf.encode("a", add_special_tokens=True).ids
         add_bos = bool(with_specials) and with_specials[0] == tokenizer.bos_id \
             and len(with_specials) > len(hf.encode("a", add_special_tokens=False).ids)
-    new = dataclasses.replace(settings, end_of_turn=eot, add_bos_token=add_bos or None)
+    new = replace(settings, end_of_turn=eot, add_bos_token=add_bos or None)
     return tokenizer if new == settings else tokenizer.with_settings(new)
 
 
