@@ -24,6 +24,7 @@ from tinylm.data.tokenizers import (
     CHAT_TEMPLATE,
     STANDARD_SPECIALS,
     BPETokenizer,
+    CharTokenizer,
     load_tokenizer,
 )
 
@@ -113,8 +114,15 @@ def base() -> BPETokenizer:
     return BPETokenizer.train(TEXTS, vocab_size=600, special_tokens=specials)
 
 
+@pytest.fixture(scope="module")
+def char_base() -> CharTokenizer:
+    specials = list(dict.fromkeys([*CHATML_SPECIALS, *LLAMA3_SPECIALS, *STANDARD_SPECIALS]))
+    text = "".join(TEXTS) + "".join(m["content"] for c in CONVERSATIONS for m in c)
+    return CharTokenizer(text + SMOLLM2_TEMPLATE + LLAMA3_TEMPLATE, special_tokens=specials)
+
+
 def _hf(tok, template: str, roles: dict[str, str]):
-    backend = tokenizers.Tokenizer.from_str(tok.hf.to_str())
+    backend = tokenizers.Tokenizer.from_str(json.dumps(tok.to_hf_json()))
     return transformers.PreTrainedTokenizerFast(tokenizer_object=backend, chat_template=template,
                                                **roles)
 
@@ -159,10 +167,13 @@ def test_ids_equal_apply_chat_template(base, name) -> None:
     assert render_chat(ours, typed) != _hf_ids(hf, typed, True, sanitize=False)
 
 
+@pytest.mark.parametrize("kind", ["bpe", "char"])
 @pytest.mark.parametrize("name", sorted(TEMPLATES))
-def test_masks_cover_exactly_the_assistant_spans(base, name) -> None:
+def test_masks_cover_exactly_the_assistant_spans(base, char_base, name, kind) -> None:
     template, roles, marked = TEMPLATES[name]
+    base = base if kind == "bpe" else char_base
     ours, hf = _pair(base, template, roles)
+    assert _exact(ours, hf, CONVERSATIONS) == 44
     assert render_template(marked, CONVERSATIONS[3], special_tokens=roles) == \
         render_text(ours, CONVERSATIONS[3])  # the marked template renders the same text
     checked = 0
@@ -430,6 +441,11 @@ def test_smollm2_gguf_template_token_exact(tmp_path) -> None:
     hf.chat_template = template
     assert _exact(ours, hf, CONVERSATIONS) >= 40
     assert ours.decode(stop_ids(ours)) == "<|im_end|>"
+    for messages in CONVERSATIONS[1:12]:
+        ids, mask = render_with_mask(ours, messages)
+        out = hf.apply_chat_template(messages, chat_template=SMOLLM2_MARKED, return_dict=True,
+                                     return_assistant_tokens_mask=True)
+        assert (ids, mask) == (list(out["input_ids"]), list(out["assistant_masks"]))
 
 
 def test_chat_session_and_serve_use_the_template_and_stop_at_end_of_turn(base,

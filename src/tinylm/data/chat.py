@@ -21,9 +21,11 @@ transformers' ``apply_chat_template`` renders it (:mod:`tinylm.data.templates`),
 rendered text is encoded with its special tokens parsed, no bos added (the template
 writes its own), and special-token spellings inside message contents kept as text (as
 ``sanitize_control_tokens=True`` does). Its loss mask is found by rendering the
-conversation growing message by message: an assistant message's tokens are those the
-full conversation has beyond the conversation before it plus the generation prompt, up
-to and including its end-of-turn token (what follows it, e.g. ChatML's newline, is 0).
+conversation growing message by message: an assistant message's text is what the full
+conversation has beyond the conversation before it plus the generation prompt, up to
+the end of its end-of-turn token (what follows, e.g. ChatML's newline, is not), and the
+tokens marked 1 are those whose characters overlap it (transformers' rule for its
+``{% generation %}`` masks, with the same token offsets).
 Its stop ids are the model's eos and end-of-turn tokens.
 
 Records (one JSON object per line of a ``.jsonl`` file) come in three shapes:
@@ -80,8 +82,7 @@ def render_with_mask(tokenizer: Tokenizer, messages: Sequence[Message],
     (<|end|>, or the model's own template's end-of-turn token)."""
     messages = check_messages(messages)
     if tokenizer.own_template is not None:
-        ids = template_ids(tokenizer, messages, add_generation_prompt)
-        return ids, _template_mask(tokenizer, messages, ids)
+        return _template_mask(tokenizer, messages, add_generation_prompt)
     roles, end = _chat_ids(tokenizer)
     contents = tokenizer.encode_batch([m["content"] for m in messages])
     ids: list[int] = []
@@ -133,46 +134,66 @@ def template_ids(tokenizer: Tokenizer, messages: Sequence[Message],
     special tokens parsed and nothing added, except that a special token's spelling
     inside a message (or a tool) is encoded as ordinary text."""
     text = render_text(tokenizer, messages, add_generation_prompt, tools, marked=True)
-    pieces = split_marked(text, tokenizer.special_tokens)
-    ids = tokenizer.encode(pieces[0], allow_special=True)
-    if len(pieces) == 1:
-        return ids
-    newline = tokenizer.encode("\n", allow_special=True)
+    return _encode_rendered(tokenizer, text)[0]
+
+
+def _encode_rendered(tokenizer: Tokenizer, marked: str
+                     ) -> tuple[list[int], list[tuple[int, int]], str]:
+    """(ids, each token's character span, the text) of a rendering with marked user
+    spellings of special tokens: the pieces between markers are encoded with special
+    tokens parsed, the marked ones as text; spans and text are without the markers."""
+    pieces = split_marked(marked, tokenizer.special_tokens)
+    ids, offsets = tokenizer.encode_offsets(pieces[0], allow_special=True)
+    pos = len(pieces[0])
+    newline = tokenizer.encode("\n", allow_special=True) if len(pieces) > 1 else []
     for i, piece in enumerate(pieces[1:], start=1):
         if piece:  # odd places: a user's special-token spelling, as text
-            ids += _encode_piece(tokenizer, piece, i % 2 == 0, newline)
-    return ids
+            more, spans = _encode_piece(tokenizer, piece, i % 2 == 0, newline)
+            ids += more
+            offsets += [(a + pos, b + pos) for a, b in spans]
+            pos += len(piece)
+    return ids, offsets, "".join(pieces)
 
 
-def _encode_piece(tokenizer: Tokenizer, piece: str, special: bool,
-                  newline: list[int]) -> list[int]:
+def _encode_piece(tokenizer: Tokenizer, piece: str, special: bool, newline: list[int]
+                  ) -> tuple[list[int], list[tuple[int, int]]]:
     """A piece from inside a rendered chat, encoded after a newline that is then
     removed (so a tokenizer that treats a text's start differently does not)."""
-    ids = tokenizer.encode("\n" + piece, allow_special=special)
+    ids, spans = tokenizer.encode_offsets("\n" + piece, allow_special=special)
     if ids[:len(newline)] == newline:
-        return ids[len(newline):]
-    return tokenizer.encode(piece, allow_special=special)
+        n = len(newline)
+        return ids[n:], [(max(a - 1, 0), max(b - 1, 0)) for a, b in spans[n:]]
+    return tokenizer.encode_offsets(piece, allow_special=special)
 
 
 def _template_mask(tokenizer: Tokenizer, messages: list[dict[str, str]],
-                   ids: list[int]) -> list[int]:
-    """1 on each assistant message's tokens up to and including its end of turn."""
+                   add_generation_prompt: bool) -> tuple[list[int], list[int]]:
+    """(ids, mask) with 1 on every token that overlaps an assistant message's text up
+    to the end of its end-of-turn token (transformers' rule for its assistant masks)."""
+    ids, offsets, text = _encode_rendered(
+        tokenizer, render_text(tokenizer, messages, add_generation_prompt, marked=True))
     stops = set(tokenizer.end_of_turn_ids)
     mask = [0] * len(ids)
     for k, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        start = _prefix_length(tokenizer, messages[:k], True, ids, k)
-        end = _prefix_length(tokenizer, messages[:k + 1], False, ids, k)
-        last = max((j for j in range(start, end) if ids[j] in stops), default=end - 1)
-        mask[start:last + 1] = [1] * (last + 1 - start)
-    return mask
+        start = _prefix_length(tokenizer, messages[:k], True, text, k)
+        end = _prefix_length(tokenizer, messages[:k + 1], False, text, k)
+        ends = [b for i, (a, b) in zip(ids, offsets, strict=True)
+                if i in stops and start <= a and b <= end]
+        end = max(ends, default=end)
+        for j, (a, b) in enumerate(offsets):
+            if b > start and a < end:
+                mask[j] = 1
+    return ids, mask
 
 
 def _prefix_length(tokenizer: Tokenizer, messages: list[dict[str, str]], prompt: bool,
-                   ids: list[int], k: int) -> int:
-    part = template_ids(tokenizer, messages, prompt)
-    if part != ids[:len(part)]:
+                   text: str, k: int) -> int:
+    """The length of the text ``messages`` render to, which must begin ``text``."""
+    part = "".join(split_marked(render_text(tokenizer, messages, prompt, marked=True),
+                                tokenizer.special_tokens))
+    if not text.startswith(part):
         raise DataError(f"the model's chat template does not render this conversation turn "
                         f"by turn (the text before message {k} changes when it is added), so "
                         f"the assistant's tokens cannot be marked for the loss")

@@ -125,6 +125,12 @@ class Tokenizer(ABC):
         cut (see :func:`tinylm.data.encoding.safe_split`); for char tokenizers any cut works.
         """
 
+    def encode_offsets(self, text: str, *, allow_special: bool = False
+                       ) -> tuple[list[int], list[tuple[int, int]]]:
+        """``encode(text)`` and each token's (start, end) character span in ``text`` (as
+        Hugging Face ``tokenizers`` reports them; what a chat template's mask needs)."""
+        raise DataError(f"this {self.kind} tokenizer cannot give token offsets")
+
     @abstractmethod
     def decode(self, ids: Iterable[int]) -> str:
         """The text of ``ids``."""
@@ -388,6 +394,19 @@ class CharTokenizer(Tokenizer):
     def encode(self, text: str, *, allow_special: bool = False) -> list[int]:
         return self.encode_array(text, allow_special=allow_special).tolist()
 
+    def encode_offsets(self, text: str, *, allow_special: bool = False
+                       ) -> tuple[list[int], list[tuple[int, int]]]:
+        ids = self.encode(text, allow_special=allow_special)
+        pieces = _split_specials(text, self._specials) if allow_special and self._specials \
+            else [text]
+        offsets, pos = [], 0
+        for i, piece in enumerate(pieces):
+            spans = [(pos, pos + len(piece))] if i % 2 else \
+                [(pos + j, pos + j + 1) for j in range(len(piece))]
+            offsets += spans
+            pos += len(piece)
+        return ids, offsets
+
     def with_special_tokens(self, tokens: Sequence[str]) -> CharTokenizer:
         new = [t for t in dict.fromkeys(tokens) if t not in self._stoi]
         return CharTokenizer(self._chars, unknown=self.unknown,
@@ -542,8 +561,10 @@ class BPETokenizer(Tokenizer):
     def encode(self, text: str, *, allow_special: bool = False) -> list[int]:
         return self._encode_batch([text], allow_special)[0].ids
 
-    def _encode_batch(self, texts: Sequence[str], allow_special: bool = False) -> list[Any]:
-        fast = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
+    def _encode_batch(self, texts: Sequence[str], allow_special: bool = False,
+                      offsets: bool = False) -> list[Any]:
+        fast = self._tok.encode_batch if offsets else \
+            getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
         try:
             if not allow_special:
                 return fast(list(texts), add_special_tokens=False)
@@ -559,6 +580,11 @@ class BPETokenizer(Tokenizer):
     def encode_batch(self, texts: Sequence[str], *, allow_special: bool = False
                      ) -> list[list[int]]:
         return [e.ids for e in self._encode_batch(texts, allow_special)]
+
+    def encode_offsets(self, text: str, *, allow_special: bool = False
+                       ) -> tuple[list[int], list[tuple[int, int]]]:
+        e = self._encode_batch([text], allow_special, offsets=True)[0]
+        return list(e.ids), [tuple(o) for o in e.offsets]
 
     def encode_array(self, texts: Sequence[str], *, allow_special: bool = False
                      ) -> np.ndarray:
