@@ -25,8 +25,9 @@ encoder reads those spellings as ordinary text (transformers'
 from __future__ import annotations
 
 import json
+import logging
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from functools import lru_cache
@@ -34,6 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from tinylm.core.errors import DataError
+
+log = logging.getLogger(__name__)
 
 #: The named special tokens of Hugging Face's tokenizer config, in its order.
 SPECIAL_ROLES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
@@ -139,6 +142,14 @@ class TokenizerSettings:
     def empty(self) -> bool:
         return self == TokenizerSettings()
 
+    def missing_tokens(self, token_to_id: Callable[[str], int | None]) -> list[str]:
+        """"role 'token'" for each token named here that ``token_to_id`` does not know."""
+        named = [(r, getattr(self, r)) for r in ("bos_token", "eos_token", "pad_token",
+                                                 "unk_token")]
+        named += [("end-of-turn token", t) for t in self.end_of_turn]
+        return [f"{role} {token!r}" for role, token in named
+                if token is not None and token_to_id(token) is None]
+
 
 # --- the files beside a tokenizer.json -------------------------------------------------------
 
@@ -169,18 +180,28 @@ def _read_object(path: Path) -> dict[str, Any]:
     return d
 
 
-def read_settings(folder: str | Path) -> TokenizerSettings:
+def read_settings(folder: str | Path,
+                  token_to_id: Callable[[str], int | None] | None = None) -> TokenizerSettings:
     """The settings in a folder's ``tokenizer_config.json``, ``special_tokens_map.json``
     (fills in the token roles the config lacks) and ``chat_template.jinja`` (wins over
-    the config's chat_template); empty when it has none of them."""
+    the config's chat_template); empty when it has none of them. With ``token_to_id``
+    (the tokenizer's), a bos/eos/pad/unk token it lacks is dropped with a warning (e.g.
+    GPT-2's ``<|endoftext|>`` defaults in a smaller vocabulary)."""
     folder = Path(folder)
     config = _read_object(folder / TOKENIZER_CONFIG_FILE)
     special = _read_object(folder / SPECIAL_TOKENS_MAP_FILE)
     d = {**{k: v for k, v in special.items() if k in SPECIAL_ROLES}, **config}
     try:
-        return TokenizerSettings.from_hf(d, _read_text(folder / CHAT_TEMPLATE_FILE))
+        settings = TokenizerSettings.from_hf(d, _read_text(folder / CHAT_TEMPLATE_FILE))
     except DataError as exc:
         raise DataError(f"{folder}: {exc}") from None
+    for role in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        token = getattr(settings, role)
+        if token_to_id is not None and token is not None and token_to_id(token) is None:
+            log.warning("note: %s names %s %r, which its tokenizer lacks; ignored", folder,
+                        role, token)
+            settings = replace(settings, **{role: None})
+    return settings
 
 
 def write_settings(settings: TokenizerSettings, folder: str | Path) -> Path | None:

@@ -28,21 +28,16 @@ tokens (``<|system|>``, ``<|user|>``, ``<|assistant|>``) and end of turn (``<|en
 tokens has a :attr:`Tokenizer.chat_template` (:data:`CHAT_TEMPLATE`, Jinja2, the one
 exported as Hugging Face ``chat_template``); :mod:`tinylm.data.chat` renders conversations.
 
-A model's own chat settings: a tokenizer may carry
-:class:`~tinylm.data.templates.TokenizerSettings` (its own chat template, bos/eos/pad/unk
-roles, ``add_bos_token``, end-of-turn tokens; :meth:`Tokenizer.with_settings`), stored
-beside its tokenizer.json as Hugging Face's ``tokenizer_config.json`` (and read from a
-``chat_template.jinja`` there too, which wins) by
-:func:`tinylm.data.templates.write_settings` (``save_checkpoint`` and ``prepare --chat``
-call it) and read back by :func:`load_tokenizer`. A tokenizer without them keeps
-tinylm's own format.
+A tokenizer may carry a model's own :class:`~tinylm.data.templates.TokenizerSettings`
+(chat template, bos/eos/pad/unk, ``add_bos_token``, end-of-turn tokens;
+:meth:`Tokenizer.with_settings`), kept beside its tokenizer.json as ``tokenizer_config.json``
+(:mod:`tinylm.data.templates`) and read back by :func:`load_tokenizer`.
 """
 
 from __future__ import annotations
 
 import codecs
 import copy
-import dataclasses
 import json
 import logging
 import re
@@ -125,11 +120,11 @@ class Tokenizer(ABC):
         cut (see :func:`tinylm.data.encoding.safe_split`); for char tokenizers any cut works.
         """
 
+    @abstractmethod
     def encode_offsets(self, text: str, *, allow_special: bool = False
                        ) -> tuple[list[int], list[tuple[int, int]]]:
         """``encode(text)`` and each token's (start, end) character span in ``text`` (as
         Hugging Face ``tokenizers`` reports them; what a chat template's mask needs)."""
-        raise DataError(f"this {self.kind} tokenizer cannot give token offsets")
 
     @abstractmethod
     def decode(self, ids: Iterable[int]) -> str:
@@ -178,15 +173,10 @@ class Tokenizer(ABC):
     def with_settings(self, settings: TokenizerSettings) -> Tokenizer:
         """A copy carrying ``settings``; a DataError when it names a token that is not
         in the vocabulary."""
-        for role in ("bos_token", "eos_token", "pad_token", "unk_token"):
-            token = getattr(settings, role)
-            if token is not None and self.token_to_id(token) is None:
-                raise DataError(f"the tokenizer config names {role} {token!r}, which is not "
-                                f"in this {self.kind} tokenizer's vocabulary; fix the config")
-        missing = [t for t in settings.end_of_turn if self.token_to_id(t) is None]
+        missing = settings.missing_tokens(self.token_to_id)
         if missing:
-            raise DataError(f"the end-of-turn token {missing[0]!r} is not in this tokenizer's "
-                            f"vocabulary; fix the tokenizer config")
+            raise DataError(f"the tokenizer config names {missing[0]}, which is not in this "
+                            f"{self.kind} tokenizer's vocabulary; fix the config")
         new = copy.copy(self)  # the vocabulary is shared: settings change no id
         new._settings = settings
         return new
@@ -219,10 +209,9 @@ class Tokenizer(ABC):
     def end_of_turn_ids(self) -> list[int]:
         """Ids that end an answer in the model's own template: eos and its end-of-turn
         tokens (:func:`tinylm.data.templates.end_of_turn_tokens`)."""
-        found = [self.token_to_id(t) for t in end_of_turn_tokens(self._settings,
-                                                                  self.special_tokens)]
-        eos = self.eos_id
-        return list(dict.fromkeys(i for i in [*found, eos] if i is not None))
+        found = end_of_turn_tokens(self._settings, self.special_tokens)
+        return list(dict.fromkeys(i for i in [*map(self.token_to_id, found), self.eos_id]
+                                  if i is not None))
 
     def special_id(self, token: str) -> int:
         """The id of special token ``token``; a DataError naming the fix if absent."""
@@ -737,25 +726,11 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     that folder's tokenizer_config.json / chat_template.jinja / special_tokens_map.json
     come with it (:func:`tinylm.data.templates.read_settings`).
     """
-    tok = _load_vocabulary(path)
-    path = Path(path)
-    folder = path if path.is_dir() else path.parent
+    tok, path = _load_vocabulary(path), Path(path)
     if path.is_dir() or path.name in ("tokenizer.json", "vocab.json"):
-        return _with_folder_settings(tok, folder)
+        settings = read_settings(path if path.is_dir() else path.parent, tok.token_to_id)
+        return tok if settings.empty else tok.with_settings(settings)
     return tok
-
-
-def _with_folder_settings(tok: Tokenizer, folder: Path) -> Tokenizer:
-    settings = read_settings(folder)
-    if settings.empty:
-        return tok
-    for role in ("bos_token", "eos_token", "pad_token", "unk_token"):
-        token = getattr(settings, role)
-        if token is not None and tok.token_to_id(token) is None:  # e.g. GPT-2's defaults
-            log.warning("note: %s names %s %r, which its tokenizer lacks; ignored", folder,
-                        role, token)
-            settings = dataclasses.replace(settings, **{role: None})
-    return tok.with_settings(settings)
 
 
 def _load_vocabulary(path: str | Path) -> Tokenizer:
