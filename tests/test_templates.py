@@ -503,3 +503,36 @@ def test_add_bos_token_is_honoured_by_sample_and_eval(base) -> None:
                     num_bytes=len(text.encode()))
     assert got.loss == pytest.approx(want.loss, abs=1e-6) and got.tokens == want.tokens
     assert evaluate_text(model, base, text, batch_size=1).tokens == got.tokens - 1
+
+
+def test_finetune_keeps_the_models_template_and_vocabulary(char_base, tmp_path) -> None:
+    """prepare --chat from a checkpoint with its own template, then finetune (LoRA): no
+    tinylm chat tokens are added, the masks follow the template, the run keeps it."""
+    import torch
+
+    from tinylm import GPT, ModelConfig
+    from tinylm.data.chatdata import prepare_chat
+    from tinylm.io.checkpoint import load_tokenizer_of, save_checkpoint
+    from tinylm.training.finetune import finetune
+
+    tok = char_base.with_settings(TokenizerSettings(chat_template=SMOLLM2_TEMPLATE,
+                                                    **CHATML_ROLES))
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(vocab_size=tok.vocab_size, context_length=127, n_layer=1,
+                            n_head=2, n_embd=16, dropout=0.0))
+    base = save_checkpoint(tmp_path / "base", model, tok)
+    (tmp_path / "qa.jsonl").write_text("".join(
+        json.dumps({"prompt": f"What is {i}?", "completion": f"{i}."}) + "\n"
+        for i in range(12)), encoding="utf-8")
+    data = prepare_chat(tmp_path / "chat", [tmp_path / "qa.jsonl"], tokenizer=base,
+                        context_length=127)
+    assert data.tokenizer.vocab_size == tok.vocab_size
+    ids, mask = render_with_mask(tok, [_m(U, "What is 3?"), _m(A, "3.")])
+    assert tok.decode([i for i, m in zip(ids, mask, strict=True) if m]) == "3.<|im_end|>"
+    steps = {"max_steps": 2, "batch_size": 2, "warmup_steps": 1, "eval_every": 2,
+             "eval_windows": 1, "save_every": 100, "log_every": 1, "device": "cpu"}
+    result, info = finetune(base, data, tmp_path / "run", lora_rank=2, overrides=steps,
+                            progress=False, merge_to=True)
+    assert info["parameters"] == model.num_parameters()  # the model did not grow
+    for folder in (result.checkpoint, Path(info["merged"])):
+        assert load_tokenizer_of(folder).settings == tok.settings
