@@ -15,6 +15,19 @@ The loss mask marks the tokens a fine-tuned model learns to produce: 1 on an
 assistant's content and the ``<|end|>`` after it, 0 on everything else (role tokens,
 system and user turns).
 
+A model with its own chat template (a Hugging Face or GGUF import: ChatML, Llama 3's
+headers, ...; :attr:`Tokenizer.own_template`) is rendered by that template instead, as
+transformers' ``apply_chat_template`` renders it (:mod:`tinylm.data.templates`), and the
+rendered text is encoded with its special tokens parsed, no bos added (the template
+writes its own), and special-token spellings inside message contents kept as text (as
+``sanitize_control_tokens=True`` does). Its loss mask is found by rendering the
+conversation growing message by message: an assistant message's text is what the full
+conversation has beyond the conversation before it plus the generation prompt, up to
+the end of its end-of-turn token (what follows, e.g. ChatML's newline, is not), and the
+tokens marked 1 are those whose characters overlap it (transformers' rule for its
+``{% generation %}`` masks, with the same token offsets).
+Its stop ids are the model's eos and end-of-turn tokens.
+
 Records (one JSON object per line of a ``.jsonl`` file) come in three shapes:
 ``{"messages": [...]}``, ``{"prompt": ..., "completion": ...}`` and
 ``{"instruction": ..., "input": ..., "output": ...}`` (``input`` optional).
@@ -29,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from tinylm.core.errors import DataError
+from tinylm.data.templates import mark_special, render_template, split_marked
 from tinylm.data.tokenizers import END_OF_TURN, ROLE_TOKENS, Tokenizer
 
 ROLES = tuple(ROLE_TOKENS)
@@ -64,8 +78,11 @@ def _chat_ids(tokenizer: Tokenizer) -> tuple[dict[str, int], int]:
 
 def render_with_mask(tokenizer: Tokenizer, messages: Sequence[Message],
                      add_generation_prompt: bool = False) -> tuple[list[int], list[int]]:
-    """(ids, mask) of a conversation: mask 1 on assistant content and its <|end|>."""
+    """(ids, mask) of a conversation: mask 1 on assistant content and its end of turn
+    (<|end|>, or the model's own template's end-of-turn token)."""
     messages = check_messages(messages)
+    if tokenizer.own_template is not None:
+        return _template_mask(tokenizer, messages, add_generation_prompt)
     roles, end = _chat_ids(tokenizer)
     contents = tokenizer.encode_batch([m["content"] for m in messages])
     ids: list[int] = []
@@ -82,13 +99,112 @@ def render_with_mask(tokenizer: Tokenizer, messages: Sequence[Message],
 
 def render_chat(tokenizer: Tokenizer, messages: Sequence[Message],
                 add_generation_prompt: bool = True) -> list[int]:
-    """The ids of ``messages`` in the chat format, ending with ``<|assistant|>`` when
-    ``add_generation_prompt`` (what a model continues to answer)."""
+    """The ids of ``messages`` in the model's chat format, ending with the assistant's
+    header (``<|assistant|>`` in tinylm's) when ``add_generation_prompt`` (what a model
+    continues to answer)."""
+    if tokenizer.own_template is not None:
+        return template_ids(tokenizer, check_messages(messages), add_generation_prompt)
     return render_with_mask(tokenizer, messages, add_generation_prompt)[0]
 
 
+def render_text(tokenizer: Tokenizer, messages: Sequence[Message],
+                add_generation_prompt: bool = False,
+                tools: Sequence[Mapping[str, Any]] | None = None, *,
+                marked: bool = False) -> str:
+    """The text the tokenizer's chat template renders for ``messages`` (with
+    ``marked``: special-token spellings in the contents wrapped in the markers of
+    :func:`tinylm.data.templates.mark_special`)."""
+    template = tokenizer.chat_template
+    if template is None:
+        raise DataError(f"this {tokenizer.kind} tokenizer has no chat template")
+    s = tokenizer.settings
+    if marked:
+        messages = mark_special(list(messages), tokenizer.special_tokens)
+        tools = None if tools is None else mark_special(list(tools), tokenizer.special_tokens)
+    names = {"bos_token": s.bos_token, "eos_token": s.eos_token, "unk_token": s.unk_token,
+             "pad_token": s.pad_token}
+    return render_template(template, messages, add_generation_prompt=add_generation_prompt,
+                           special_tokens=names, tools=tools)
+
+
+def template_ids(tokenizer: Tokenizer, messages: Sequence[Message],
+                 add_generation_prompt: bool = False,
+                 tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
+    """The ids of the model's template rendering of ``messages``: the text encoded with
+    special tokens parsed and nothing added, except that a special token's spelling
+    inside a message (or a tool) is encoded as ordinary text."""
+    text = render_text(tokenizer, messages, add_generation_prompt, tools, marked=True)
+    return _encode_rendered(tokenizer, text)[0]
+
+
+def _encode_rendered(tokenizer: Tokenizer, marked: str
+                     ) -> tuple[list[int], list[tuple[int, int]], str]:
+    """(ids, each token's character span, the text) of a rendering with marked user
+    spellings of special tokens: the pieces between markers are encoded with special
+    tokens parsed, the marked ones as text; spans and text are without the markers."""
+    pieces = split_marked(marked, tokenizer.special_tokens)
+    ids, offsets = tokenizer.encode_offsets(pieces[0], allow_special=True)
+    pos = len(pieces[0])
+    newline = tokenizer.encode("\n", allow_special=True) if len(pieces) > 1 else []
+    for i, piece in enumerate(pieces[1:], start=1):
+        if piece:  # odd places: a user's special-token spelling, as text
+            more, spans = _encode_piece(tokenizer, piece, i % 2 == 0, newline)
+            ids += more
+            offsets += [(a + pos, b + pos) for a, b in spans]
+            pos += len(piece)
+    return ids, offsets, "".join(pieces)
+
+
+def _encode_piece(tokenizer: Tokenizer, piece: str, special: bool, newline: list[int]
+                  ) -> tuple[list[int], list[tuple[int, int]]]:
+    """A piece from inside a rendered chat, encoded after a newline that is then
+    removed (so a tokenizer that treats a text's start differently does not)."""
+    ids, spans = tokenizer.encode_offsets("\n" + piece, allow_special=special)
+    if ids[:len(newline)] == newline:
+        n = len(newline)
+        return ids[n:], [(max(a - 1, 0), max(b - 1, 0)) for a, b in spans[n:]]
+    return tokenizer.encode_offsets(piece, allow_special=special)
+
+
+def _template_mask(tokenizer: Tokenizer, messages: list[dict[str, str]],
+                   add_generation_prompt: bool) -> tuple[list[int], list[int]]:
+    """(ids, mask) with 1 on every token that overlaps an assistant message's text up
+    to the end of its end-of-turn token (transformers' rule for its assistant masks)."""
+    ids, offsets, text = _encode_rendered(
+        tokenizer, render_text(tokenizer, messages, add_generation_prompt, marked=True))
+    stops = set(tokenizer.end_of_turn_ids)
+    mask = [0] * len(ids)
+    for k, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        start = _prefix_length(tokenizer, messages[:k], True, text, k)
+        end = _prefix_length(tokenizer, messages[:k + 1], False, text, k)
+        ends = [b for i, (a, b) in zip(ids, offsets, strict=True)
+                if i in stops and start <= a and b <= end]
+        end = max(ends, default=end)
+        for j, (a, b) in enumerate(offsets):
+            if b > start and a < end:
+                mask[j] = 1
+    return ids, mask
+
+
+def _prefix_length(tokenizer: Tokenizer, messages: list[dict[str, str]], prompt: bool,
+                   text: str, k: int) -> int:
+    """The length of the text ``messages`` render to, which must begin ``text``."""
+    part = "".join(split_marked(render_text(tokenizer, messages, prompt, marked=True),
+                                tokenizer.special_tokens))
+    if not text.startswith(part):
+        raise DataError(f"the model's chat template does not render this conversation turn "
+                        f"by turn (the text before message {k} changes when it is added), so "
+                        f"the assistant's tokens cannot be marked for the loss")
+    return len(part)
+
+
 def stop_ids(tokenizer: Tokenizer) -> list[int]:
-    """The ids that end an assistant's answer: <|end|>, and end-of-text if present."""
+    """The ids that end an assistant's answer: the model's eos and end-of-turn tokens
+    for its own template; <|end|> and end-of-text if present for tinylm's format."""
+    if tokenizer.own_template is not None:
+        return tokenizer.end_of_turn_ids
     ids = [tokenizer.special_id(END_OF_TURN)]
     if tokenizer.eos_id is not None:
         ids.append(tokenizer.eos_id)
@@ -190,6 +306,8 @@ __all__ = [
     "messages_of_record",
     "read_records",
     "render_chat",
+    "render_text",
     "render_with_mask",
     "stop_ids",
+    "template_ids",
 ]

@@ -5,7 +5,9 @@ the built-in instruction set of :mod:`tinylm.data.instructions`) writes a folder
 that is also an ordinary prepared folder (tokenizer.json, train.bin, val.bin,
 meta.json, so ``train``/``eval`` read it) plus ``train.mask`` and ``val.mask``: one
 uint8 per token, 1 where the token is a target the loss counts (an assistant's
-content and its ``<|end|>``), 0 elsewhere (:func:`tinylm.data.chat.render_with_mask`).
+content and its ``<|end|>``, or its end-of-turn token in the model's own chat template),
+0 elsewhere (:func:`tinylm.data.chat.render_with_mask`). A tokenizer with its own chat
+template keeps it: the folder also holds its ``tokenizer_config.json``.
 
 Conversations are packed into rows of C + 1 tokens (C the context length) in order, a
 conversation never split across rows; the rest of a row is end-of-text padding with
@@ -37,6 +39,7 @@ from tinylm.core.errors import DataError
 from tinylm.data import instructions
 from tinylm.data.chat import BadRecord, read_records, render_with_mask
 from tinylm.data.format import FORMAT, PreparedData, dtype_for_vocab, load_prepared
+from tinylm.data.templates import TOKENIZER_CONFIG_FILE, write_settings
 from tinylm.data.tokenizers import (
     STANDARD_SPECIALS,
     BPETokenizer,
@@ -48,7 +51,8 @@ from tinylm.data.tokenizers import (
 
 log = logging.getLogger(__name__)
 
-CHAT_FILES = ("tokenizer.json", "train.bin", "val.bin", "train.mask", "val.mask", "meta.json")
+CHAT_FILES = ("tokenizer.json", "train.bin", "val.bin", "train.mask", "val.mask", "meta.json",
+              TOKENIZER_CONFIG_FILE)
 
 
 @dataclass(frozen=True, eq=False)
@@ -72,7 +76,8 @@ class ChatData:
 def chat_tokenizer(spec: str | Path | Tokenizer, texts: Sequence[str]) -> Tokenizer:
     """The tokenizer for chat data: ``spec`` is a Tokenizer, "char"/"bpe" (built from
     ``texts``), a tokenizer file/folder, or a checkpoint/run folder (its tokenizer).
-    Chat tokens it lacks are appended as new ids (the model grows to match)."""
+    Chat tokens it lacks are appended as new ids (the model grows to match), unless it
+    has its own chat template (a Hugging Face or GGUF model's), which is used as it is."""
     if isinstance(spec, Tokenizer):
         tok = spec
     elif str(spec) == "char":
@@ -89,6 +94,8 @@ def chat_tokenizer(spec: str | Path | Tokenizer, texts: Sequence[str]) -> Tokeni
             except Exception:  # unreadable: refused below, as a tokenizer folder
                 found = None
         tok = found if found is not None else load_tokenizer(path)
+    if tok.own_template is not None:
+        return tok
     return tok.with_special_tokens(STANDARD_SPECIALS)
 
 
@@ -222,6 +229,7 @@ def _write(out: Path, tok: Tokenizer, splits: dict[str, tuple[np.ndarray, np.nda
             (tmp / f"{split}.bin").write_bytes(tokens.astype(dtype).tobytes())
             (tmp / f"{split}.mask").write_bytes(mask.tobytes())
         tok.save(tmp / "tokenizer.json")
+        write_settings(tok.settings, tmp)  # the model's own chat template, when it has one
         digest = hashlib.sha256(b"".join((tmp / f).read_bytes() for f in CHAT_FILES[:5]))
         meta = {
             "format": FORMAT, "version": 1, "tinylm_version": __version__,  # one .bin per split

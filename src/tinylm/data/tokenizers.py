@@ -27,11 +27,17 @@ tokens (``<|system|>``, ``<|user|>``, ``<|assistant|>``) and end of turn (``<|en
 ``tinylm prepare`` gives every tokenizer it builds these. A tokenizer that has the role
 tokens has a :attr:`Tokenizer.chat_template` (:data:`CHAT_TEMPLATE`, Jinja2, the one
 exported as Hugging Face ``chat_template``); :mod:`tinylm.data.chat` renders conversations.
+
+A tokenizer may carry a model's own :class:`~tinylm.data.templates.TokenizerSettings`
+(chat template, bos/eos/pad/unk, ``add_bos_token``, end-of-turn tokens;
+:meth:`Tokenizer.with_settings`), kept beside its tokenizer.json as ``tokenizer_config.json``
+(:mod:`tinylm.data.templates`) and read back by :func:`load_tokenizer`.
 """
 
 from __future__ import annotations
 
 import codecs
+import copy
 import json
 import logging
 import re
@@ -43,6 +49,7 @@ from typing import Any
 import numpy as np
 
 from tinylm.core.errors import DataError
+from tinylm.data.templates import TokenizerSettings, end_of_turn_tokens, read_settings
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +93,8 @@ class Tokenizer(ABC):
     """
 
     kind: str
+    #: The model's own chat template and special-token roles (empty: tinylm's defaults).
+    _settings: TokenizerSettings = TokenizerSettings()
 
     @property
     @abstractmethod
@@ -112,6 +121,12 @@ class Tokenizer(ABC):
         """
 
     @abstractmethod
+    def encode_offsets(self, text: str, *, allow_special: bool = False
+                       ) -> tuple[list[int], list[tuple[int, int]]]:
+        """``encode(text)`` and each token's (start, end) character span in ``text`` (as
+        Hugging Face ``tokenizers`` reports them; what a chat template's mask needs)."""
+
+    @abstractmethod
     def decode(self, ids: Iterable[int]) -> str:
         """The text of ``ids``."""
 
@@ -135,16 +150,68 @@ class Tokenizer(ABC):
 
     @property
     def eos_id(self) -> int | None:
-        """Id of the end-of-text token if the vocabulary has one, else None."""
+        """Id of the end-of-text token: the settings' eos_token, else the first of
+        :data:`EOS_NAMES` the vocabulary has as a special token, else None."""
+        if self._settings.eos_token is not None:
+            return self.token_to_id(self._settings.eos_token)
         for name in EOS_NAMES:
             if name in self.special_tokens:
                 return self.token_to_id(name)
         return None
 
     @property
+    def bos_id(self) -> int | None:
+        """Id of the settings' bos_token, or None."""
+        bos = self._settings.bos_token
+        return None if bos is None else self.token_to_id(bos)
+
+    @property
+    def settings(self) -> TokenizerSettings:
+        """The model's chat template and special-token roles (see the module docstring)."""
+        return self._settings
+
+    def with_settings(self, settings: TokenizerSettings) -> Tokenizer:
+        """A copy carrying ``settings``; a DataError when it names a token that is not
+        in the vocabulary."""
+        missing = settings.missing_tokens(self.token_to_id)
+        if missing:
+            raise DataError(f"the tokenizer config names {missing[0]}, which is not in this "
+                            f"{self.kind} tokenizer's vocabulary; fix the config")
+        new = copy.copy(self)  # the vocabulary is shared: settings change no id
+        new._settings = settings
+        return new
+
+    def encode_prompt(self, text: str, *, allow_special: bool = False) -> list[int]:
+        """The ids of a prompt for generation or evaluation: bos first when the model
+        asks for it (``add_bos_token``), then ``encode(text)``."""
+        return self.prompt_prefix() + self.encode(text, allow_special=allow_special)
+
+    def prompt_prefix(self) -> list[int]:
+        """``[bos]`` when the model's prompts start with it (``add_bos_token``), else []."""
+        bos = self.bos_id
+        return [bos] if self._settings.add_bos_token and bos is not None else []
+
+    @property
     def chat_template(self) -> str | None:
-        """:data:`CHAT_TEMPLATE` when the vocabulary has every chat token, else None."""
+        """The model's own chat template, else :data:`CHAT_TEMPLATE` when the vocabulary
+        has every chat token, else None."""
+        if self._settings.chat_template is not None:
+            return self._settings.chat_template
         return CHAT_TEMPLATE if set(CHAT_TOKENS) <= set(self.special_tokens) else None
+
+    @property
+    def own_template(self) -> str | None:
+        """The model's chat template when it is not tinylm's own format, else None."""
+        template = self._settings.chat_template
+        return None if template in (None, CHAT_TEMPLATE) else template
+
+    @property
+    def end_of_turn_ids(self) -> list[int]:
+        """Ids that end an answer in the model's own template: eos and its end-of-turn
+        tokens (:func:`tinylm.data.templates.end_of_turn_tokens`)."""
+        found = end_of_turn_tokens(self._settings, self.special_tokens)
+        return list(dict.fromkeys(i for i in [*map(self.token_to_id, found), self.eos_id]
+                                  if i is not None))
 
     def special_id(self, token: str) -> int:
         """The id of special token ``token``; a DataError naming the fix if absent."""
@@ -168,6 +235,11 @@ class Tokenizer(ABC):
             path = path / "tokenizer.json"
         path.write_text(json.dumps(self.to_hf_json(), ensure_ascii=False), encoding="utf-8")
         return path
+
+    def _keeping(self, other: Tokenizer) -> Tokenizer:
+        """``self`` with ``other``'s settings (a copy of a tokenizer keeps them)."""
+        self._settings = other._settings
+        return self
 
     def _check_ids(self, ids: np.ndarray) -> None:
         if ids.size and (ids.min() < 0 or ids.max() >= self.vocab_size):
@@ -311,10 +383,23 @@ class CharTokenizer(Tokenizer):
     def encode(self, text: str, *, allow_special: bool = False) -> list[int]:
         return self.encode_array(text, allow_special=allow_special).tolist()
 
+    def encode_offsets(self, text: str, *, allow_special: bool = False
+                       ) -> tuple[list[int], list[tuple[int, int]]]:
+        ids = self.encode(text, allow_special=allow_special)
+        pieces = _split_specials(text, self._specials) if allow_special and self._specials \
+            else [text]
+        offsets, pos = [], 0
+        for i, piece in enumerate(pieces):
+            spans = [(pos, pos + len(piece))] if i % 2 else \
+                [(pos + j, pos + j + 1) for j in range(len(piece))]
+            offsets += spans
+            pos += len(piece)
+        return ids, offsets
+
     def with_special_tokens(self, tokens: Sequence[str]) -> CharTokenizer:
         new = [t for t in dict.fromkeys(tokens) if t not in self._stoi]
         return CharTokenizer(self._chars, unknown=self.unknown,
-                             special_tokens=[*self._specials, *new])
+                             special_tokens=[*self._specials, *new])._keeping(self)
 
     def decode(self, ids: Iterable[int]) -> str:
         arr = np.asarray(ids if isinstance(ids, np.ndarray) else list(ids), dtype=np.int64)
@@ -471,8 +556,10 @@ class BPETokenizer(Tokenizer):
     def encode(self, text: str, *, allow_special: bool = False) -> list[int]:
         return self._encode_batch([text], allow_special)[0].ids
 
-    def _encode_batch(self, texts: Sequence[str], allow_special: bool = False) -> list[Any]:
-        fast = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
+    def _encode_batch(self, texts: Sequence[str], allow_special: bool = False,
+                      offsets: bool = False) -> list[Any]:
+        fast = self._tok.encode_batch if offsets else \
+            getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
         try:
             if not allow_special:
                 return fast(list(texts), add_special_tokens=False)
@@ -489,6 +576,11 @@ class BPETokenizer(Tokenizer):
                      ) -> list[list[int]]:
         return [e.ids for e in self._encode_batch(texts, allow_special)]
 
+    def encode_offsets(self, text: str, *, allow_special: bool = False
+                       ) -> tuple[list[int], list[tuple[int, int]]]:
+        e = self._encode_batch([text], allow_special, offsets=True)[0]
+        return list(e.ids), [tuple(o) for o in e.offsets]
+
     def encode_array(self, texts: Sequence[str], *, allow_special: bool = False
                      ) -> np.ndarray:
         if isinstance(texts, str):
@@ -502,7 +594,7 @@ class BPETokenizer(Tokenizer):
         copy = tk.Tokenizer.from_str(self._tok.to_str())
         # A token already in the vocabulary as ordinary text keeps its id and becomes special.
         copy.add_special_tokens([t for t in dict.fromkeys(tokens) if t not in self._specials])
-        return BPETokenizer(copy, kind=self.kind)
+        return BPETokenizer(copy, kind=self.kind)._keeping(self)
 
     def decode(self, ids: Iterable[int]) -> str:
         arr = np.asarray(ids if isinstance(ids, np.ndarray) else list(ids), dtype=np.int64)
@@ -654,8 +746,18 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     """Load a tokenizer from local files only (never downloads).
 
     ``path`` is a tokenizer.json (tinylm's or any Hugging Face one), or a folder
-    holding tokenizer.json, or GPT-2 style vocab.json + merges.txt.
+    holding tokenizer.json, or GPT-2 style vocab.json + merges.txt. The settings in
+    that folder's tokenizer_config.json / chat_template.jinja / special_tokens_map.json
+    come with it (:func:`tinylm.data.templates.read_settings`).
     """
+    tok, path = _load_vocabulary(path), Path(path)
+    if path.is_dir() or path.name in ("tokenizer.json", "vocab.json"):
+        settings = read_settings(path if path.is_dir() else path.parent, tok.token_to_id)
+        return tok if settings.empty else tok.with_settings(settings)
+    return tok
+
+
+def _load_vocabulary(path: str | Path) -> Tokenizer:
     path = Path(path)
     if path.is_dir():
         if (path / "tokenizer.json").is_file():

@@ -5,6 +5,8 @@ Layout of a checkpoint folder::
     config.json              {"format": "tinylm", "version": 1, "model": ModelConfig, ...}
     model.safetensors        the weights (a tied LM head is stored once, as tok_emb)
     tokenizer.json           the tokenizer, when one is known
+    tokenizer_config.json    its own chat template and special-token roles, when it has
+                             them (Hugging Face's keys; a model trained here has none)
     train_state.safetensors  optional: optimizer moments, RNG states (tensors)
     train_state.json         optional: step, data position, best loss ... (JSON)
 
@@ -51,6 +53,7 @@ VERSION = 1
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"  # = tinylm.data.templates'
 STATE_TENSORS_FILE = "train_state.safetensors"
 STATE_JSON_FILE = "train_state.json"
 SHARDS_DIR = "shards"  # a sharded checkpoint's weights and optimizer state
@@ -221,6 +224,9 @@ def _file_writes(config: dict[str, Any], state: dict[str, Tensor] | None, tokeni
         writes.append((WEIGHTS_FILE, lambda p: _write_tensors(p, state)))
     if tokenizer is not None:
         writes.append((TOKENIZER_FILE, lambda p: _save_tokenizer(tokenizer, p)))
+        settings = getattr(tokenizer, "settings", None)
+        if settings is not None and not settings.empty:
+            writes.append((TOKENIZER_CONFIG_FILE, lambda p: _write_json(p, settings.to_hf())))
     if train_tensors is not None:
         writes.append((STATE_TENSORS_FILE, lambda p: _write_tensors(p, train_tensors)))
     if train_meta is not None:
@@ -272,8 +278,8 @@ def _swap_in(tmp: Path, dest: Path) -> None:
 
 
 #: The files a checkpoint folder may hold (what save_checkpoint writes).
-CHECKPOINT_FILES = frozenset({CONFIG_FILE, WEIGHTS_FILE, TOKENIZER_FILE, STATE_TENSORS_FILE,
-                              STATE_JSON_FILE, SHARDS_DIR})
+CHECKPOINT_FILES = frozenset({CONFIG_FILE, WEIGHTS_FILE, TOKENIZER_FILE, TOKENIZER_CONFIG_FILE,
+                              STATE_TENSORS_FILE, STATE_JSON_FILE, SHARDS_DIR})
 
 
 def check_target(path: str | os.PathLike, *, force: bool = False, flag: str = "--out") -> Path:
@@ -625,7 +631,9 @@ def _check_weights(path: Path, state: dict[str, Tensor], own: dict[str, Tensor],
 
 
 def load_tokenizer_of(path: str | os.PathLike):
-    """The checkpoint's tokenizer, or None when the folder has none."""
+    """The checkpoint's tokenizer (with the chat template and special-token roles of
+    its tokenizer_config.json / chat_template.jinja, when there), or None when the
+    folder has none."""
     tok_path = resolve_checkpoint_dir(path) / TOKENIZER_FILE
     if not tok_path.is_file():
         return None

@@ -24,7 +24,7 @@ import pickle
 import re
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -582,7 +582,10 @@ def read_hf_folder(folder: str | os.PathLike) -> tuple[GPT, Any]:
     The weights come from model.safetensors (or its shards), or pytorch_model.bin
     loaded with ``weights_only=True``; the tokenizer from tokenizer.json (any kind:
     byte-level BPE, SentencePiece-style BPE or Unigram converted by Hugging Face) or
-    vocab.json + merges.txt when the folder has them. A folder whose only tokenizer is
+    vocab.json + merges.txt when the folder has them, with its chat template and
+    special-token roles (tokenizer_config.json, chat_template.jinja,
+    special_tokens_map.json; :func:`_with_hf_roles` adds what generation_config.json and
+    tokenizer.json's post-processor say). A folder whose only tokenizer is
     a SentencePiece ``tokenizer.model`` is refused: tinylm does not run SentencePiece.
     Nothing is downloaded.
     """
@@ -600,12 +603,40 @@ def read_hf_folder(folder: str | os.PathLike) -> tuple[GPT, Any]:
         return model, None
     from tinylm.data.tokenizers import load_tokenizer
 
-    tokenizer = load_tokenizer(path)
+    tokenizer = _with_hf_roles(load_tokenizer(path), path)
     if tokenizer.vocab_size > model.config.vocab_size:
         raise CheckpointError(f"{path}: the tokenizer has {tokenizer.vocab_size} tokens but the "
                               f"model only {model.config.vocab_size} embedding rows; the folder "
                               f"mixes files from different models")
     return model, tokenizer
+
+
+def _with_hf_roles(tokenizer: Any, folder: Path) -> Any:
+    """``tokenizer`` with what the folder says beyond tokenizer_config.json: the
+    end-of-turn tokens of generation_config.json's ``eos_token_id`` (an id or a list),
+    and ``add_bos_token`` from the post-processor of tokenizer.json when the config
+    does not say (Llama 3's adds bos there)."""
+    settings = tokenizer.settings
+    path = folder / "generation_config.json"
+    ids: Any = None
+    if path.is_file():
+        try:
+            ids = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
+        except (ValueError, OSError, AttributeError) as exc:
+            raise CheckpointError(f"{path} is not a JSON object: {exc}") from exc
+    ids = [ids] if isinstance(ids, int) else ids if isinstance(ids, list) else []
+    found = [tokenizer.id_to_token(i) for i in ids if isinstance(i, int)
+             and not isinstance(i, bool) and 0 <= i < tokenizer.vocab_size]
+    eot = tuple(dict.fromkeys([*settings.end_of_turn, *(t for t in found
+                                                       if t != settings.eos_token)]))
+    add_bos = settings.add_bos_token
+    hf = getattr(tokenizer, "hf", None)
+    if add_bos is None and tokenizer.bos_id is not None and hf is not None:
+        with_specials = hf.encode("a", add_special_tokens=True).ids
+        add_bos = bool(with_specials) and with_specials[0] == tokenizer.bos_id \
+            and len(with_specials) > len(hf.encode("a", add_special_tokens=False).ids)
+    new = replace(settings, end_of_turn=eot, add_bos_token=add_bos or None)
+    return tokenizer if new == settings else tokenizer.with_settings(new)
 
 
 def write_hf_folder(model: GPT, tokenizer: Any, folder: str | os.PathLike, *,
@@ -641,10 +672,7 @@ def write_hf_folder(model: GPT, tokenizer: Any, folder: str | os.PathLike, *,
                           "pass --weights-only to export the weights alone, or train with "
                           "'tinylm prepare --tokenizer bpe'")
     hf_model = to_hf(model)
-    eos = tokenizer.eos_id if tokenizer is not None else None
-    for cfg in (hf_model.config, getattr(hf_model, "generation_config", None)):
-        if cfg is not None:  # GPT2Config defaults to id 50256, absent from small vocabularies
-            cfg.bos_token_id = cfg.eos_token_id = eos
+    _set_token_ids(hf_model, tokenizer)
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
@@ -670,6 +698,27 @@ def write_hf_folder(model: GPT, tokenizer: Any, folder: str | os.PathLike, *,
     return dest
 
 
+def _set_token_ids(hf_model: Any, tokenizer: Any) -> None:
+    """bos/eos/pad ids of the exported config and generation config: the tokenizer's
+    (GPT2Config's default id 50256 is absent from small vocabularies); the generation
+    config's ``eos_token_id`` lists every stop token of a chat model (<|end|>, or its
+    eos and end-of-turn tokens), so ``generate`` stops where ``tinylm chat`` does."""
+    from tinylm.data.chat import stop_ids
+
+    eos = tokenizer.eos_id if tokenizer is not None else None
+    bos = tokenizer.bos_id if tokenizer is not None else None
+    bos = eos if bos is None else bos
+    stops = [] if tokenizer is None or tokenizer.chat_template is None else stop_ids(tokenizer)
+    stops = list(dict.fromkeys([*([] if eos is None else [eos]), *stops]))
+    hf_model.config.bos_token_id, hf_model.config.eos_token_id = bos, eos
+    gen = getattr(hf_model, "generation_config", None)
+    if gen is not None:
+        gen.bos_token_id = bos
+        gen.eos_token_id = stops if len(stops) > 1 else eos
+        if len(stops) > 1:
+            gen.pad_token_id = eos
+
+
 def _write_hf_tokenizer(tokenizer: Any, folder: Path, context_length: int) -> None:
     import json
 
@@ -687,6 +736,10 @@ def _write_hf_tokenizer(tokenizer: Any, folder: Path, context_length: int) -> No
     # that lacks it, changing both the size and the encoding of that text.
     eos = tokenizer.id_to_token(tokenizer.eos_id) if tokenizer.eos_id is not None else None
     config.update(bos_token=eos, eos_token=eos, unk_token=eos)
+    own = tokenizer.settings.to_hf()  # the model's own roles and template, when it has them
+    own.pop("end_of_turn_tokens", None)  # generation_config.json's eos_token_id says them
+    own.pop("model_max_length", None)
+    config.update(own)
     if tokenizer.chat_template is not None:  # the same ids as tinylm.data.chat.render_chat
         config["chat_template"] = tokenizer.chat_template
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n",

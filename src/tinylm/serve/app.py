@@ -188,7 +188,7 @@ def _endpoint(name: str, handler: Callable) -> Callable:
 
 def _encode(server: Server, prompt: str | tuple[int, ...]) -> list[int]:
     tok = server.tokenizer
-    ids = list(prompt) if isinstance(prompt, tuple) else tok.encode(prompt)
+    ids = list(prompt) if isinstance(prompt, tuple) else tok.encode_prompt(prompt)
     if not ids and tok.eos_id is not None:
         ids = [tok.eos_id]  # an empty prompt starts from end-of-text, as tinylm sample
     check_prompt(ids, server.limits.context_length, server.model.config.vocab_size)
@@ -254,7 +254,8 @@ def _chat_ids(server: Server, req: ChatRequest) -> tuple[list[int], list[int]]:
                            code="no_chat_template")
     ids = render_chat(tok, list(req.messages), add_generation_prompt=True)
     check_prompt(ids, server.limits.context_length, server.model.config.vocab_size)
-    return ids, sorted(set(stop_ids(tok)) | set(_eos(server)))  # <|end|>, end-of-text
+    # the model's end-of-turn tokens (<|end|>, <|im_end|>, ...) and end-of-text
+    return ids, sorted(set(stop_ids(tok)) | set(_eos(server)))
 
 
 async def chat_completions(server: Server, request: Request) -> Response:

@@ -1,10 +1,12 @@
 """``tinylm chat``: a conversation with a model, kept within its context, streamed.
 
 :class:`ChatSession` holds the history (an optional system message, then user and
-assistant turns), renders it with :func:`tinylm.data.chat.render_chat`, and streams the
-assistant's answer until ``<|end|>``. When the rendered history plus room for an answer
-no longer fits the context length, the oldest turns are dropped (the system message
-stays) and the session says so. :func:`run_terminal` is the interactive loop:
+assistant turns), renders it with :func:`tinylm.data.chat.render_chat` (the model's own
+chat template when it has one, else tinylm's format), and streams the assistant's answer
+until one of the model's stop tokens (:func:`tinylm.data.chat.stop_ids`: ``<|end|>``,
+or its eos and end-of-turn tokens such as ``<|im_end|>``). When the rendered history plus
+room for an answer no longer fits the context length, the oldest turns are dropped (the
+system message stays) and the session says so. :func:`run_terminal` is the interactive loop:
 ``/reset``, ``/system TEXT``, ``/temperature X``, ``/help``; Ctrl-D (end of input) quits.
 """
 

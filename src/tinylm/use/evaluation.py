@@ -359,10 +359,15 @@ def estimate_loss(model: nn.Module, tokens: Any, starts: np.ndarray, *,
 
 
 def evaluate_text(model: nn.Module, tokenizer: Any, text: str, **kwargs: Any) -> EvalResult:
-    """:func:`evaluate` on ``text`` encoded with ``tokenizer``; bits per byte use the
-    text's UTF-8 size. ``kwargs`` go to :func:`evaluate`."""
+    """:func:`evaluate` on ``text`` encoded with ``tokenizer`` (after bos when the model
+    asks for it, ``add_bos_token``); bits per byte use the text's UTF-8 size. ``kwargs``
+    go to :func:`evaluate`."""
     tokens = tokenizer.encode_array([text]) if hasattr(tokenizer, "encode_array") \
         else tokenizer.encode(text)
+    prefix = tokenizer.prompt_prefix() if hasattr(tokenizer, "prompt_prefix") else []
+    if prefix:
+        tokens = np.concatenate([np.asarray(prefix, dtype=np.uint32),
+                                 np.asarray(tokens, dtype=np.uint32)])
     return evaluate(model, tokens, num_bytes=len(text.encode("utf-8")), **kwargs)
 
 

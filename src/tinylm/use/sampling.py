@@ -441,15 +441,20 @@ class TextStream:
 
 
 def encode_prompt(tokenizer: Any, text: str, *, allow_special: bool = False) -> list[int]:
-    """Prompt ids for ``text``; an empty prompt starts from the end-of-text token. A
-    special token's spelling in the text is ordinary text unless ``allow_special``.
+    """Prompt ids for ``text``, after bos when the model asks for it (``add_bos_token``,
+    :meth:`~tinylm.data.tokenizers.Tokenizer.encode_prompt`); an empty prompt starts
+    from that bos, else from the end-of-text token. A special token's spelling in the
+    text is ordinary text unless ``allow_special``.
 
     A char tokenizer raises its DataError naming characters it never saw. An empty
     prompt with a tokenizer that has no end-of-text token has nothing to condition on,
     which is a DataError too.
     """
+    prefix = list(tokenizer.prompt_prefix()) if hasattr(tokenizer, "prompt_prefix") else []
     if text:
-        return list(tokenizer.encode(text, allow_special=allow_special))
+        return prefix + list(tokenizer.encode(text, allow_special=allow_special))
+    if prefix:
+        return prefix
     eos = tokenizer.eos_id
     if eos is None:
         raise DataError(f"the prompt is empty and this {tokenizer.kind} tokenizer has no "
