@@ -112,7 +112,7 @@ ENCODE = MONITOR + textwrap.dedent("""
     from prepare import tiktoken_encoding
     if engine == "native":
         from tinylm.native import bpe_encoder
-        from tinylm.data.tokenizers import load_tokenizer
+        from tinylm.data.tokenizer_files import load_tokenizer
         enc = bpe_encoder(load_tokenizer(tok_path))
         assert enc is not None, "the native BPE encoder is unavailable here"
         def run():
@@ -148,7 +148,7 @@ def tiktoken_encoding(tokenizer_json: str):
     its id (merges were learned in id order) and GPT-2's pre-tokenization pattern."""
     import tiktoken
 
-    from tinylm.data.tokenizers import load_tokenizer
+    from tinylm.data.tokenizer_files import load_tokenizer
     from tinylm.native.bpe import byte_symbols
 
     tok = load_tokenizer(tokenizer_json)
@@ -216,7 +216,7 @@ def train_bpe(work: Path) -> Path:
 
 def check_tiktoken(work: Path, tok_path: Path) -> bool:
     """tiktoken with tinylm's vocabulary gives tinylm's ids (on the first 300 documents)."""
-    from tinylm.data.tokenizers import load_tokenizer
+    from tinylm.data.tokenizer_files import load_tokenizer
 
     tok, enc = load_tokenizer(tok_path), tiktoken_encoding(str(tok_path))
     lines = itertools.islice(open(work / "docs.jsonl", encoding="utf-8"), 300)

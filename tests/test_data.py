@@ -27,7 +27,8 @@ from tinylm.data import (
     prepare,
 )
 from tinylm.data.corpora import load_corpus
-from tinylm.data.tokenizers import STANDARD_SPECIALS, CharTokenizer, load_tokenizer
+from tinylm.data.tokenizer_files import load_tokenizer
+from tinylm.data.tokenizers import STANDARD_SPECIALS, CharTokenizer
 
 JAPANESE = "言語モデルは次のトークンを予測する。注意機構🌤️\n"
 

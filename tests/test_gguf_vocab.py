@@ -33,7 +33,8 @@ from tinylm.data.gguf_vocab import (
     special_tokens_of_gguf,
     tokenizer_from_gguf,
 )
-from tinylm.data.tokenizers import BPETokenizer, load_tokenizer
+from tinylm.data.tokenizer_files import load_tokenizer
+from tinylm.data.tokenizers import BPETokenizer
 
 gguf = pytest.importorskip("gguf")
 tokenizers = pytest.importorskip("tokenizers")

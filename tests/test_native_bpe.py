@@ -18,7 +18,8 @@ from tinylm import acceleration
 from tinylm.core.errors import DataError
 from tinylm.data import prepare
 from tinylm.data.encoding import make_encoder
-from tinylm.data.tokenizers import BPETokenizer, load_tokenizer
+from tinylm.data.tokenizer_files import load_tokenizer
+from tinylm.data.tokenizers import BPETokenizer
 
 pytest.importorskip("tinylm.native", reason="the optional native package is absent")
 

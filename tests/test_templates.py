@@ -20,13 +20,8 @@ import pytest
 from tinylm.core.errors import DataError
 from tinylm.data.chat import render_chat, render_text, render_with_mask, stop_ids
 from tinylm.data.templates import TokenizerSettings, render_template
-from tinylm.data.tokenizers import (
-    CHAT_TEMPLATE,
-    STANDARD_SPECIALS,
-    BPETokenizer,
-    CharTokenizer,
-    load_tokenizer,
-)
+from tinylm.data.tokenizer_files import load_tokenizer
+from tinylm.data.tokenizers import CHAT_TEMPLATE, STANDARD_SPECIALS, BPETokenizer, CharTokenizer
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
@@ -432,7 +427,7 @@ def test_smollm2_gguf_template_token_exact(tmp_path) -> None:
     template = reader.fields["tokenizer.chat_template"].contents()
     assert template == SMOLLM2_TEMPLATE
     hf = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    from tinylm.data.tokenizers import tokenizer_from_json
+    from tinylm.data.tokenizer_files import tokenizer_from_json
 
     roles = {k: v for k, v in hf.special_tokens_map.items()
              if k in ("bos_token", "eos_token", "pad_token", "unk_token")}

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from tinylm.core.errors import DataError, TinyLMError
 from tinylm.data import safe_split
 from tinylm.data.corpora import load_corpus
+from tinylm.data.tokenizer_files import load_tokenizer, tokenizer_from_json
 from tinylm.data.tokenizers import (
     CHAT_TEMPLATE,
     STANDARD_SPECIALS,
@@ -22,8 +23,6 @@ from tinylm.data.tokenizers import (
     BPETokenizer,
     CharTokenizer,
     Tokenizer,
-    load_tokenizer,
-    tokenizer_from_json,
 )
 
 JAPANESE = "注意機構は、クエリとキーの内積から重みを計算する。言語モデル🌤️"

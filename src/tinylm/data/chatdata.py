@@ -40,14 +40,8 @@ from tinylm.data import instructions
 from tinylm.data.chat import BadRecord, read_records, render_with_mask
 from tinylm.data.format import FORMAT, PreparedData, dtype_for_vocab, load_prepared
 from tinylm.data.templates import TOKENIZER_CONFIG_FILE, write_settings
-from tinylm.data.tokenizers import (
-    STANDARD_SPECIALS,
-    BPETokenizer,
-    CharTokenizer,
-    Tokenizer,
-    checkpoint_tokenizer_file,
-    load_tokenizer,
-)
+from tinylm.data.tokenizer_files import checkpoint_tokenizer_file, load_tokenizer
+from tinylm.data.tokenizers import STANDARD_SPECIALS, BPETokenizer, CharTokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,8 @@ import numpy as np
 from tinylm.core.errors import DataError
 from tinylm.data.readers import display_path
 from tinylm.data.shards import DTYPES, SHARD_RE, open_split
-from tinylm.data.tokenizers import Tokenizer, load_tokenizer
+from tinylm.data.tokenizer_files import load_tokenizer
+from tinylm.data.tokenizers import Tokenizer
 
 FORMAT = "tinylm-prepared"
 FORMAT_VERSION = 2  # 1: one train.bin + val.bin; 2: shards listed in meta.json

@@ -20,7 +20,8 @@ from tinylm.core.errors import DataError
 from tinylm.data.corpora import corpus_names
 from tinylm.data.options import SHARD_TOKENS, PrepareOptions
 from tinylm.data.readers import display_path
-from tinylm.data.tokenizers import Tokenizer, load_tokenizer, standard_special_tokens
+from tinylm.data.tokenizer_files import load_tokenizer
+from tinylm.data.tokenizers import Tokenizer, standard_special_tokens
 
 DEFAULT_CORPUS = "python-docs"  # with neither inputs nor a corpus
 

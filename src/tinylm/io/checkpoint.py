@@ -637,7 +637,7 @@ def load_tokenizer_of(path: str | os.PathLike):
     tok_path = resolve_checkpoint_dir(path) / TOKENIZER_FILE
     if not tok_path.is_file():
         return None
-    from tinylm.data.tokenizers import load_tokenizer
+    from tinylm.data.tokenizer_files import load_tokenizer
 
     try:
         return load_tokenizer(tok_path)

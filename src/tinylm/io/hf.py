@@ -601,7 +601,7 @@ def read_hf_folder(folder: str | os.PathLike) -> tuple[GPT, Any]:
     model = from_hf(path)
     if not _has_tokenizer_files(path):
         return model, None
-    from tinylm.data.tokenizers import load_tokenizer
+    from tinylm.data.tokenizer_files import load_tokenizer
 
     tokenizer = _with_hf_roles(load_tokenizer(path), path)
     if tokenizer.vocab_size > model.config.vocab_size:
