@@ -202,21 +202,33 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
 def _add_convert(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "convert",
-        help="Hugging Face GPT-2/Llama/Qwen2/Mistral folder <-> tinylm checkpoint",
-        description="--from-hf HF_DIR --out DIR: a Hugging Face GPT-2, Llama, Qwen2 or "
-        "Mistral folder on disk (config.json, model.safetensors or pytorch_model.bin, "
-        "tokenizer.json when present; the family comes from config.json) -> a tinylm "
+        help="GGUF file or Hugging Face model -> tinylm checkpoint, and tinylm -> Hugging Face",
+        description="--from-gguf FILE --out DIR: a GGUF file (llama.cpp's format; llama, "
+        "qwen2 and gpt2 architectures; F32/F16/BF16, Q8_0, Q4_0/1, Q5_0/1, Q4_K/Q5_K/Q6_K "
+        "tensors) with its tokenizer and chat template -> a tinylm checkpoint. --from-hf "
+        "HF_DIR|ORG/NAME --out DIR: a Hugging Face GPT-2, Llama, Qwen2 or Mistral folder "
+        "on disk (config.json, model.safetensors or pytorch_model.bin, tokenizer.json and "
+        "tokenizer_config.json when present), or a Hub name fetched through huggingface_hub "
+        "(safetensors and configs only; its cache alone with HF_HUB_OFFLINE=1) -> a tinylm "
         "checkpoint. --model DIR --to-hf HF_DIR: a tinylm checkpoint -> a folder that "
         "transformers' AutoModelForCausalLM and AutoTokenizer load (GPT-2, Llama or Qwen2, "
-        "from the architecture). Nothing is downloaded.",
+        "from the architecture). Every command's --model also takes a .gguf file directly.",
     )
-    p.add_argument("--from-hf", metavar="HF_DIR",
-                   help="a Hugging Face GPT-2/Llama/Qwen2/Mistral folder to import")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--from-gguf", metavar="FILE", help="a GGUF file to import")
+    src.add_argument("--from-hf", metavar="HF_DIR|ORG/NAME",
+                     help="a Hugging Face GPT-2/Llama/Qwen2/Mistral folder (or Hub name) to "
+                     "import")
     p.add_argument("--out", metavar="DIR",
-                   help="the tinylm checkpoint to write (--from-hf); a new or empty folder")
+                   help="the tinylm checkpoint to write (--from-gguf/--from-hf); a new or "
+                   "empty folder")
+    p.add_argument("--keep-quantized", action="store_true",
+                   help="--from-gguf: keep the blocks' Q8_0/Q4_0/Q4_1 weights as tinylm "
+                   "quantized layers (exactly the same function; less memory); default: "
+                   "everything dequantized to float32")
     p.add_argument("--force", action="store_true",
-                   help="--from-hf: replace an existing tinylm checkpoint in --out (never a "
-                   "folder holding other files)")
+                   help="--from-gguf/--from-hf: replace an existing tinylm checkpoint in "
+                   "--out (never a folder holding other files)")
     p.add_argument("--model", metavar="DIR", help="a tinylm checkpoint to export")
     p.add_argument("--to-hf", metavar="HF_DIR",
                    help="the Hugging Face folder to write (--model); must not exist or be empty")
@@ -227,29 +239,28 @@ def _add_convert(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
+    from tinylm.commands.convert import export_model, import_model
     from tinylm.core.errors import ConfigError
-    from tinylm.io.checkpoint import check_target, load_checkpoint, save_checkpoint
-    from tinylm.io.hf import export_family, read_hf_folder, write_hf_folder
 
-    importing = args.from_hf is not None or args.out is not None
+    source = args.from_gguf or args.from_hf
+    importing = source is not None or args.out is not None
     exporting = args.model is not None or args.to_hf is not None
-    if importing == exporting or (importing and not (args.from_hf and args.out)) or (
+    if importing == exporting or (importing and not (source and args.out)) or (
             exporting and not (args.model and args.to_hf)):
-        raise ConfigError("use either --from-hf HF_DIR --out DIR (import) or --model DIR "
-                          "--to-hf HF_DIR (export)")
+        raise ConfigError("use either --from-gguf FILE or --from-hf HF_DIR with --out DIR "
+                          "(import), or --model DIR --to-hf HF_DIR (export)")
     if importing:
         if args.weights_only:
             raise ConfigError("--weights-only applies to --to-hf only")
-        check_target(args.out, force=args.force)
-        model, tokenizer = read_hf_folder(args.from_hf)
-        save_checkpoint(args.out, model, tokenizer)
-        tok = f"{tokenizer.kind} tokenizer" if tokenizer is not None else "no tokenizer files"
-        print(f"converted {args.from_hf} -> {args.out} ({model.num_parameters():,} parameters, "
-              f"{tok})")
+        if args.from_gguf is not None and not args.from_gguf.lower().endswith(".gguf"):
+            raise ConfigError(f"--from-gguf {args.from_gguf}: a GGUF file's name ends in "
+                              f".gguf; for a Hugging Face folder use --from-hf")
+        if args.keep_quantized and args.from_gguf is None:
+            raise ConfigError("--keep-quantized applies to --from-gguf only")
+        print(import_model(source, args.out, keep_quantized=args.keep_quantized,
+                           force=args.force).line())
     else:
-        model, tokenizer = load_checkpoint(args.model)
-        write_hf_folder(model, tokenizer, args.to_hf, weights_only=args.weights_only)
-        what = "weights only" if args.weights_only else f"{tokenizer.kind} tokenizer"
-        family = export_family(model.config).architecture
-        print(f"exported {args.model} -> {args.to_hf} (Hugging Face {family}, {what})")
+        if args.keep_quantized:
+            raise ConfigError("--keep-quantized applies to --from-gguf only")
+        print(export_model(args.model, args.to_hf, weights_only=args.weights_only))
     return 0

@@ -421,11 +421,18 @@ def resolve_checkpoint_dir(path: str | os.PathLike) -> Path:
     ``tinylm train --out RUN`` writes RUN/latest and RUN/best; passing RUN wherever a
     checkpoint is expected means RUN/latest. This is the one place that decides it, and
     it first recovers a checkpoint whose save was interrupted (:func:`recover_checkpoint`).
+    A ``.gguf`` file stands for its conversion, made once into a private cache
+    (:func:`tinylm.io.gguf_checkpoint.cached_checkpoint`).
     """
     folder = Path(path)
+    if folder.suffix.lower() == ".gguf" and not folder.is_dir():  # llama.cpp's format
+        from tinylm.io.gguf_checkpoint import cached_checkpoint
+
+        return cached_checkpoint(folder)
     if folder.is_file():
         raise CheckpointError(f"{folder} is a file, not a checkpoint folder; pass the folder "
-                              f"that holds config.json (or a tinylm train --out folder)")
+                              f"that holds config.json (or a tinylm train --out folder, or a "
+                              f".gguf file)")
     if (folder / CONFIG_FILE).is_file():
         return folder
     if folder.is_dir() and ((folder / RUN_LATEST).exists() or leftovers(folder / RUN_LATEST)):

@@ -1,0 +1,73 @@
+"""``tinylm convert``: a model from elsewhere into a tinylm checkpoint, and back out.
+
+Sources: a GGUF file (llama.cpp's format: :mod:`tinylm.io.gguf_checkpoint`), a Hugging
+Face folder on disk, or a Hugging Face Hub name ``ORG/NAME`` (downloaded through
+``huggingface_hub``, or taken from its cache offline: :func:`tinylm.io.hf.hub_folder`).
+The checkpoint keeps the source's tokenizer and chat settings (its chat template, bos,
+eos and end-of-turn tokens). Export: a tinylm checkpoint -> a Hugging Face folder.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from tinylm.core.errors import ConfigError
+from tinylm.io.checkpoint import check_target, load_checkpoint, save_checkpoint
+from tinylm.io.gguf_checkpoint import convert_gguf, is_gguf
+from tinylm.io.hf import export_family, hub_folder, is_hub_name, read_hf_folder, write_hf_folder
+
+
+@dataclass(frozen=True)
+class Converted:
+    """What a conversion wrote, for the command's one-line report."""
+
+    source: str
+    out: str
+    parameters: int
+    tokenizer: str  # "file tokenizer with its chat template", "no tokenizer files", ...
+    detail: str = ""  # e.g. "llama, F32/Q4_1/Q8_0 dequantized"
+
+    def line(self) -> str:
+        extra = f"; {self.detail}" if self.detail else ""
+        return (f"converted {self.source} -> {self.out} ({self.parameters:,} parameters, "
+                f"{self.tokenizer}{extra})")
+
+
+def _tokenizer_text(tokenizer) -> str:
+    if tokenizer is None:
+        return "no tokenizer files"
+    template = " and its chat template" if tokenizer.settings.chat_template else ""
+    return f"{tokenizer.kind} tokenizer{template}"
+
+
+def import_model(source: str | os.PathLike, out: str | os.PathLike, *,
+                 keep_quantized: bool = False, force: bool = False) -> Converted:
+    """Write ``source`` (a .gguf file, a Hugging Face folder, or a Hub ``ORG/NAME``) as
+    the tinylm checkpoint ``out``. ``keep_quantized`` applies to GGUF files only."""
+    text = str(source)
+    if is_gguf(text):
+        info = convert_gguf(text, out, keep_quantized=keep_quantized, force=force)
+        how = "kept as QuantizedLinear where exact" if keep_quantized else "dequantized"
+        template = " and its chat template" if info["chat_template"] else ""
+        return Converted(text, str(out), info["parameters"],
+                         f"{info['tokenizer']} tokenizer{template}",
+                         f"{info['arch']}, {'/'.join(info['types'])} {how}")
+    if keep_quantized:
+        raise ConfigError("--keep-quantized applies to GGUF files (--from-gguf) only")
+    check_target(out, force=force)
+    folder = hub_folder(text) if is_hub_name(text) else Path(text)
+    model, tokenizer = read_hf_folder(folder)
+    save_checkpoint(out, model, tokenizer)
+    return Converted(text, str(out), model.num_parameters(), _tokenizer_text(tokenizer))
+
+
+def export_model(model_dir: str | os.PathLike, to_hf: str | os.PathLike, *,
+                 weights_only: bool = False) -> str:
+    """Write the tinylm checkpoint ``model_dir`` as a Hugging Face folder; the report line."""
+    model, tokenizer = load_checkpoint(model_dir)
+    write_hf_folder(model, tokenizer, to_hf, weights_only=weights_only)
+    what = "weights only" if weights_only else _tokenizer_text(tokenizer)
+    family = export_family(model.config).architecture
+    return f"exported {model_dir} -> {to_hf} (Hugging Face {family}, {what})"
