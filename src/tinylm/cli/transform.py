@@ -224,8 +224,8 @@ def _add_convert(sub: argparse._SubParsersAction) -> None:
                    "empty folder")
     p.add_argument("--keep-quantized", action="store_true",
                    help="--from-gguf: keep the blocks' Q8_0/Q4_0/Q4_1 weights as tinylm "
-                   "quantized layers (exactly the same function; less memory); default: "
-                   "everything dequantized to float32")
+                   "quantized layers (exactly the same function; less memory) instead of "
+                   "dequantizing every tensor to float32")
     p.add_argument("--force", action="store_true",
                    help="--from-gguf/--from-hf: replace an existing tinylm checkpoint in "
                    "--out (never a folder holding other files)")

@@ -91,6 +91,12 @@ def _info_lines(info: dict) -> list[tuple[str, str]]:
     lines = [("checkpoint", info["folder"]), ("architecture", ", ".join(sizes)),
              ("options", options), ("parameters", f"{info['parameters']:,}"),
              ("tokenizer", tok_text), ("training", training), ("low-rank", lowrank)]
+    if tok is not None and tok.get("chat"):
+        lines.insert(5, ("chat", tok["chat"]))
+    source = info.get("source")
+    if source:
+        lines.insert(1, ("source", ", ".join(f"{k} {v}" for k, v in source.items()
+                                             if v is not None)))
     if info["nonfinite"]:
         lines.append(("WARNING", f"{info['nonfinite']:,} weights are NaN or infinite"))
     return lines

@@ -676,9 +676,10 @@ def describe_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     """What ``tinylm info`` shows about a checkpoint or run folder, as JSON-ready values.
 
     Keys: folder, model (config fields), parameters, nonfinite (count of NaN/inf
-    weights), tokenizer ({kind, vocab_size, eos} or None), step and val_loss (from the
-    training state, the best/ record or the run's metrics.jsonl; None when unknown),
-    lowrank ({layer: rank}, empty when none).
+    weights), tokenizer ({kind, vocab_size, eos, chat} or None), step and val_loss (from
+    the training state, the best/ record or the run's metrics.jsonl; None when unknown),
+    lowrank ({layer: rank}, empty when none), source (where an imported model came from,
+    e.g. {gguf, name, architecture}; None).
     """
     folder = resolve_checkpoint_dir(path)
     config = read_config(folder)
@@ -690,11 +691,21 @@ def describe_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
         eos = tok.eos_id
         tokenizer = {"kind": tok.kind, "vocab_size": tok.vocab_size,
                      "eos": None if eos is None else tok.decode([eos]) or f"id {eos}"}
+        tokenizer["chat"] = _chat_format(tok)
     step, val_loss = _training_progress(folder, config)
     return {"folder": str(folder), "model": model.config.to_dict(),
             "parameters": model.num_parameters(), "nonfinite": nonfinite,
             "tokenizer": tokenizer, "step": step, "val_loss": val_loss,
-            "lowrank": dict(config.get("lowrank") or {})}
+            "lowrank": dict(config.get("lowrank") or {}),
+            "source": config.get("source") if isinstance(config.get("source"), dict) else None}
+
+
+def _chat_format(tok: Any) -> str:
+    """How the tokenizer's model chats: its own template, tinylm's format, or not at all."""
+    if tok.settings.chat_template:
+        stops = [tok.decode([i]) for i in tok.end_of_turn_ids]
+        return f"its own template (turns end with {', '.join(stops) or 'no stop token'})"
+    return "tinylm's format" if tok.chat_template is not None else "none (no chat tokens)"
 
 
 def _training_progress(folder: Path, config: dict[str, Any]) -> tuple[int | None, float | None]:
