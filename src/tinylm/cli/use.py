@@ -50,7 +50,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
     from tinylm.core.config import resolve_device
     from tinylm.core.errors import ConfigError
-    from tinylm.io.checkpoint import describe_checkpoint
+    from tinylm.io.describe import describe_checkpoint
 
     if args.run and args.model and args.run != args.model:
         raise ConfigError(f"give the folder once: RUN ({args.run}) or --model ({args.model})")
