@@ -6,9 +6,10 @@
   answers of ``tinylm chat`` (the CLI's own code path, :class:`ChatSession`) equal
   ``generate(do_sample=False)`` token for token on ``apply_chat_template`` ids.
 - **llama.cpp is close, not equal**: it multiplies the Q4_1 weights by activations
-  quantized to 8 bits (Q8_1 blocks), so its logits differ. Measured over the 631 positions
-  of :data:`CONVERSATION` (tinylm's ids fed to both): top-1 agreement 0.95, max |logit
-  error| 1.5, mean 0.15 (asserted: >= 0.92, < 2.5, < 0.25).
+  quantized to 8 bits (Q8_1 blocks), so its logits differ. Measured over the 624 positions
+  of :data:`CONVERSATION` (tinylm's ids fed to both): top-1 agreement 0.970 (605 of 624),
+  max |logit error| 1.46, mean 0.17 (asserted: >= 0.95, < 2.5, < 0.25); every one of the
+  19 disagreements is where tinylm's top two logits are within 0.16 of each other.
 - **"What is the capital of France?"**: llama.cpp's ``create_chat_completion`` renders the
   same prompt (the same 37 ids as tinylm and transformers); the answers differ by the
   arithmetic. The first answer token is a near-tie: tinylm (= transformers) has "The"
@@ -253,17 +254,21 @@ def test_gguf_file_and_converted_folder_give_identical_logits(smollm2_gguf, conv
 
 
 def test_teacher_forced_agreement_with_llama_cpp(llama, real_ids, our_logits) -> None:
-    """631 positions: top-1 0.95, max |error| 1.5, mean 0.15 (measured; asserted with
-    margin). Not exact: llama.cpp quantizes the activations to 8 bits per block before
+    """624 positions: top-1 0.970 (605), max |error| 1.46, mean 0.17 (measured; asserted
+    with margin). Not exact: llama.cpp quantizes the activations to 8 bits per block before
     multiplying them by the Q4_1 weights."""
     theirs = _llama_logits(llama, real_ids)
     ours = our_logits.numpy()
     assert theirs.shape == ours.shape and len(real_ids) >= 512
     top1 = float((theirs.argmax(-1) == ours.argmax(-1)).mean())
     error = np.abs(theirs - ours)
-    assert top1 >= 0.92, top1
+    assert top1 >= 0.95, top1
     assert error.max() < 2.5 and error.mean() < 0.25, (error.max(), error.mean())
     assert error.max() > 1e-2  # not the exact oracle: a different arithmetic
+    # they disagree only where tinylm's top two are near-tied (measured: gap <= 0.16)
+    top2 = np.sort(ours, axis=-1)[:, -2:]
+    gaps = (top2[:, 1] - top2[:, 0])[theirs.argmax(-1) != ours.argmax(-1)]
+    assert gaps.max() < 0.3, gaps.max()
 
 
 # --- 3. "What is the capital of France?" through llama.cpp -------------------------------
