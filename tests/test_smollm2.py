@@ -3,9 +3,9 @@
 - **transformers is the exact oracle**: it dequantizes the same file to the same float32
   weights, so tinylm's logits on real text (English prose and Python, rendered through
   the model's own chat template by tinylm's tokenizer) agree within 1e-4 (measured on CPU:
-  bit-identical), and greedy
-  answers of ``tinylm chat`` (the CLI's own code path, :class:`ChatSession`) equal
-  ``generate(do_sample=False)`` token for token on ``apply_chat_template`` ids.
+  bit-identical), and greedy answers of ``tinylm chat`` (the CLI's own code path,
+  :class:`ChatSession`) equal ``generate(do_sample=False)`` token for token on
+  ``apply_chat_template`` ids.
 - **llama.cpp is close, not equal**: it multiplies the Q4_1 weights by activations
   quantized to 8 bits (Q8_1 blocks), so its logits differ. Measured over the 624 positions
   of :data:`CONVERSATION` (tinylm's ids fed to both): top-1 agreement 0.970 (605 of 624),
