@@ -231,14 +231,16 @@ def _norm_stats(base: GPT, tr: Trace, l: int) -> dict[str, Any]:
         n = h * (h.pow(2).mean(-1, keepdim=True) + eps).rsqrt()
     g = norm.weight.detach().double().cpu()
 
+    def r(v: Any) -> float:  # 7 significant digits, as float32 carries
+        return float(f"{float(v):.7g}")
+
     def rms(t: Tensor) -> list[float]:
-        return [round(float(v), 6) for v in t.pow(2).mean(-1).sqrt()]
+        return [r(v) for v in t.pow(2).mean(-1).sqrt()]
 
     return {"kind": "rmsnorm" if not isinstance(norm, nn.LayerNorm) else "layernorm",
-            "h_mean": [round(float(v), 6) for v in h.mean(-1)], "h_rms": rms(h),
-            "n_rms": rms(n), "x_rms": rms(x), "g_rms": round(float(g.pow(2).mean().sqrt()), 6),
-            "g_mean": round(float(g.mean()), 6), "x_var": round(float(x.var(unbiased=False)), 6),
-            "h_var": round(float(h.var(unbiased=False)), 6)}
+            "h_mean": [r(v) for v in h.mean(-1)], "h_rms": rms(h), "n_rms": rms(n),
+            "x_rms": rms(x), "g_rms": r(g.pow(2).mean().sqrt()), "g_mean": r(g.mean()),
+            "x_var": r(x.var(unbiased=False)), "h_var": r(h.var(unbiased=False))}
 
 
 def layer_data(base: GPT, tr: Trace, layers: Sequence[int]) -> dict[str, Any]:
