@@ -294,7 +294,7 @@ function normNote(l) {
     'entering layer ' + l + ') have RMS ' + span(n.h_rms) +
     (rms ? '' : ' around means ' + span(n.h_mean)) + '; ' +
     (rms ? 'dividing by their RMS' : 'subtracting the mean and dividing by the standard deviation') +
-    ' gives rows of RMS ' + span(n.n_rms) + ', which the learned gain g (RMS ' +
+    ' gives rows of RMS ' + span(n.n_rms) + ' (1 up to the \u03b5 inside the root), which the learned gain g (RMS ' +
     short(n.g_rms) + ') then scales channel by channel: rows of x have RMS ' + span(n.x_rms) +
     '. So the variance over all entries goes from ' + short(n.h_var) + ' (h) to ' +
     short(n.x_var) + ' (x): near RMS(g)\u00b2 = ' + short(n.g_rms * n.g_rms) +
