@@ -1,7 +1,9 @@
 """The explorer page in a real browser: Debian's headless Chromium driven by Playwright.
 
 The page is loaded with every request routed to a recorder that aborts it, on a model of
-make-demo's shape (configs/demo.toml, random weights) and a 32-token prompt. Set
+make-demo's shape (configs/demo.toml, random weights) and a 32-token prompt, on a tiny
+llama-style model (RMSNorm, RoPE, grouped-query attention, SwiGLU), and on the real
+SmolLM2 GGUF (fixture ``smollm2_gguf``). Set
 TINYLM_EXPLORER_MODEL=runs/demo (a trained checkpoint) and TINYLM_EXPLORER_SHOTS=docs to
 take the screenshots of docs/explain.md from a real model with the same tests.
 """

@@ -287,7 +287,7 @@ function buildSteps() {
 }
 var STEPS = [];
 function normNote(l) {
-  var n = D.norms[String(l)], E = D.sizes.E, rms = n.kind === 'rmsnorm';
+  var n = D.norms[String(l)], E = D.sizes.E, rms = n.kind === 'rmsnorm', g2 = n.g_rms * n.g_rms;
   return 'Each row is one token, its E = ' + E + ' numbers; the columns are directions of ' +
     'the residual stream in no meaningful order, so no picture across them is expected: ' +
     'compare rows, or hover a cell. The norm works row by row: rows of h (the stream ' +
@@ -297,8 +297,12 @@ function normNote(l) {
     ' gives rows of RMS ' + span(n.n_rms) + ' (1 up to the \u03b5 inside the root), which the learned gain g (RMS ' +
     short(n.g_rms) + ') then scales channel by channel: rows of x have RMS ' + span(n.x_rms) +
     '. So the variance over all entries goes from ' + short(n.h_var) + ' (h) to ' +
-    short(n.x_var) + ' (x): near RMS(g)\u00b2 = ' + short(n.g_rms * n.g_rms) +
-    (rms ? '' : ' (plus the bias b\u2019s share)') + ', not 1, because the gain is learned.';
+    short(n.x_var) + ' (x), not 1: x is n times the learned gain. Were g unrelated to which ' +
+    'channels of n are large, it would be about RMS(g)\u00b2 = ' + short(g2) + '; it is ' +
+    (Math.abs(n.x_var - g2) <= 0.1 * g2 ? 'close to that'
+      : n.x_var < g2 ? 'smaller: the gain is smaller on the channels where n is large'
+        : 'larger: the gain is larger on the channels where n is large') +
+    (rms ? '' : ' (and the bias b adds its share)') + '.';
 }
 function scaledNote(l, h, el2) {
   var a = stats(mat(hp(l, h) + 'scores')).variance, b = stats(scaled(l, h)).variance;
