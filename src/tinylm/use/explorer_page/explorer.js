@@ -113,7 +113,16 @@ function show(m, i, j) {
     vis(D.tokens[i]) + key + ')';
   r.dataset.name = m.name; r.dataset.i = i; r.dataset.j = j; r.dataset.value = String(v);
 }
-function legend(mode, scale) {
+function robust(m) {
+  /* the 99th percentile of |value|: a colour scale not set by a few huge entries */
+  var a = [];
+  for (var i = 0; i < m.rows; i++) {
+    for (var j = 0; j < m.cols; j++) { var v = m.get(i, j); if (v !== -Infinity) { a.push(Math.abs(v)); } }
+  }
+  a.sort(function (x, y) { return x - y; });
+  return a.length ? a[Math.min(a.length - 1, Math.floor(0.99 * a.length))] : 0;
+}
+function legend(mode, scale, largest) {
   /* the colour scale of one heatmap: its colours from the lowest to the highest value */
   var box = el('div', 'legend'), bar = el('span', 'scale'), stops = [];
   for (var x = 0; x <= 10; x++) {
@@ -124,9 +133,13 @@ function legend(mode, scale) {
   bar.style.background = 'linear-gradient(to right,' + stops.join(',') + ')';
   var lo = mode === 'prob' ? '0' : mode === 'log' ? '10\u207b\u2076' : short(-scale);
   var hi = mode === 'prob' || mode === 'log' ? '1' : short(scale);
+  if (largest) { lo = '\u2264' + lo; hi = '\u2265' + hi; }
   box.appendChild(el('span', 'lo', lo)); box.appendChild(bar); box.appendChild(el('span', 'hi', hi));
   box.appendChild(el('span', 'note', mode === 'prob' ? ' weight (colour \u221d \u221aweight)'
-    : mode === 'log' ? ' weight, log scale' : ' red +, white 0, blue \u2212 (\u00b1 the largest |value|)'));
+    : mode === 'log' ? ' weight, log scale' : largest
+      ? ' red +, white 0, blue \u2212; clipped at the 99th percentile of |value| (a few ' +
+        'entries are far larger: up to ' + short(largest) + ')'
+      : ' red +, white 0, blue \u2212 (\u00b1 the largest |value|)'));
   box.dataset.lo = lo; box.dataset.hi = hi;
   return box;
 }
@@ -149,10 +162,17 @@ function heat(m, caption, opts) {
   fig.appendChild(el('figcaption', null, caption + '  ' + shapeOf(m.name)));
   var px = Math.max(1, Math.min(opts.max || 16, Math.floor((opts.width || 520) / m.cols),
                                  Math.floor((opts.height || 400) / m.rows)));
+  if (!opts.width && px < 3) {  /* a wide matrix (E or F columns): 3 px a cell, scrolled */
+    px = Math.max(px, Math.min(3, Math.floor((opts.height || 400) / m.rows)));
+  }
   cv.width = m.cols * px; cv.height = m.rows * px;
   cv.dataset.name = m.name; cv.dataset.rows = m.rows; cv.dataset.cols = m.cols;
   cv.dataset.px = px;
-  var mode = opts.mode || 'signed', scale = mode === 'signed' ? stats(m).maxabs : 1;
+  var mode = opts.mode || 'signed', scale = mode === 'signed' ? stats(m).maxabs : 1, largest = 0;
+  if (mode === 'signed') {
+    var r99 = robust(m);
+    if (r99 > 0 && scale > 4 * r99) { largest = scale; scale = r99; }
+  }
   var g = cv.getContext('2d');
   for (var i = 0; i < m.rows; i++) {
     for (var j = 0; j < m.cols; j++) {
@@ -175,13 +195,13 @@ function heat(m, caption, opts) {
   /* axes: rows are query tokens (positions); the columns of a C x C map are key tokens */
   var square = /\.(scores|scaled|masked|attn|avg)$/.test(m.name);
   var tok = function (i) { return vis(D.tokens[i]); };
-  var grid = el('div', 'hm'), right = el('div');
+  var grid = el('div', 'hm'), right = el('div', 'hmbody');
   grid.appendChild(labels('ylab', m.rows, px, tok));
   if (square) { right.appendChild(labels('xlab', m.cols, px, tok)); }
   right.appendChild(cv);
   grid.appendChild(right);
   fig.appendChild(grid);
-  fig.appendChild(legend(mode, scale));
+  fig.appendChild(legend(mode, scale, largest));
   return fig;
 }
 function fill(box, figs) {
