@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tinylm.cli import main
-from tinylm.core.config import ModelConfig, read_toml
+from tinylm.core.config import ARCH_PRESETS, ModelConfig, read_toml
 from tinylm.core.errors import ConfigError, DataError
 from tinylm.core.model import GPT
 from tinylm.data.tokenizers import CharTokenizer
@@ -22,6 +22,7 @@ from tinylm.use.explorer import (
     decode_tensor,
     encode_tensor,
     explorer_data,
+    explorer_layers,
     head_weights,
     low_rank,
     render_explorer,
@@ -61,9 +62,12 @@ def test_tensors_are_the_trace_exactly(model: GPT, tokenizer: CharTokenizer, dat
     tr = trace(model, tokenizer.encode(PROMPT))
     assert data["ids"] == tokenizer.encode(PROMPT) and "".join(data["tokens"]) == PROMPT
     assert data["sizes"] == {"C": 15, "E": 24, "H": 3, "D": 8, "V": tokenizer.vocab_size,
-                             "L": 2, "F": 96}
-    assert data["select"] == {"layer": 1, "head": 2}
-    assert len(data["tensors"]) == 2 * (3 + 3 * 7)
+                             "L": 2, "F": 96, "Hkv": 3}
+    assert data["select"] == {"layer": 1, "head": 2} and data["detail"] == [0, 1]
+    assert data["arch"]["norm"] == "layernorm" and data["arch"]["position"] == "learned"
+    # per layer ln1, attn_out, attn_concat, ffn_pre, ffn_post, ffn_out; per head q, k, v,
+    # scores, attn, out, contrib (GPT-2 has no q_lin, q_normed, ffn_gate: no such stage)
+    assert len(data["tensors"]) == 2 * (6 + 3 * 7)
     for name, item in data["tensors"].items():
         assert torch.equal(decode_tensor(item), tr[name]), name
         assert "/" not in item["f32"] and "+" not in item["f32"]
@@ -158,7 +162,7 @@ def test_page_size_for_32_tokens_on_the_demo_shape() -> None:
     assert len(tok.encode(prompt)) == 32
     page = render_explorer(explorer_data(model, tok, prompt))
     size = len(page.encode("utf-8"))
-    assert 500_000 < size < 2_000_000, size
+    assert 500_000 < size < 2_500_000, size  # 2.08 MB: every layer's steps and FFN
 
 
 def test_bad_choices(model: GPT, tokenizer: CharTokenizer) -> None:
@@ -259,3 +263,190 @@ def test_a_compressed_model_is_explored_through_its_factors(tokenizer: CharToken
     s = d["lowrank"]["layer0.head1"]["singular"]
     assert len(s) == 8 and s[2] > 1e-2 * s[0] and max(s[3:]) < 1e-6 * s[0]  # float32 factors
     assert d["lowrank"]["layer0.head1"]["weight_error"][3] < 1e-5
+
+
+# --- every architecture tinylm builds: the page's numbers are the reference model's ---------
+
+
+VARIANTS = {  # tiny models of each family: RoPE, grouped-query / multi-query attention
+    "llama": {**ARCH_PRESETS["llama"], "n_kv_head": 2},
+    "modern": {**ARCH_PRESETS["modern"], "n_kv_head": 1},
+    "qwen2": {**ARCH_PRESETS["llama"], "qkv_bias": True, "tie_embeddings": True,
+              "n_kv_head": 2, "rope_theta": 1e6},
+}
+
+
+def _variant(name: str, tokenizer: CharTokenizer) -> GPT:
+    torch.manual_seed(5)
+    cfg = ModelConfig(vocab_size=tokenizer.vocab_size, context_length=24, n_layer=2, n_head=4,
+                      n_embd=32, **VARIANTS[name])
+    m = GPT(cfg)
+    with torch.no_grad():  # weights well above the init, biases and gains not all 1 / 0
+        for p in m.parameters():
+            p.mul_(6.0) if p.dim() > 1 else p.add_(0.3 * torch.randn_like(p))
+    return m.eval()
+
+
+def _reference_intermediates(model: GPT, ids: list[int]) -> dict[str, torch.Tensor]:
+    """The model's own values, by hooks on its own modules in its own forward, and q, k, v
+    from its own MultiHeadAttention._heads (QK-norm and RoPE included)."""
+    got: dict[str, torch.Tensor] = {}
+    hooks = []
+    for l, b in enumerate(model.blocks):
+        def keep(name):
+            return lambda mod, args, out: got.__setitem__(name, out[0].detach())
+        hooks += [b.ln1.register_forward_hook(keep(f"layer{l}.ln1")),
+                  b.attn.register_forward_hook(keep(f"layer{l}.attn_out")),
+                  b.ffn.register_forward_hook(keep(f"layer{l}.ffn_out")),
+                  b.attn.qkv.register_forward_hook(keep(f"layer{l}.qkv"))]
+    x = torch.tensor([ids])
+    try:
+        with torch.no_grad():
+            got["logits"] = model(x)[0]
+    finally:
+        for h in hooks:
+            h.remove()
+    with torch.no_grad():
+        _, maps = model.forward_with_attention(x)  # (L, 1, H, C, C)
+        for l, b in enumerate(model.blocks):
+            q, k, v = b.attn._heads(got[f"layer{l}.ln1"][None])
+            got[f"layer{l}.q"], got[f"layer{l}.k"], got[f"layer{l}.v"] = q[0], k[0], v[0]
+            got[f"layer{l}.maps"] = maps[l, 0]
+    return got
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_variant_explorer_data_is_the_reference_models(name: str,
+                                                       tokenizer: CharTokenizer) -> None:
+    model = _variant(name, tokenizer)
+    cfg = model.config
+    ids = tokenizer.encode(PROMPT)
+    data = explorer_data(model, tokenizer, PROMPT, top_k=3, layer=1, head=3)
+    ref = _reference_intermediates(model, ids)
+    H, Hkv, D = cfg.n_head, cfg.n_kv_head, cfg.head_dim
+    assert data["sizes"]["Hkv"] == Hkv and data["arch"]["position"] == "rope"
+    assert data["detail"] == [0, 1]  # a tiny model: every layer in full
+
+    def t(key: str) -> torch.Tensor:
+        return decode_tensor(data["tensors"][key])
+
+    for l in range(cfg.n_layer):
+        p = f"layer{l}."
+        for key in ("ln1", "attn_out", "ffn_out"):
+            torch.testing.assert_close(t(p + key), ref[p + key], atol=2e-5, rtol=1e-5)
+        q_lin, k_lin, _ = ref[p + "qkv"].split([H * D, Hkv * D, Hkv * D], dim=-1)
+        for i in range(H):
+            j = i // (H // Hkv)  # the key/value head query head i reads
+            first = f"{p}head{j * (H // Hkv)}."  # the name its K and V go by
+            hq = f"{p}head{i}."
+            torch.testing.assert_close(t(hq + "q"), ref[p + "q"][i], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(t(first + "k"), ref[p + "k"][j], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(t(first + "v"), ref[p + "v"][j], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(t(hq + "q_lin"), q_lin[:, i * D:(i + 1) * D])
+            torch.testing.assert_close(t(first + "k_lin"), k_lin[:, j * D:(j + 1) * D])
+            # the scores are those of the rotated q and k, and the maps the model's own
+            torch.testing.assert_close(t(hq + "scores"), ref[p + "q"][i] @ ref[p + "k"][j].t(),
+                                       atol=1e-4, rtol=1e-5)
+            torch.testing.assert_close(t(hq + "attn"), ref[p + "maps"][i], atol=1e-6, rtol=1e-5)
+            if j * (H // Hkv) != i:  # a shared key/value head is carried once
+                assert hq + "k" not in data["tensors"] and hq + "v" not in data["tensors"]
+        if cfg.qk_norm:  # modern: q_lin -> RMSNorm -> rotation
+            attn = model.blocks[l].attn
+            torch.testing.assert_close(t(p + "head2.q_normed"),
+                                       attn.q_norm(q_lin[:, 2 * D:3 * D]).detach())
+        else:
+            assert p + "head0.q_normed" not in data["tensors"]
+        assert (p + "ffn_gate" in data["tensors"]) == (cfg.mlp == "swiglu")
+    probs = F.softmax(ref["logits"], -1)
+    assert [r[0][0] for r in data["next"]] == probs.argmax(-1).tolist()
+    assert data["lens"][-1]["top"] == data["next"]
+
+
+@pytest.mark.parametrize("name", ["llama", "modern"])
+def test_variant_ablation_and_low_rank(name: str, tokenizer: CharTokenizer) -> None:
+    """A head switched off by a hook on the model's own output projection gives the
+    precomputed table; the low-rank spectrum is W_v^j·W_o^i's from the raw weights."""
+    model = _variant(name, tokenizer)
+    cfg, ids = model.config, tokenizer.encode(PROMPT)
+    H, Hkv, D = cfg.n_head, cfg.n_kv_head, cfg.head_dim
+    data = explorer_data(model, tokenizer, PROMPT, top_k=3)
+    assert [a["key"] for a in data["ablations"]][:6] == [
+        "layer0.head0", "layer0.head1", "layer0.head2", "layer0.head3", "layer0.attn",
+        "layer0.ffn"]
+    head = 3
+    out = model.blocks[1].attn.out
+
+    def zero_head(module, args):
+        r = args[0].clone()
+        r[..., head * D:(head + 1) * D] = 0
+        return (r,)
+
+    hook = out.register_forward_pre_hook(zero_head)
+    try:
+        with torch.no_grad():
+            p = F.softmax(model(torch.tensor([ids]))[0], -1)
+    finally:
+        hook.remove()
+    a = [x for x in data["ablations"] if x["key"] == f"layer1.head{head}"][0]
+    assert [[c[0] for c in row] for row in a["top"]] == torch.topk(p, 3).indices.tolist()
+    base_top = [row[0][0] for row in data["next"]]
+    assert a["orig_top_prob"] == pytest.approx([float(p[t, i]) for t, i in enumerate(base_top)],
+                                               abs=1e-6)
+    w = model.blocks[1].attn.qkv.weight.detach().double()  # rows: [q | k | v]
+    j = head // (H // Hkv)
+    w_v = w[(H + Hkv + j) * D:(H + Hkv + j + 1) * D].t()  # (E, D)
+    w_o = out.weight.detach().double()[:, head * D:(head + 1) * D].t()  # (D, E)
+    expected = torch.linalg.svdvals(w_v @ w_o)[:D]
+    lr = data["lowrank"][f"layer1.head{head}"]
+    assert lr["singular"] == pytest.approx(expected.tolist(), rel=1e-6)
+    assert lr["output_error"][D] == pytest.approx(0.0, abs=1e-4)
+
+
+def test_a_big_model_carries_a_bounded_part_and_the_rest_is_fetched(
+        tokenizer: CharTokenizer) -> None:
+    """Past the budget the page carries the opened layer's steps (and its neighbours');
+    explorer_layers gives any other layer's, equal to what a full page carries."""
+    model = _variant("llama", tokenizer)
+    full = explorer_data(model, tokenizer, PROMPT, top_k=3)
+    small = explorer_data(model, tokenizer, PROMPT, top_k=3, layer=1, max_bytes=1)
+    assert small["detail"] == [1]
+    assert not any(k.startswith("layer0.") and not k.endswith(".attn")
+                   for k in small["tensors"])
+    assert all(f"layer0.head{i}.attn" in small["tensors"] for i in range(4))  # every map
+    assert {a["key"] for a in small["ablations"]} == {
+        "layer0.attn", "layer0.ffn", "layer1.head0", "layer1.head1", "layer1.head2",
+        "layer1.head3", "layer1.attn", "layer1.ffn"}
+    assert small["lowrank"] == full["lowrank"] and small["lens"] == full["lens"]
+    part = explorer_layers(model, tokenizer, PROMPT, [0], top_k=3)
+    assert part["detail"] == [0] and part["norms"]["0"] == full["norms"]["0"]
+    for key, item in part["tensors"].items():
+        assert item == full["tensors"][key], key
+    assert set(part["tensors"]) == {k for k in full["tensors"]
+                                    if k.startswith("layer0.") and not k.endswith(".attn")}
+    assert part["ablations"] == [a for a in full["ablations"] if a["key"].startswith(
+        "layer0.head")]
+    with pytest.raises(ConfigError, match="layer 2 is out of range"):
+        explorer_layers(model, tokenizer, PROMPT, [2])
+    with pytest.raises(ConfigError, match="layers must be"):
+        explorer_layers(model, tokenizer, PROMPT, "0")
+
+
+def test_the_norm_statistics_are_the_norms(tokenizer: CharTokenizer) -> None:
+    """Step 1's note: rows of h, rescaled to RMS 1, times the gain: x. The page's numbers
+    for an RMSNorm and a LayerNorm model."""
+    for model in (_variant("llama", tokenizer), GPT(ModelConfig(
+            vocab_size=tokenizer.vocab_size, context_length=24, n_layer=1, n_head=2,
+            n_embd=16)).eval()):
+        data = explorer_data(model, tokenizer, PROMPT)
+        tr = trace(model, tokenizer.encode(PROMPT))
+        n = data["norms"]["0"]
+        h, x = tr["layer0.resid_pre"], tr["layer0.ln1"]
+        assert n["h_rms"] == pytest.approx(h.pow(2).mean(-1).sqrt().tolist(), rel=1e-5)
+        assert n["x_rms"] == pytest.approx(x.pow(2).mean(-1).sqrt().tolist(), rel=1e-4)
+        # RMS 1 but for the ε inside the root: √(m / (m + ε)), m = mean(h²) or var(h)
+        m = h.pow(2).mean(-1) if model.config.norm == "rmsnorm" else h.var(-1, unbiased=False)
+        assert n["n_rms"] == pytest.approx((m / (m + 1e-5)).sqrt().tolist(), rel=1e-5)
+        assert n["x_var"] == pytest.approx(float(x.var(unbiased=False)), rel=1e-4)
+        g = model.blocks[0].ln1.weight.detach()
+        assert n["g_rms"] == pytest.approx(float(g.pow(2).mean().sqrt()), rel=1e-5)
+        assert n["kind"] == model.config.norm

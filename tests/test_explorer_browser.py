@@ -1,7 +1,9 @@
 """The explorer page in a real browser: Debian's headless Chromium driven by Playwright.
 
 The page is loaded with every request routed to a recorder that aborts it, on a model of
-make-demo's shape (configs/demo.toml, random weights) and a 32-token prompt. Set
+make-demo's shape (configs/demo.toml, random weights) and a 32-token prompt, on a tiny
+llama-style model (RMSNorm, RoPE, grouped-query attention, SwiGLU), and on the real
+SmolLM2 GGUF (fixture ``smollm2_gguf``). Set
 TINYLM_EXPLORER_MODEL=runs/demo (a trained checkpoint) and TINYLM_EXPLORER_SHOTS=docs to
 take the screenshots of docs/explain.md from a real model with the same tests.
 """
@@ -297,4 +299,178 @@ def test_live_mode_posts_the_prompt_and_renders_the_answer(browser) -> None:
     assert posted[-1] == {"prompt": "a list is sorted", "top_k": 3}
     _view(pg, "next")
     assert len(_table(pg, "#next-table")[0]) == 3
+    context.close()
+
+
+# --- a llama-style model (RMSNorm, RoPE, GQA, SwiGLU, untied head): every view and step ----
+
+
+@pytest.fixture(scope="module")
+def llama():
+    from tinylm.core.config import ARCH_PRESETS
+
+    tok = CharTokenizer("abcdefghijklmnopqrstuvwxyz ,.")
+    torch.manual_seed(3)
+    model = GPT(ModelConfig(vocab_size=tok.vocab_size, context_length=64, n_layer=3, n_head=4,
+                            n_kv_head=2, n_embd=32, **ARCH_PRESETS["llama"]))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(4.0) if p.dim() > 1 else p.add_(0.3 * torch.randn_like(p))
+    return model.eval(), tok
+
+
+LLAMA_STEPS = ["x", "qkv", "rope", "scores", "scaled", "masked", "softmax", "av", "wo", "ffn"]
+
+
+def test_llama_page_every_view_and_step_with_the_models_numbers(browser, llama) -> None:
+    model, tok = llama
+    data = explorer_data(model, tok, PROMPT, layer=1, head=3)
+    context = browser.new_context(viewport={"width": 1280, "height": 860})
+    requests, errors = [], []
+    context.route("**/*", lambda route: (requests.append(route.request.url), route.abort()))
+    pg = context.new_page()
+    pg.on("pageerror", lambda e: errors.append(str(e)))
+    pg.set_content(render_explorer(data), wait_until="load")
+    summary = pg.locator("#summary").text_content()
+    assert "RMSNorm" in summary and "RoPE" in summary and "SwiGLU" in summary
+    assert "grouped-query attention (4 query, 2 key/value heads)" in summary
+    steps = pg.locator("#steps button").evaluate_all("bs => bs.map(b => b.dataset.step)")
+    assert steps == LLAMA_STEPS
+    for name in VIEWS:
+        _view(pg, name)
+    _view(pg, "steps")
+    # the model's own q and k after the rotation, and its own attention weights
+    with torch.no_grad():
+        x = trace(model, data["ids"])["layer1.ln1"]
+        q, k, _ = model.blocks[1].attn._heads(x[None])  # (1, 4, C, D), (1, 2, C, D)
+        _, maps = model.forward_with_attention(torch.tensor([data["ids"]]))
+    for step in LLAMA_STEPS:
+        pg.click(f"#steps button[data-step={step}]")
+        assert pg.locator("#step-maps canvas").count() >= 1, step
+        assert pg.locator("#step-maps .legend").count() == pg.locator(
+            "#step-maps canvas").count(), step  # every heatmap has its colour scale
+        assert pg.locator("#step-note").text_content() or step in ("av", "wo"), step
+    pg.click("#steps button[data-step=rope]")
+    names = pg.locator("#step-maps canvas").evaluate_all("cs => cs.map(c => c.dataset.name)")
+    # head 3 reads key/value head 1, whose tensors go by its first query head, 2
+    assert names == ["layer1.head3.q_lin", "layer1.head3.q", "layer1.head2.k_lin",
+                     "layer1.head2.k"]
+    assert "shared by query heads 2\u20133" in pg.locator("#step-maps").text_content()
+    for name, ref, (i, j) in [("layer1.head3.q", q[0, 3], (20, 5)),
+                              ("layer1.head2.k", k[0, 1], (31, 7))]:
+        exact, shown = _hover_cell(pg, name, i, j)
+        assert abs(exact - float(ref[i, j])) <= 1e-5 and abs(shown - float(ref[i, j])) <= 1e-5
+    pg.click("#steps button[data-step=softmax]")
+    exact, _ = _hover_cell(pg, "layer1.head3.attn", 12, 3)
+    assert abs(exact - float(maps[1, 0, 3, 12, 3])) <= 1e-6
+    # the axes carry the tokens: rows (queries) and, on a map, columns (keys)
+    labels = pg.locator("#step-maps .ylab span").all_text_contents()
+    assert labels[:3] == ["t", "h", "e"] and len(labels) == len(data["ids"])
+    assert pg.locator("#step-maps .xlab span").count() == len(data["ids"])
+    legend = pg.locator("#step-maps .legend")
+    assert (legend.get_attribute("data-lo"), legend.get_attribute("data-hi")) == ("0", "1")
+    pg.click("#steps button[data-step=scaled]")
+    note = pg.locator("#step-note")
+    assert "divided by exactly D = 8" in note.text_content() and "E[q\u00b2]" in note.text_content()
+    assert float(note.get_attribute("data-qq")) == pytest.approx(
+        float(q[0, 3].pow(2).mean()), rel=1e-5)
+    pg.click("#steps button[data-step=x]")
+    assert "RMS" in pg.locator("#step-note").text_content()
+    assert requests == [] and errors == []
+    context.close()
+
+
+def test_llama_page_fetches_a_layer_it_does_not_carry(browser, llama) -> None:
+    """A page over its budget carries the opened layer; the static page says how to open
+    another, the live one fetches it from /v1/explore (here Playwright plays the server)."""
+    from tinylm.use.explorer import explorer_layers
+
+    model, tok = llama
+    small = explorer_data(model, tok, PROMPT, layer=1, head=0, max_bytes=1)
+    assert small["detail"] == [1]
+    context = browser.new_context()
+    posted = []
+
+    def explore(route):
+        body = json.loads(route.request.post_data)
+        posted.append(body)
+        if "layers" in body:
+            answer = explorer_layers(model, tok, body["prompt"], body["layers"],
+                                     top_k=body["top_k"])
+        else:
+            answer = explorer_data(model, tok, body["prompt"], top_k=body["top_k"], layer=1,
+                                   max_bytes=1)
+        route.fulfill(status=200, content_type="application/json", body=json.dumps(answer))
+
+    static = context.new_page()
+    static.set_content(render_explorer(small), wait_until="load")
+    static.select_option("#layer", "2")
+    assert "--layer 2" in static.locator("#step-maps .missing").text_content()
+    _view(static, "maps")  # every layer's maps are there
+    assert static.locator("#maps-grid canvas").count() == 3 * 4
+    page_html = render_explorer(None, endpoint="/v1/explore")
+    context.route("**/*", lambda route: route.abort())
+    context.route("**/v1/explore", explore)
+    context.route("**/explorer", lambda r: r.fulfill(content_type="text/html", body=page_html))
+    live = context.new_page()
+    errors = []
+    live.on("pageerror", lambda e: errors.append(str(e)))
+    live.goto("http://tinylm.test/explorer")
+    live.fill("#prompt-input", PROMPT)
+    live.click("#run")
+    live.wait_for_function("document.querySelectorAll('#tokens .tok').length > 0")
+    live.select_option("#layer", "0")
+    live.wait_for_function("document.querySelector('#step-maps canvas') !== null")
+    assert posted[-1] == {"prompt": PROMPT, "top_k": 5, "layers": [0]}
+    assert live.locator("#step-maps canvas").get_attribute("data-name") == "layer0.ln1"
+    _view(live, "ablation")  # layer 0's single heads arrived with its steps
+    keys = live.locator("#ablate option").evaluate_all("os => os.map(o => o.value)")
+    assert "layer0.head2" in keys and keys.index("layer0.head2") < keys.index("layer0.attn")
+    assert errors == []
+    context.close()
+
+
+def test_the_real_smollm2_page(browser, smollm2_gguf, tmp_path_factory, monkeypatch) -> None:
+    """`tinylm explain --model SmolLM2.gguf --html` (30 layers × 9 heads, GQA 9/3): the page
+    is bounded and loads in Chromium; the layer and head pickers work."""
+    from tinylm.cli import main
+
+    monkeypatch.setenv("TINYLM_GGUF_CACHE", str(tmp_path_factory.mktemp("gguf-cache")))
+    out = tmp_path_factory.mktemp("smollm2-page") / "out.html"
+    assert main(["explain", "--model", str(smollm2_gguf), "--html", str(out), "--prompt",
+                 "The capital of France is", "--layer", "12", "--head", "7"]) == 0
+    size = out.stat().st_size
+    assert size < 12_000_000, size  # bounded: the opened layer's steps and its neighbours'
+    context = browser.new_context(viewport={"width": 1280, "height": 860})
+    requests, errors = [], []
+
+    def only_the_file(route):
+        if route.request.url == out.as_uri():
+            route.continue_()
+        else:
+            requests.append(route.request.url)
+            route.abort()
+
+    context.route("**/*", only_the_file)
+    pg = context.new_page()
+    pg.on("pageerror", lambda e: errors.append(str(e)))
+    pg.goto(out.as_uri())
+    summary = pg.locator("#summary").text_content()
+    assert "30 layers, H = 9 heads" in summary and "(9 query, 3 key/value heads)" in summary
+    assert pg.locator("#layer option").count() == 30 and pg.locator("#head option").count() == 9
+    data = pg.evaluate("window.tinylmExplorer.data().detail")
+    assert 12 in data and len(data) < 30
+    pg.click("#steps button[data-step=rope]")
+    assert pg.locator("#step-maps canvas").evaluate_all("cs => cs.map(c => c.dataset.name)") == [
+        "layer12.head7.q_lin", "layer12.head7.q", "layer12.head6.k_lin", "layer12.head6.k"]
+    pg.select_option("#layer", "29")
+    pg.select_option("#head", "8")
+    for name in VIEWS:
+        _view(pg, name)
+    _view(pg, "lowrank")
+    assert pg.locator("#lowrank-bars div").count() == 64
+    _view(pg, "next")
+    top = pg.locator("#next-table tr:last-child td[data-id]").first.text_content()
+    assert "Paris" in top  # the real model's next token after "The capital of France is"
+    assert requests == [] and errors == []
     context.close()

@@ -11,7 +11,7 @@ from serve_support import (
     one_torch_thread,  # noqa: F401  (autouse: one torch thread)
     tiny_model_and_tokenizer,
 )
-from tinylm.use.explorer import explorer_data
+from tinylm.use.explorer import explorer_data, explorer_layers
 
 CHROMIUM = "/usr/bin/chromium"
 ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -24,8 +24,16 @@ def test_explore_endpoint_is_explorer_data_and_bad_input_is_a_4xx():
         r = httpx.post(url + "/v1/explore", json={"prompt": "The cat sat", "top_k": 3})
         assert r.status_code == 200
         assert r.json() == explorer_data(model, tok, "The cat sat", top_k=3)
+        r = httpx.post(url + "/v1/explore", json={"prompt": "The cat sat", "top_k": 2,
+                                                  "layer": 1, "head": 1})
+        assert r.json() == explorer_data(model, tok, "The cat sat", top_k=2, layer=1, head=1)
+        # a layer's step-by-step part alone: what the live page fetches for a layer
+        r = httpx.post(url + "/v1/explore", json={"prompt": "The cat sat", "layers": [1]})
+        assert r.status_code == 200
+        assert r.json() == explorer_layers(model, tok, "The cat sat", [1])
         for body in [{"prompt": ""}, {"prompt": "The cat " * 20}, {"prompt": "x", "top_k": 0},
-                     {"prompt": "x", "model": "other"}]:
+                     {"prompt": "x", "model": "other"}, {"prompt": "x", "layer": 99},
+                     {"prompt": "x", "layers": [99]}, {"prompt": "x", "layers": "0"}]:
             bad = httpx.post(url + "/v1/explore", json=body)
             assert 400 <= bad.status_code < 500, body
             assert bad.json()["error"]["message"]

@@ -56,7 +56,7 @@ from tinylm.serve.schemas import (
     parse_explain,
     parse_json,
 )
-from tinylm.use.explorer import explorer_data, render_explorer
+from tinylm.use.explorer import explorer_data, explorer_layers, render_explorer
 from tinylm.use.inspection import explain
 
 log = logging.getLogger(__name__)
@@ -345,13 +345,21 @@ async def explain_route(server: Server, request: Request) -> Response:
 
 async def explore_route(server: Server, request: Request) -> Response:
     """The explorer's data for a prompt: exactly what explorer_data returns (the page at
-    /explorer posts {"prompt", "top_k"} here and draws the answer)."""
-    req = parse_explain(await _body(server, request))
+    /explorer posts {"prompt", "top_k"} here, with "layer"/"head" to open on, and draws
+    the answer); with "layers", only those layers' step-by-step part (explorer_layers),
+    which the page fetches when it opens a layer it does not carry."""
+    body = await _body(server, request)
+    req = parse_explain(body)
     _check_model(server, req.model)
     ids = server.tokenizer.encode(req.prompt)
     check_prompt(ids, server.limits.context_length, server.model.config.vocab_size)
-    data = await asyncio.to_thread(explorer_data, server.model, server.tokenizer, req.prompt,
-                                   top_k=req.top_k)
+    if "layers" in body:
+        data = await asyncio.to_thread(explorer_layers, server.model, server.tokenizer,
+                                       req.prompt, body["layers"], top_k=req.top_k)
+    else:
+        data = await asyncio.to_thread(explorer_data, server.model, server.tokenizer,
+                                       req.prompt, top_k=req.top_k,
+                                       layer=body.get("layer", 0), head=body.get("head", 0))
     return JSONResponse(data)
 
 

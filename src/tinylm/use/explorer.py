@@ -39,7 +39,6 @@ from tinylm.use.inspection import (
     Neighbour,
     Trace,
     ablated_logits,
-    ablation_keys,
     check_traceable,
     encode_prompt,
     explain,
@@ -52,9 +51,16 @@ from tinylm.use.inspection import (
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1  # the version of explorer_data's layout, read by the page
-_HEAD_VALUES = ("q", "k", "v", "scores", "attn", "out", "contrib")
-_LAYER_VALUES = ("ln1", "attn_out", "attn_concat")
+FORMAT = 2  # the version of explorer_data's layout, read by the page
+# Per query head, per key/value head (named by the first query head reading it), per
+# layer: the step-by-step tensors of the layers a page carries in full (``detail``).
+_HEAD_VALUES = ("q", "q_lin", "q_normed", "scores", "out", "contrib")
+_KV_VALUES = ("k", "k_lin", "k_normed", "v")
+_LAYER_VALUES = ("ln1", "attn_out", "attn_concat", "ffn_pre", "ffn_gate", "ffn_post",
+                 "ffn_out")
+#: The default budget of a page's step-by-step tensors (base64 bytes): every layer when
+#: they fit, else the opened layer and its neighbours (the live page fetches any other).
+DETAIL_BYTES = 6_000_000
 
 
 def encode_tensor(t: Tensor) -> dict[str, Any]:
@@ -85,37 +91,76 @@ def _logit_lens(base: GPT, tr: Trace, k: int) -> list[dict[str, Any]]:
     after each layer: softmax(lm_head(final_norm(x))) — the last equals the output."""
     stages = [("embedding", "embed")] + [(f"after layer {l}", f"layer{l}.resid_post")
                                          for l in range(tr.sizes["L"])]
-    dev = next(base.parameters()).device
+    p = next(base.parameters())
     out = []
     with torch.inference_mode():
         for label, name in stages:
-            x = tr[name].to(dev, next(base.parameters()).dtype)
+            x = tr[name].to(p.device, p.dtype)
             out.append({"label": label, "name": name,
-                        "top": _top(base.lm_head(base.final_norm(x)).cpu(), k)})
+                        "top": _top(base.lm_head(base.final_norm(x)).float().cpu(), k)})
     return out
 
 
-def _ablations(base: GPT, ids: list[int], base_top: list[int], k: int) -> list[dict[str, Any]]:
-    """For every single ablation key, the next-token table with that part switched off
-    and the probability it leaves to each position's original top token."""
-    keys = ablation_keys(base.config.n_layer, base.config.n_head)
-    logits = ablated_logits(base, ids, keys)  # (K, C, V)
-    probs = F.softmax(logits, dim=-1)
+def _ablations(base: GPT, tr: Trace, base_top: list[int], k: int, head_layers: Sequence[int],
+               whole_layers: bool = True) -> list[dict[str, Any]]:
+    """For single ablation keys (each head of ``head_layers``; with ``whole_layers`` each
+    layer's attention and FFN), the next-token table with that part switched off and the
+    probability it leaves to each position's original top token. Layer l's keys start
+    from the traced residual stream entering block l (the blocks before it are unchanged
+    by them), and each layer's logits are reduced to top-k at once."""
+    cfg, ids = base.config, list(tr.ids)
     pos = torch.arange(len(ids))
-    return [{"key": key, "top": _top(logits[b], k),
-             "orig_top_prob": [round(float(p), 6) for p in probs[b, pos, base_top]]}
-            for b, key in enumerate(keys)]
+    out = []
+    for l in range(cfg.n_layer):
+        keys = [f"layer{l}.head{i}" for i in range(cfg.n_head)] if l in head_layers else []
+        keys += [f"layer{l}.attn", f"layer{l}.ffn"] if whole_layers else []
+        if not keys:
+            continue
+        logits = ablated_logits(base, ids, keys, residual=tr[f"layer{l}.resid_pre"], start=l)
+        probs = F.softmax(logits, dim=-1)  # (keys, C, V)
+        out += [{"key": key, "top": _top(logits[b], k),
+                 "orig_top_prob": [round(float(p), 6) for p in probs[b, pos, base_top]]}
+                for b, key in enumerate(keys)]
+    return out
+
+
+def _matrix(linear: nn.Module) -> tuple[Tensor, Tensor | None]:
+    """The (in, out) matrix W of x·W + b and b of any Linear-like layer (a plain, low-rank
+    or quantized one alike): its outputs for the unit vectors, minus its bias."""
+    if type(linear) is nn.Linear:
+        w, b = linear.weight.detach().t(), linear.bias
+        return w.float().cpu(), None if b is None else b.detach().float().cpu()
+    floats = [t for t in [*linear.parameters(), *linear.buffers()] if t.is_floating_point()]
+    kw = {"dtype": floats[0].dtype, "device": floats[0].device}
+    n_in = linear.in_features
+    with torch.no_grad():
+        zero = linear(torch.zeros(1, n_in, **kw))[0]
+        w = linear(torch.eye(n_in, **kw)) - zero
+    bias = getattr(linear, "bias", None)
+    return w.float().cpu(), None if bias is None else zero.float().cpu()
 
 
 def head_weights(base: GPT, layer: int, head: int) -> tuple[Tensor, Tensor, Tensor | None]:
-    """W_v^i (E, D), W_o^i (D, E) in the note's x·W orientation, and b_v^i (D,) or None."""
+    """W_v^i (E, D), W_o^i (D, E) in the note's x·W orientation, and b_v^i (D,) or None;
+    under grouped-query attention W_v^i is that of the key/value head query head i reads."""
     attn = base.blocks[layer].attn
-    H, D = attn.n_head, attn.head_dim
-    rows = slice(2 * H * D + head * D, 2 * H * D + (head + 1) * D)
-    w_v = attn.qkv.weight.detach()[rows].t()  # (E, D)
-    w_o = attn.out.weight.detach()[:, head * D:(head + 1) * D].t()  # (D, E)
-    b = attn.qkv.bias
-    return w_v.float().cpu(), w_o.float().cpu(), None if b is None else b.detach()[rows].float()
+    H, Hkv, D = attn.n_head, attn.n_kv_head, attn.head_dim
+    j = head // (H // Hkv)
+    cols = slice((H + Hkv + j) * D, (H + Hkv + j + 1) * D)
+    w_qkv, b_qkv = _matrix(attn.qkv)  # (E, (H + 2·H_kv)·D)
+    w_out, _ = _matrix(attn.out)  # (H·D, E)
+    b_v = None if b_qkv is None else b_qkv[cols]
+    return w_qkv[:, cols], w_out[head * D:(head + 1) * D], b_v
+
+
+def _factored_svd(w_v: Tensor, w_o: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The thin SVD u (E, r), s (r,), vh (r, E) of M = W_v·W_o (rank r <= D) without
+    forming M: W_v = Q_a·R_a, W_oᵀ = Q_b·R_b, so M = Q_a·(R_a·R_bᵀ)·Q_bᵀ and the SVD
+    of the small R_a·R_bᵀ gives M's (a head's D × D instead of E × E)."""
+    qa, ra = torch.linalg.qr(w_v)  # (E, r), (r, D)
+    qb, rb = torch.linalg.qr(w_o.t())  # (E, r), (r, D)
+    u, s, vh = torch.linalg.svd(ra @ rb.t())  # (r, r) each
+    return qa @ u, s, vh @ qb.t()
 
 
 def low_rank(base: GPT, tr: Trace, layer: int, head: int) -> dict[str, Any]:
@@ -124,10 +169,8 @@ def low_rank(base: GPT, tr: Trace, layer: int, head: int) -> dict[str, Any]:
     of the matrix (‖M − M_r‖_F / ‖M‖_F = √(Σ_{j>r} s_j²) / √(Σ s_j²), Eckart–Young) and
     of the head's contribution A·(x·M_r + b_v·W_o^i) on this prompt."""
     w_v, w_o, b_v = head_weights(base, layer, head)
-    m = w_v.double() @ w_o.double()  # (E, D)·(D, E) -> (E, E)
-    u, s, vh = torch.linalg.svd(m)
-    D = min(w_v.shape)  # the rank bound: D, or E if a head is wider than the stream
-    s = s[:D]
+    u, s, vh = _factored_svd(w_v.double(), w_o.double())
+    D = s.shape[0]  # the rank bound: D, or E if a head is wider than the stream
     total = float((s ** 2).sum())
     p = f"layer{layer}.head{head}."
     x, a, contrib = tr[f"layer{layer}.ln1"].double(), tr[p + "attn"].double(), \
@@ -136,7 +179,7 @@ def low_rank(base: GPT, tr: Trace, layer: int, head: int) -> dict[str, Any]:
     tail = torch.cat([(s ** 2).flip(0).cumsum(0).flip(0), s.new_zeros(1)])  # Σ_{j>=r} s_j²
     weight_err = (tail / total).clamp(min=0).sqrt().tolist() if total else [0.0] * (D + 1)
     # A·(x·M_r + b_v·W_o^i) = A·b_v·W_o^i + Σ_{j<=r} (A·x·u_j)·s_j·v_jᵀ, for every r at once
-    parts = ((a @ (x @ u[:, :D])) * s)[:, :, None] * vh[:D][None]  # (C, D, E)
+    parts = ((a @ (x @ u)) * s)[:, :, None] * vh[None]  # (C, D, E)
     partial = torch.cat([parts.new_zeros(parts.shape[0], 1, parts.shape[2]),
                          parts.cumsum(1)], 1)  # (C, D + 1, E)
     fixed = torch.zeros_like(contrib)  # A·b_v·W_o^i: the bias's share, kept at every r
@@ -153,11 +196,81 @@ def _check_choice(name: str, value: Any, count: int, flag: str) -> None:
                           f"{name}s (0..{count - 1}); pass {flag} between 0 and {count - 1}")
 
 
+def _layer_names(tr: Trace, cfg: Any, l: int) -> list[str]:
+    """The names of layer l's step-by-step tensors a page carries (those the model has)."""
+    n_rep = cfg.n_head // cfg.n_kv_head
+    names = [f"layer{l}.{n}" for n in _LAYER_VALUES]
+    for i in range(cfg.n_head):
+        names += [f"layer{l}.head{i}.{n}" for n in _HEAD_VALUES]
+        if i % n_rep == 0:  # the first query head of a group names its key/value head
+            names += [f"layer{l}.head{i}.{n}" for n in _KV_VALUES]
+    return [n for n in names if n in tr]
+
+
+def detail_layers(tr: Trace, cfg: Any, layer: int, max_bytes: int = DETAIL_BYTES
+                  ) -> list[int]:
+    """The layers whose step-by-step tensors fit ``max_bytes`` of base64: all of them, or
+    ``layer`` and its nearest neighbours (at least ``layer`` itself)."""
+    size = 4 * 4 / 3 * sum(tr[n].numel() for n in _layer_names(tr, cfg, layer))
+    count = max(1, min(cfg.n_layer, int(max_bytes // max(size, 1.0))))
+    start = max(0, min(layer - (count - 1) // 2, cfg.n_layer - count))
+    return list(range(start, start + count))
+
+
+def _norm_stats(base: GPT, tr: Trace, l: int) -> dict[str, Any]:
+    """What layer l's first norm does to each row (token) of the residual stream h:
+    h's mean and RMS, the normalised row n (LayerNorm: (h − mean)/std, RMSNorm: h/RMS)
+    whose RMS is 1, then x = n·g (+ b) with the learned gain g (E,)."""
+    norm = base.blocks[l].ln1
+    h, x = tr[f"layer{l}.resid_pre"].double(), tr[f"layer{l}.ln1"].double()
+    eps = float(norm.eps)
+    if isinstance(norm, nn.LayerNorm):
+        n = (h - h.mean(-1, keepdim=True)) / (h.var(-1, unbiased=False, keepdim=True)
+                                              + eps).sqrt()
+    else:
+        n = h * (h.pow(2).mean(-1, keepdim=True) + eps).rsqrt()
+    g = norm.weight.detach().double().cpu()
+
+    def r(v: Any) -> float:  # 7 significant digits, as float32 carries
+        return float(f"{float(v):.7g}")
+
+    def rms(t: Tensor) -> list[float]:
+        return [r(v) for v in t.pow(2).mean(-1).sqrt()]
+
+    return {"kind": "rmsnorm" if not isinstance(norm, nn.LayerNorm) else "layernorm",
+            "h_mean": [r(v) for v in h.mean(-1)], "h_rms": rms(h), "n_rms": rms(n),
+            "x_rms": rms(x), "g_rms": r(g.pow(2).mean().sqrt()), "g_mean": r(g.mean()),
+            "x_var": r(x.var(unbiased=False)), "h_var": r(h.var(unbiased=False))}
+
+
+def layer_data(base: GPT, tr: Trace, layers: Sequence[int]) -> dict[str, Any]:
+    """The step-by-step tensors of ``layers`` and what their norms did: the part of a
+    page that :func:`explorer_data` bounds, and ``POST /v1/explore`` with ``layers``
+    answers alone (the live page fetching a layer it does not have)."""
+    cfg = base.config
+    for l in layers:
+        _check_choice("layer", l, cfg.n_layer, "--layer")
+    tensors = {n: encode_tensor(tr[n]) for l in layers for n in _layer_names(tr, cfg, l)}
+    return {"detail": sorted(set(layers)), "tensors": tensors,
+            "norms": {str(l): _norm_stats(base, tr, l) for l in layers}}
+
+
+def architecture(cfg: Any) -> dict[str, Any]:
+    """The parts the page names: norm, positions, FFN, heads and their sharing, the head."""
+    return {"norm": cfg.norm, "position": cfg.position, "rope_theta": cfg.rope_theta,
+            "mlp": cfg.mlp, "qk_norm": cfg.qk_norm, "n_kv_head": cfg.n_kv_head,
+            "tied": cfg.tie_embeddings, "bias": cfg.bias, "qkv_bias": cfg.qkv_bias}
+
+
 def explorer_data(model: nn.Module, tokenizer: Any, prompt: str | Sequence[int], *,
-                  top_k: int = 5, layer: int = 0, head: int = 0) -> dict[str, Any]:
+                  top_k: int = 5, layer: int = 0, head: int = 0,
+                  max_bytes: int = DETAIL_BYTES) -> dict[str, Any]:
     """Everything the explorer page shows for ``prompt``, as one JSON-ready dict (the
     page's static data, and the body ``POST /v1/explore`` answers with). ``layer`` and
-    ``head`` are the ones the page opens on."""
+    ``head`` are the ones the page opens on. Every layer's attention maps, logit lens,
+    ablations and low-rank spectra are in it; the step-by-step tensors of the layers
+    that fit ``max_bytes`` (:func:`detail_layers`: all of a small model's), and the
+    ablations of their single heads (every layer's attention and FFN ablations)."""
     base = check_traceable(model)
     cfg = base.config
     _check_choice("layer", layer, cfg.n_layer, "--layer")
@@ -169,29 +282,51 @@ def explorer_data(model: nn.Module, tokenizer: Any, prompt: str | Sequence[int],
         raise DataError(f"token id {max(ids)} is outside the model's vocabulary of "
                         f"{cfg.vocab_size}; the tokenizer does not belong to this model")
     tr = trace(base, ids)
-    tensors = {}
-    for l in range(cfg.n_layer):
-        for name in _LAYER_VALUES:
-            tensors[f"layer{l}.{name}"] = encode_tensor(tr[f"layer{l}.{name}"])
-        for i in range(cfg.n_head):
-            for name in _HEAD_VALUES:
-                key = f"layer{l}.head{i}.{name}"
-                tensors[key] = encode_tensor(tr[key])
     nxt = _top(tr["logits"], top_k)
+    detail = detail_layers(tr, cfg, layer, max_bytes)
     data = {
         "format": FORMAT, "prompt": prompt if isinstance(prompt, str) else None,
         "ids": ids, "tokens": [token_text(tokenizer, i) for i in ids],
-        "sizes": tr.sizes, "select": {"layer": layer, "head": head},
-        "tensors": tensors, "next": nxt, "lens": _logit_lens(base, tr, top_k),
-        "ablations": _ablations(base, ids, [row[0][0] for row in nxt], top_k),
+        "sizes": {**tr.sizes, "Hkv": cfg.n_kv_head}, "arch": architecture(cfg),
+        "select": {"layer": layer, "head": head},
+        **layer_data(base, tr, detail),
+        "next": nxt, "lens": _logit_lens(base, tr, top_k),
+        "ablations": _ablations(base, tr, [row[0][0] for row in nxt], top_k, detail),
         "lowrank": {f"layer{l}.head{i}": low_rank(base, tr, l, i)
                     for l in range(cfg.n_layer) for i in range(cfg.n_head)},
     }
+    for l in range(cfg.n_layer):  # the maps of every layer (the Maps view shows them all)
+        for i in range(cfg.n_head):
+            data["tensors"][f"layer{l}.head{i}.attn"] = encode_tensor(tr[f"layer{l}.head{i}.attn"])
     used = set(ids) | {c[0] for rows in [nxt] + [s["top"] for s in data["lens"]]
                               + [a["top"] for a in data["ablations"]] for row in rows
                               for c in row}
     data["vocab"] = {str(i): token_text(tokenizer, i) for i in sorted(used)}
     return data
+
+
+def explorer_layers(model: nn.Module, tokenizer: Any, prompt: str | Sequence[int],
+                    layers: Any, *, top_k: int = 5) -> dict[str, Any]:
+    """Only the step-by-step part (:func:`layer_data`) of ``layers`` for ``prompt`` and
+    the ablations of their heads: what the live page asks ``POST /v1/explore`` for
+    (``{"prompt", "top_k", "layers"}``) when it opens a layer it does not carry."""
+    base = check_traceable(model)
+    cfg = base.config
+    if not isinstance(layers, (list, tuple)) or not 1 <= len(layers) <= cfg.n_layer:
+        raise ConfigError(f"layers must be a list of 1 to {cfg.n_layer} layer numbers, got "
+                          f"{layers!r}")
+    if not is_int(top_k) or not 1 <= top_k <= 50:
+        raise ConfigError(f"top-k must be an integer in 1..50, got {top_k!r}; use --top-k 5")
+    ids = encode_prompt(tokenizer, prompt, cfg.context_length)
+    for l in layers:
+        _check_choice("layer", l, cfg.n_layer, "layers")
+    tr = trace(base, ids)
+    top = [row[0][0] for row in _top(tr["logits"], 1)]
+    ablations = _ablations(base, tr, top, top_k, list(layers), whole_layers=False)
+    used = {c[0] for a in ablations for row in a["top"] for c in row}
+    return {"format": FORMAT, "ids": ids, **layer_data(base, tr, list(layers)),
+            "ablations": ablations,
+            "vocab": {str(i): token_text(tokenizer, i) for i in sorted(used)}}
 
 
 def _asset(name: str) -> str:
@@ -285,8 +420,13 @@ __all__ = [
     "ExplainReport",
     "decode_tensor",
     "encode_tensor",
+    "DETAIL_BYTES",
+    "architecture",
+    "detail_layers",
     "explorer_data",
+    "explorer_layers",
     "head_weights",
+    "layer_data",
     "low_rank",
     "render_explorer",
     "run_explain",

@@ -35,13 +35,17 @@ from torch import Tensor, nn
 
 from tinylm.core.attention import (
     MultiHeadAttention,
+    RMSNorm,
+    apply_rope,
     attention_weights,
     causal_mask,
     explicit_attention,
+    repeat_kv,
+    rope_angles_at,
 )
 from tinylm.core.checks import check_int
 from tinylm.core.errors import ConfigError, DataError
-from tinylm.core.model import GPT, FeedForward
+from tinylm.core.model import GPT, FeedForward, GatedFeedForward, ReLUSquared
 from tinylm.io.checkpoint import unwrap_model
 from tinylm.io.files import atomic_write_with
 
@@ -178,15 +182,15 @@ def explain(model: nn.Module, tokenizer: Any, prompt: str | Sequence[int], *,
 
 # --- the trace: every intermediate of one forward pass ----------------------------------
 
-# ModelConfig fields the trace knows. Fields of architecture variants (tinylm's arch
-# options) must hold GPT-2's value; any other field must be at its default, else the
-# trace refuses the model rather than compute numbers that are not the model's.
+# ModelConfig fields the trace knows: every architecture option tinylm builds (LayerNorm
+# or RMSNorm, learned or rotary positions, GELU / ReLU² / SwiGLU FFNs, grouped-query
+# attention, QK-norm, QKV-only biases, tied or untied heads). A field it has never heard
+# of (a subclass's variant) must be at its default, else the trace refuses the model
+# rather than compute numbers that are not the model's.
 _KNOWN_FIELDS = frozenset({"vocab_size", "context_length", "n_layer", "n_head", "n_embd",
                            "head_dim", "dropout", "bias", "tie_embeddings", "layer_norm_eps",
-                           "norm_eps", "rope_theta", "ffn_hidden", "qkv_bias"})
-_GPT2_VALUES = {"norm": lambda c, v: v == "layernorm", "position": lambda c, v: v == "learned",
-                "mlp": lambda c, v: v == "gelu", "qk_norm": lambda c, v: not v,
-                "n_kv_head": lambda c, v: v is None or v == c.n_head}
+                           "norm_eps", "rope_theta", "ffn_hidden", "qkv_bias", "norm",
+                           "position", "mlp", "qk_norm", "n_kv_head"})
 
 # The shape of each traced value in the note's letters, by the last part of its name.
 SHAPES = {
@@ -197,22 +201,30 @@ SHAPES = {
     "resid_mid": "(C, E)", "ln2": "(C, E)", "ffn_pre": "(C, F)", "ffn_post": "(C, F)",
     "ffn_out": "(C, E)", "resid_post": "(C, E)", "final_norm": "(C, E)", "logits": "(C, V)",
 }
+# ... and of the values only the variants have (QK-norm, RoPE, SwiGLU).
+VARIANT_SHAPES = {"q_lin": "(C, D)", "k_lin": "(C, D)", "q_normed": "(C, D)",
+                  "k_normed": "(C, D)", "ffn_gate": "(C, F)"}
 
 
 @dataclass(frozen=True)
 class Trace:
     """Every intermediate of one forward pass over C tokens, fp32 CPU, by stable name.
 
-    ``embed.tok``, ``embed.pos``, ``embed`` (C, E); per layer l ``layer{l}.resid_pre``,
-    ``.ln1`` (the x of the note), per head i ``layer{l}.head{i}.q/.k/.v`` (C, D),
-    ``.scores`` = Q·Kᵀ, ``.scaled`` = Q·Kᵀ/√D, ``.masked`` (−inf above the diagonal),
-    ``.attn`` = softmax (C, C), ``.out`` = R^i = A·V (C, D), ``.contrib`` = R^i·W_o^i
-    (C, E); then ``layer{l}.concat`` [R^1 … R^H] (C, H·D), ``.attn_concat`` (the concat
-    form, [R^1 … R^H]·W_o + b_o), ``.attn_out`` (the sum form, Σ_i R^i·W_o^i + b_o, what
-    the residual gets), ``.resid_mid``, ``.ln2``, ``.ffn_pre`` / ``.ffn_post`` (C, F,
-    before / after GELU; F = 4E in GPT-2), ``.ffn_out``, ``.resid_post``; finally
-    ``final_norm`` (C, E) and ``logits`` (C, V). ``shape(name)`` gives the letters,
-    ``sizes`` their values.
+    ``embed.tok``, ``embed.pos`` (learned positions only), ``embed`` (C, E); per layer l
+    ``layer{l}.resid_pre``, ``.ln1`` (the x of the note: LayerNorm or RMSNorm of it), per
+    query head i ``layer{l}.head{i}.q_lin`` / ``.k_lin`` (x·W + b, (C, D)), with QK-norm
+    ``.q_normed`` / ``.k_normed`` (under RoPE; without it they are the final q, k), then
+    ``.q`` / ``.k`` (what enters the scores: rotated by position under RoPE) and ``.v``;
+    ``_lin`` exists only where a stage follows it. Under grouped-query attention head i's
+    ``k*`` and ``v`` are those of key/value head i // (H / H_kv). ``.scores`` = Q·Kᵀ,
+    ``.scaled`` = Q·Kᵀ/√D, ``.masked`` (−inf above the diagonal), ``.attn`` = softmax
+    (C, C), ``.out`` = R^i = A·V (C, D),
+    ``.contrib`` = R^i·W_o^i (C, E); then ``layer{l}.concat`` [R^1 … R^H] (C, H·D),
+    ``.attn_concat`` ([R^1 … R^H]·W_o + b_o), ``.attn_out`` (Σ_i R^i·W_o^i + b_o, what the
+    residual gets), ``.resid_mid``, ``.ln2``, ``.ffn_pre`` (the up projection, (C, F)),
+    ``.ffn_gate`` (SwiGLU's gate projection), ``.ffn_post`` (after the activation: GELU,
+    ReLU², or SiLU(gate)·up), ``.ffn_out``, ``.resid_post``; finally ``final_norm`` (C, E)
+    and ``logits`` (C, V). ``shape(name)`` gives the letters, ``sizes`` their values.
     """
 
     ids: tuple[int, ...]
@@ -232,12 +244,38 @@ class Trace:
     @staticmethod
     def shape(name: str) -> str:
         """The shape of ``name`` in the note's letters, e.g. ``(C, D)``."""
-        return SHAPES[name.rsplit(".", 1)[-1]]
+        last = name.rsplit(".", 1)[-1]
+        return SHAPES[last] if last in SHAPES else VARIANT_SHAPES[last]
+
+
+def _norm_kind(cfg: Any) -> type:
+    return RMSNorm if cfg.norm == "rmsnorm" else nn.LayerNorm
+
+
+def _expected_parts(base: GPT) -> list[tuple[str, Any, type]]:
+    """(what, module, the type the config says it is) for every part the trace reads."""
+    cfg = base.config
+    norm = _norm_kind(cfg)
+    parts = [("final norm", base.final_norm, norm)]
+    if cfg.position == "learned":
+        parts.append(("position embedding", base.pos_emb, nn.Embedding))
+    ffn = GatedFeedForward if cfg.mlp == "swiglu" else FeedForward
+    act = {"gelu": nn.GELU, "relu2": ReLUSquared}.get(cfg.mlp)
+    for l, b in enumerate(base.blocks):
+        parts += [(f"layer {l} ln1", b.ln1, norm), (f"layer {l} ln2", b.ln2, norm),
+                  (f"layer {l} attention", b.attn, MultiHeadAttention),
+                  (f"layer {l} FFN", b.ffn, ffn)]
+        if act is not None:
+            parts.append((f"layer {l} FFN activation", getattr(b.ffn, "act", None), act))
+        if cfg.qk_norm:
+            parts += [(f"layer {l} QK-norm", b.attn.q_norm, RMSNorm),
+                      (f"layer {l} QK-norm", b.attn.k_norm, RMSNorm)]
+    return parts
 
 
 def check_traceable(model: nn.Module) -> GPT:
     """The plain GPT under ``model``, or a ConfigError when the trace does not know its
-    architecture (a variant would give numbers that are not the model's)."""
+    architecture (a part it does not know would give numbers that are not the model's)."""
     base = unwrap_model(model)
     if not isinstance(base, GPT):
         raise ConfigError(f"the explorer traces tinylm's GPT, not {type(base).__name__}; "
@@ -245,26 +283,15 @@ def check_traceable(model: nn.Module) -> GPT:
     cfg = base.config
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
-        if f.name in _GPT2_VALUES:
-            known = _GPT2_VALUES[f.name](cfg, value)
-        else:
-            known = f.name in _KNOWN_FIELDS or value == f.default
-        if not known:
+        if f.name not in _KNOWN_FIELDS and value != f.default:
             raise ConfigError(f"the explorer does not know the architecture {f.name}="
-                              f"{getattr(cfg, f.name)!r} yet (it traces GPT-2's: LayerNorm, "
-                              f"learned positions, GELU, multi-head attention)")
-    parts = [("final norm", base.final_norm, nn.LayerNorm),
-             ("position embedding", getattr(base, "pos_emb", None), nn.Embedding)]
-    for l, b in enumerate(base.blocks):
-        parts += [(f"layer {l} ln1", b.ln1, nn.LayerNorm), (f"layer {l} ln2", b.ln2, nn.LayerNorm),
-                  (f"layer {l} attention", b.attn, MultiHeadAttention),
-                  (f"layer {l} FFN", b.ffn, FeedForward),
-                  (f"layer {l} FFN activation", getattr(b.ffn, "act", None), nn.GELU)]
-    for what, module, kind in parts:
+                              f"{value!r} yet (it traces tinylm's: LayerNorm/RMSNorm, "
+                              f"learned/rotary positions, GELU/ReLU²/SwiGLU, GQA, QK-norm)")
+    for what, module, kind in _expected_parts(base):
         if type(module) is not kind:
             raise ConfigError(f"the explorer does not know this model's {what} "
                               f"({type(module).__name__}, expected {kind.__name__}); it "
-                              f"traces GPT-2's architecture only")
+                              f"traces the modules tinylm's config builds")
     return base
 
 
@@ -301,48 +328,95 @@ def _ablation_masks(keys: Sequence[str], n_layer: int, n_head: int
     return heads, attn, ffn
 
 
-def ablated_logits(model: nn.Module, ids: Sequence[int], keys: Sequence[str]) -> Tensor:
+def _ablated_run(base: GPT, x: Tensor, start: int, masks: tuple[Tensor, Tensor, Tensor]
+                 ) -> Tensor:
+    """Blocks start.. of x (K, C, E), each row with its own parts switched off (the 0/1
+    factors of :func:`_ablation_masks`), then the final norm and the LM head."""
+    heads, attn_on, ffn_on = masks
+    K, C, _ = x.shape
+    mask = causal_mask(C, device=x.device)
+    for l in range(start, len(base.blocks)):
+        block = base.blocks[l]
+        att = block.attn
+        q, k, v = att._heads(block.ln1(x))  # (K, H, C, D), 2 × (K, H_kv, C, D)
+        n_rep = att.n_head // att.n_kv_head
+        r, _ = explicit_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), mask)
+        r = r * heads[l].to(r)[:, :, None, None]  # (K, H, C, D)
+        a = att.out(r.transpose(1, 2).reshape(K, C, -1))  # (K, C, E)
+        x = x + a * attn_on[l].to(a)[:, None, None]
+        f = block.ffn(block.ln2(x))
+        x = x + f * ffn_on[l].to(f)[:, None, None]
+    return base.lm_head(base.final_norm(x))  # (K, C, V)
+
+
+def ablated_logits(model: nn.Module, ids: Sequence[int], keys: Sequence[str], *,
+                   residual: Tensor | None = None, start: int = 0, chunk: int = 16) -> Tensor:
     """The logits with one part switched off per key, (K, C, V) fp32 CPU: row b is what
-    ``trace(model, ids, ablate=[keys[b]])["logits"]`` gives, all K in one batched pass
-    through the same modules (heads, attention and FFN masked by 0/1 factors)."""
+    ``trace(model, ids, ablate=[keys[b]])["logits"]`` gives, through the same modules
+    (heads, attention and FFN masked by 0/1 factors), ``chunk`` rows per batched pass.
+    With ``residual`` (C, E), the residual stream entering block ``start`` (every key
+    then names a layer >= start), the blocks before it are not run again."""
     base = check_traceable(model)
     cfg = base.config
-    heads, attn_on, ffn_on = _ablation_masks(keys, cfg.n_layer, cfg.n_head)
+    masks = _ablation_masks(keys, cfg.n_layer, cfg.n_head)
     dev = next(base.parameters()).device
-    K, C, H, D = len(keys), len(ids), cfg.n_head, cfg.head_dim
     was_training = base.training
     base.eval()
+    out = []
     try:
         with torch.no_grad():
-            x = torch.tensor(list(ids), dtype=torch.long, device=dev)
-            x = (base.tok_emb(x) + base.pos_emb(torch.arange(C, device=dev))).expand(K, C, -1)
-            mask = causal_mask(C, device=dev)
-            for l, block in enumerate(base.blocks):
-                qkv = block.attn.qkv(block.ln1(x)).view(K, C, 3, H, D).permute(2, 0, 3, 1, 4)
-                r, _ = explicit_attention(qkv[0], qkv[1], qkv[2], mask)  # (K, H, C, D)
-                r = r * heads[l].to(r)[:, :, None, None]
-                a = block.attn.out(r.transpose(1, 2).reshape(K, C, H * D))  # (K, C, E)
-                x = x + a * attn_on[l].to(a)[:, None, None]
-                f = block.ffn.down(block.ffn.act(block.ffn.up(block.ln2(x))))
-                x = x + f * ffn_on[l].to(f)[:, None, None]
-            logits = base.lm_head(base.final_norm(x))  # (K, C, V)
+            if residual is None:
+                x = torch.tensor(list(ids), dtype=torch.long, device=dev)
+                x, start = base._embed(x[None], 0)[0], 0
+            else:
+                x = residual.to(dev, next(base.parameters()).dtype)
+            for b in range(0, len(keys), chunk):
+                part = tuple(m[:, b:b + chunk] for m in masks)
+                rows = part[1].shape[1]
+                out.append(_ablated_run(base, x.expand(rows, -1, -1), start, part).float().cpu())
     finally:
         base.train(was_training)
-    return logits.float().cpu()
+    return torch.cat(out) if out else torch.zeros(0, len(ids), cfg.vocab_size)
+
+
+def _trace_heads(attn: MultiHeadAttention, x: Tensor, p: str, v: dict[str, Tensor]) -> None:
+    """Each head's q, k, v (C, D), and where there are stages, each named: x·W + b
+    (``_lin``), the QK-norm (``_normed``), then the rotation by position (the final q, k),
+    through the same modules and functions as the model's. Query head i reads key/value
+    head i // (H / H_kv): its k and v are that head's tensors."""
+    C, H, Hkv, D = x.shape[0], attn.n_head, attn.n_kv_head, attn.head_dim
+    q, k, val = attn.qkv(x).split([H * D, Hkv * D, Hkv * D], dim=-1)  # [q | k | v]
+    q, k, val = (t.view(C, -1, D).transpose(0, 1) for t in (q, k, val))  # (heads, C, D)
+    stages = []
+    if attn.q_norm is not None or attn.rope_theta is not None:
+        stages.append(("_lin", q, k))
+    if attn.q_norm is not None and attn.rope_theta is not None:
+        stages.append(("_normed", attn.q_norm(q), attn.k_norm(k)))
+    if attn.q_norm is not None:
+        q, k = attn.q_norm(q), attn.k_norm(k)  # RMSNorm over each head's D
+    if attn.rope_theta is not None:
+        cos, sin = rope_angles_at(torch.arange(C, device=x.device), D, attn.rope_theta)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # (C, D) angles, broadcast
+    stages.append(("", q, k))
+    n_rep = H // Hkv
+    for i in range(H):
+        h = f"{p}head{i}."
+        v[h + "v"] = val[i // n_rep]
+        for suffix, qs, ks in stages:
+            v[h + "q" + suffix], v[h + "k" + suffix] = qs[i], ks[i // n_rep]
 
 
 def _trace_attention(attn: MultiHeadAttention, x: Tensor, p: str, v: dict[str, Tensor],
                      ablate: frozenset[str]) -> Tensor:
     """One layer's attention head by head, the note's steps; returns Σ_i R^i·W_o^i + b_o."""
     C, H, D = x.shape[0], attn.n_head, attn.head_dim
-    qkv = attn.qkv(x).view(C, 3, H, D)  # (C, E) -> (C, 3·H·D): [q | k | v], H heads each
+    _trace_heads(attn, x, p, v)
     mask = causal_mask(C, device=x.device)  # (C, C), True on and below the diagonal
     w_o = attn.out.weight  # (E, H·D): column block i is W_o^i transposed
     heads, total = [], torch.zeros(C, w_o.shape[0], dtype=x.dtype, device=x.device)
     for i in range(H):
         h = f"{p}head{i}."
-        q, k, val = qkv[:, 0, i], qkv[:, 1, i], qkv[:, 2, i]  # (C, D) each
-        v[h + "q"], v[h + "k"], v[h + "v"] = q, k, val
+        q, k, val = v[h + "q"], v[h + "k"], v[h + "v"]  # (C, D) each
         v[h + "scores"] = q @ k.t()  # (C, D)·(D, C) -> (C, C)
         v[h + "scaled"] = v[h + "scores"] / math.sqrt(D)
         v[h + "masked"] = v[h + "scaled"].masked_fill(~mask, float("-inf"))
@@ -361,11 +435,24 @@ def _trace_attention(attn: MultiHeadAttention, x: Tensor, p: str, v: dict[str, T
     return torch.zeros_like(total) if p + "attn" in ablate else total
 
 
+def _trace_ffn(ffn: nn.Module, x: Tensor, p: str, v: dict[str, Tensor]) -> Tensor:
+    """The FFN's steps: up (and SwiGLU's gate) (C, F), the activation, down (C, E)."""
+    v[p + "ffn_pre"] = ffn.up(x)  # (C, E) -> (C, F)
+    if isinstance(ffn, GatedFeedForward):
+        v[p + "ffn_gate"] = ffn.gate(x)
+        v[p + "ffn_post"] = F.silu(v[p + "ffn_gate"]) * v[p + "ffn_pre"]
+    else:
+        v[p + "ffn_post"] = ffn.act(v[p + "ffn_pre"])  # GELU or ReLU²
+    return ffn.down(v[p + "ffn_post"])  # (C, F) -> (C, E)
+
+
 def _trace_values(base: GPT, ids: Tensor, ablate: frozenset[str]) -> dict[str, Tensor]:
     v: dict[str, Tensor] = {}
-    v["embed.tok"] = base.tok_emb(ids)  # (C,) -> (C, E): row ids[t] of the (V, E) table
-    v["embed.pos"] = base.pos_emb(torch.arange(ids.shape[0], device=ids.device))
-    x = v["embed"] = v["embed.tok"] + v["embed.pos"]
+    x = v["embed.tok"] = base.tok_emb(ids)  # (C,) -> (C, E): row ids[t] of the (V, E) table
+    if base.pos_emb is not None:  # learned positions; RoPE rotates q and k instead
+        v["embed.pos"] = base.pos_emb(torch.arange(ids.shape[0], device=ids.device))
+        x = x + v["embed.pos"]
+    v["embed"] = x
     for l, block in enumerate(base.blocks):
         p = f"layer{l}."
         v[p + "resid_pre"] = x
@@ -373,9 +460,7 @@ def _trace_values(base: GPT, ids: Tensor, ablate: frozenset[str]) -> dict[str, T
         v[p + "attn_out"] = _trace_attention(block.attn, v[p + "ln1"], p, v, ablate)
         x = v[p + "resid_mid"] = x + v[p + "attn_out"]
         v[p + "ln2"] = block.ln2(x)
-        v[p + "ffn_pre"] = block.ffn.up(v[p + "ln2"])  # (C, E) -> (C, 4E)
-        v[p + "ffn_post"] = block.ffn.act(v[p + "ffn_pre"])
-        v[p + "ffn_out"] = block.ffn.down(v[p + "ffn_post"])  # (C, 4E) -> (C, E)
+        v[p + "ffn_out"] = _trace_ffn(block.ffn, v[p + "ln2"], p, v)
         if p + "ffn" in ablate:
             v[p + "ffn_out"] = torch.zeros_like(v[p + "ffn_out"])
         x = v[p + "resid_post"] = x + v[p + "ffn_out"]
@@ -388,9 +473,9 @@ def trace(model: nn.Module, ids: Sequence[int] | Tensor, *,
           ablate: Sequence[str] = (), check: bool = True) -> Trace:
     """Every intermediate of the forward pass over ``ids`` (C tokens), see :class:`Trace`.
 
-    Computed head by head through the model's own modules (LayerNorms, the QKV and
-    output projections, the FFN, the LM head) in eval mode without gradients; the
-    values are fp32 on the CPU. ``ablate`` switches parts off (keys from
+    Computed head by head through the model's own modules (the norms, the QKV and
+    output projections, QK-norm, RoPE, the FFN, the LM head) in eval mode without
+    gradients; the values are fp32 on the CPU. ``ablate`` switches parts off (keys from
     :func:`ablation_keys`): a head's R^i becomes 0, a layer's attention or FFN adds 0
     to the residual stream. Without ablation the traced logits are checked against
     the model's own forward (``check``), so a model the trace misreads is refused
@@ -624,6 +709,7 @@ __all__ = [
     "PICTURE_FORMATS",
     "SHAPES",
     "Trace",
+    "VARIANT_SHAPES",
     "ablated_logits",
     "ablation_keys",
     "check_traceable",

@@ -6,9 +6,11 @@ var CFG = JSON.parse(document.getElementById('config').textContent);
 var D = null, T = {};
 var st = {view: 'steps', layer: 0, head: 0, step: 'x', query: 0, mapmode: 'raw',
           mapsel: [0, 0], ablate: '', rank: 1};
-var LETTERS = {ln1: 'C, E', q: 'C, D', k: 'C, D', v: 'C, D', scores: 'C, C', scaled: 'C, C',
+var LETTERS = {ln1: 'C, E', q: 'C, D', k: 'C, D', v: 'C, D', q_lin: 'C, D', k_lin: 'C, D',
+  q_normed: 'C, D', k_normed: 'C, D', scores: 'C, C', scaled: 'C, C',
   masked: 'C, C', attn: 'C, C', out: 'C, D', contrib: 'C, E', attn_out: 'C, E',
-  attn_concat: 'C, E', diff: 'C, E', avg: 'C, C'};
+  attn_concat: 'C, E', diff: 'C, E', avg: 'C, C', ffn_pre: 'C, F', ffn_gate: 'C, F',
+  ffn_post: 'C, F', ffn_out: 'C, E'};
 
 function $(id) { return document.getElementById(id); }
 function el(tag, cls, text) {
@@ -48,6 +50,12 @@ function mat(name) {
 }
 function derived(name, rows, cols, get) { return {name: name, rows: rows, cols: cols, get: get}; }
 function hp(l, h) { return 'layer' + l + '.head' + h + '.'; }
+function nrep() { return D.sizes.H / (D.sizes.Hkv || D.sizes.H); }
+/* the key/value head query head h reads, and the name its tensors go by (its first query head) */
+function kvOf(h) { return Math.floor(h / nrep()); }
+function kp(l, h) { return hp(l, kvOf(h) * nrep()); }
+function has(name) { return !!D.tensors[name]; }
+function inDetail(l) { return D.detail.indexOf(l) >= 0; }
 function scaled(l, h) {
   var s = mat(hp(l, h) + 'scores'), r = Math.sqrt(D.sizes.D);
   return derived(hp(l, h) + 'scaled', s.rows, s.cols, function (i, j) { return s.get(i, j) / r; });
@@ -105,16 +113,66 @@ function show(m, i, j) {
     vis(D.tokens[i]) + key + ')';
   r.dataset.name = m.name; r.dataset.i = i; r.dataset.j = j; r.dataset.value = String(v);
 }
+function robust(m) {
+  /* the 99th percentile of |value|: a colour scale not set by a few huge entries */
+  var a = [];
+  for (var i = 0; i < m.rows; i++) {
+    for (var j = 0; j < m.cols; j++) { var v = m.get(i, j); if (v !== -Infinity) { a.push(Math.abs(v)); } }
+  }
+  a.sort(function (x, y) { return x - y; });
+  return a.length ? a[Math.min(a.length - 1, Math.floor(0.99 * a.length))] : 0;
+}
+function legend(mode, scale, largest) {
+  /* the colour scale of one heatmap: its colours from the lowest to the highest value */
+  var box = el('div', 'legend'), bar = el('span', 'scale'), stops = [];
+  for (var x = 0; x <= 10; x++) {
+    var f = x / 10, v = mode === 'prob' ? f : mode === 'log' ? Math.pow(10, -6 + 6 * f)
+      : (2 * f - 1) * scale;
+    stops.push(colour(v, mode, scale));
+  }
+  bar.style.background = 'linear-gradient(to right,' + stops.join(',') + ')';
+  var lo = mode === 'prob' ? '0' : mode === 'log' ? '10\u207b\u2076' : short(-scale);
+  var hi = mode === 'prob' || mode === 'log' ? '1' : short(scale);
+  if (largest) { lo = '\u2264' + lo; hi = '\u2265' + hi; }
+  box.appendChild(el('span', 'lo', lo)); box.appendChild(bar); box.appendChild(el('span', 'hi', hi));
+  box.appendChild(el('span', 'note', mode === 'prob' ? ' weight (colour \u221d \u221aweight)'
+    : mode === 'log' ? ' weight, log scale' : largest
+      ? ' red +, white 0, blue \u2212; clipped at the 99th percentile of |value| (a few ' +
+        'entries are far larger: up to ' + short(largest) + ')'
+      : ' red +, white 0, blue \u2212 (\u00b1 the largest |value|)'));
+  box.dataset.lo = lo; box.dataset.hi = hi;
+  return box;
+}
+function labels(cls, n, px, text) {
+  /* token labels along one axis, every k-th where the cells are too small to read */
+  var box = el('div', cls), every = Math.max(1, Math.ceil(9 / px));
+  for (var i = 0; i < n; i += every) {
+    var s = el('span', null, text(i));
+    s.style[cls === 'ylab' ? 'top' : 'left'] = (i * px) + 'px';
+    s.style.fontSize = Math.min(11, Math.max(8, px)) + 'px';
+    s.dataset.pos = i;
+    box.appendChild(s);
+  }
+  box.style[cls === 'ylab' ? 'height' : 'width'] = (n * px) + 'px';
+  return box;
+}
 function heat(m, caption, opts) {
   opts = opts || {};
   var fig = el('figure'), cv = document.createElement('canvas');
   fig.appendChild(el('figcaption', null, caption + '  ' + shapeOf(m.name)));
   var px = Math.max(1, Math.min(opts.max || 16, Math.floor((opts.width || 520) / m.cols),
                                  Math.floor((opts.height || 400) / m.rows)));
+  if (!opts.width && px < 3) {  /* a wide matrix (E or F columns): 3 px a cell, scrolled */
+    px = Math.max(px, Math.min(3, Math.floor((opts.height || 400) / m.rows)));
+  }
   cv.width = m.cols * px; cv.height = m.rows * px;
   cv.dataset.name = m.name; cv.dataset.rows = m.rows; cv.dataset.cols = m.cols;
   cv.dataset.px = px;
-  var mode = opts.mode || 'signed', scale = mode === 'signed' ? stats(m).maxabs : 1;
+  var mode = opts.mode || 'signed', scale = mode === 'signed' ? stats(m).maxabs : 1, largest = 0;
+  if (mode === 'signed') {
+    var r99 = robust(m);
+    if (r99 > 0 && scale > 4 * r99) { largest = scale; scale = r99; }
+  }
   var g = cv.getContext('2d');
   for (var i = 0; i < m.rows; i++) {
     for (var j = 0; j < m.cols; j++) {
@@ -134,7 +192,16 @@ function heat(m, caption, opts) {
   if (opts.onclick) {
     cv.onclick = function (e) { var p = at(e); if (p[0] < m.rows) { opts.onclick(p[0], p[1]); } };
   }
-  fig.appendChild(cv);
+  /* axes: rows are query tokens (positions); the columns of a C x C map are key tokens */
+  var square = /\.(scores|scaled|masked|attn|avg)$/.test(m.name);
+  var tok = function (i) { return vis(D.tokens[i]); };
+  var grid = el('div', 'hm'), right = el('div', 'hmbody');
+  grid.appendChild(labels('ylab', m.rows, px, tok));
+  if (square) { right.appendChild(labels('xlab', m.cols, px, tok)); }
+  right.appendChild(cv);
+  grid.appendChild(right);
+  fig.appendChild(grid);
+  fig.appendChild(legend(mode, scale, largest));
   return fig;
 }
 function fill(box, figs) {
@@ -143,36 +210,162 @@ function fill(box, figs) {
 }
 
 /* --- views ---------------------------------------------------------------------------- */
-var STEPS = [
-  {id: 'x', title: '1. x', formula: 'x = LN\u2081(h): the residual stream h, normalised',
-   mats: function (l) { return [[mat('layer' + l + '.ln1'), 'x']]; }},
-  {id: 'qkv', title: '2. Q, K, V',
-   formula: 'Q = x\u00b7W_q^i + b_q,  K = x\u00b7W_k^i + b_k,  V = x\u00b7W_v^i + b_v',
-   mats: function (l, h) {
-     return [[mat(hp(l, h) + 'q'), 'Q'], [mat(hp(l, h) + 'k'), 'K'], [mat(hp(l, h) + 'v'), 'V']];
-   }},
-  {id: 'scores', title: '3. Q\u00b7K\u1d40', formula: 'S = Q\u00b7K\u1d40: S_ab = q_a \u00b7 k_b',
-   mats: function (l, h) { return [[mat(hp(l, h) + 'scores'), 'Q\u00b7K\u1d40']]; }},
-  {id: 'scaled', title: '4. \u00f7 \u221aD', formula: 'S / \u221aD',
-   mats: function (l, h) { return [[scaled(l, h), 'Q\u00b7K\u1d40/\u221aD']]; }},
-  {id: 'masked', title: '5. mask',
-   formula: 'mask(S/\u221aD): \u2212\u221e above the diagonal (key b > query a)',
-   mats: function (l, h) { return [[masked(l, h), 'masked']]; }},
-  {id: 'softmax', title: '6. softmax',
-   formula: 'A = softmax(mask(Q\u00b7K\u1d40/\u221aD)), row by row',
-   mats: function (l, h) { return [[mat(hp(l, h) + 'attn'), 'A', 'prob']]; }},
-  {id: 'av', title: '7. \u00b7V', formula: 'R^i = A\u00b7V',
-   mats: function (l, h) { return [[mat(hp(l, h) + 'out'), 'R^i']]; }},
-  {id: 'wo', title: '8. \u00b7W_o', formula: 'R^i\u00b7W_o^i: head i\u2019s share of the attention output',
-   mats: function (l, h) { return [[mat(hp(l, h) + 'contrib'), 'R^i\u00b7W_o^i']]; }}
-];
+function range(n) { var r = []; for (var i = 0; i < n; i++) { r.push(i); } return r; }
+function rowRms(m) {
+  return range(m.rows).map(function (i) {
+    var s = 0;
+    for (var j = 0; j < m.cols; j++) { s += m.get(i, j) * m.get(i, j); }
+    return Math.sqrt(s / m.cols);
+  });
+}
+function span(xs) {
+  return short(Math.min.apply(null, xs)) + '\u2026' + short(Math.max.apply(null, xs));
+}
+function meanSquare(m) { var s = stats(m); return s.variance + s.mean * s.mean; }
+/* the stage names of q and k in the order the model computes them */
+function qStages() {
+  var a = D.arch || {}, st2 = [];
+  if (a.qk_norm || a.position === 'rope') { st2.push('_lin'); }
+  if (a.qk_norm && a.position === 'rope') { st2.push('_normed'); }
+  st2.push('');
+  return st2;
+}
+function kvCaption(h) {
+  var r = nrep();
+  if (r === 1) { return ''; }
+  var j = kvOf(h);
+  return ' (key/value head ' + j + ' of ' + D.sizes.Hkv + ', shared by query heads ' +
+    (j * r) + '\u2013' + (j * r + r - 1) + ')';
+}
+function buildSteps() {
+  var a = D.arch || {norm: 'layernorm', position: 'learned', mlp: 'gelu'}, qs = qStages();
+  var bias = a.qkv_bias === undefined ? true : a.qkv_bias, b = bias ? ' + b' : '';
+  var norm = a.norm === 'rmsnorm'
+    ? 'x = RMSNorm\u2081(h) = h / \u221a(mean(h\u00b2) + \u03b5) \u00b7 g'
+    : 'x = LN\u2081(h) = (h \u2212 mean(h)) / \u221a(var(h) + \u03b5) \u00b7 g + b';
+  var s = [{id: 'x', title: 'x', formula: norm + ': the residual stream h, normalised row by row',
+            mats: function (l) { return [[mat('layer' + l + '.ln1'), 'x']]; }},
+    {id: 'qkv', title: 'Q, K, V',
+     formula: 'Q = x\u00b7W_q^i' + b + ',  K = x\u00b7W_k^j' + b + ',  V = x\u00b7W_v^j' + b +
+       (nrep() > 1 ? '  (j = i // ' + nrep() + ': grouped-query attention)' : ''),
+     mats: function (l, h) {
+       return [[mat(hp(l, h) + 'q' + qs[0]), 'Q'], [mat(kp(l, h) + 'k' + qs[0]), 'K' + kvCaption(h)],
+               [mat(kp(l, h) + 'v'), 'V' + kvCaption(h)]];
+     }}];
+  if (a.qk_norm) {
+    var nq = a.position === 'rope' ? '_normed' : '';
+    s.push({id: 'qknorm', title: 'QK-norm',
+      formula: 'q \u2190 RMSNorm(q)\u00b7g_q,  k \u2190 RMSNorm(k)\u00b7g_k  (over each head\u2019s D)',
+      mats: function (l, h) {
+        return [[mat(hp(l, h) + 'q' + nq), 'RMSNorm(Q)'],
+                [mat(kp(l, h) + 'k' + nq), 'RMSNorm(K)' + kvCaption(h)]];
+      }});
+  }
+  if (a.position === 'rope') {
+    var pre = qs[qs.length - 2];
+    s.push({id: 'rope', title: 'RoPE',
+      formula: 'q_m \u2190 R(m)\u00b7q_m,  k_n \u2190 R(n)\u00b7k_n: pair (d, d + D/2) of position m turned by m\u00b7\u03b8^(\u22122d/D), \u03b8 = ' +
+        a.rope_theta,
+      mats: function (l, h) {
+        return [[mat(hp(l, h) + 'q' + pre), 'Q before'], [mat(hp(l, h) + 'q'), 'Q rotated'],
+                [mat(kp(l, h) + 'k' + pre), 'K before' + kvCaption(h)],
+                [mat(kp(l, h) + 'k'), 'K rotated']];
+      }});
+  }
+  var rot = a.position === 'rope' ? ' (the rotated q and k)' : '';
+  s = s.concat([
+    {id: 'scores', title: 'Q\u00b7K\u1d40', formula: 'S = Q\u00b7K\u1d40: S_ab = q_a \u00b7 k_b' + rot,
+     mats: function (l, h) { return [[mat(hp(l, h) + 'scores'), 'Q\u00b7K\u1d40']]; }},
+    {id: 'scaled', title: '\u00f7 \u221aD', formula: 'S / \u221aD',
+     mats: function (l, h) { return [[scaled(l, h), 'Q\u00b7K\u1d40/\u221aD']]; }},
+    {id: 'masked', title: 'mask',
+     formula: 'mask(S/\u221aD): \u2212\u221e above the diagonal (key b > query a)',
+     mats: function (l, h) { return [[masked(l, h), 'masked']]; }},
+    {id: 'softmax', title: 'softmax',
+     formula: 'A = softmax(mask(Q\u00b7K\u1d40/\u221aD)), row by row',
+     mats: function (l, h) { return [[mat(hp(l, h) + 'attn'), 'A', 'prob']]; }},
+    {id: 'av', title: '\u00b7V', formula: 'R^i = A\u00b7V',
+     mats: function (l, h) { return [[mat(hp(l, h) + 'out'), 'R^i']]; }},
+    {id: 'wo', title: '\u00b7W_o', formula: 'R^i\u00b7W_o^i: head i\u2019s share of the attention output',
+     mats: function (l, h) { return [[mat(hp(l, h) + 'contrib'), 'R^i\u00b7W_o^i']]; }},
+    {id: 'ffn', title: 'FFN', formula: {
+      gelu: 'FFN(x\u2082) = GELU(x\u2082\u00b7W_up' + b + ')\u00b7W_down' + b,
+      relu2: 'FFN(x\u2082) = max(0, x\u2082\u00b7W_up)\u00b2\u00b7W_down  (ReLU\u00b2)',
+      swiglu: 'FFN(x\u2082) = (SiLU(x\u2082\u00b7W_gate) \u2299 x\u2082\u00b7W_up)\u00b7W_down  (SwiGLU)'}[a.mlp] +
+      ',  x\u2082 = the second norm of h + attention',
+     mats: function (l) {
+       var p = 'layer' + l + '.', out = [];
+       if (a.mlp === 'swiglu') { out.push([mat(p + 'ffn_gate'), 'x\u2082\u00b7W_gate']); }
+       out.push([mat(p + 'ffn_pre'), 'x\u2082\u00b7W_up' + (a.mlp === 'swiglu' ? '' : b)]);
+       out.push([mat(p + 'ffn_post'), a.mlp === 'swiglu' ? 'SiLU(gate) \u2299 up'
+                 : a.mlp === 'relu2' ? 'ReLU\u00b2' : 'GELU']);
+       out.push([mat(p + 'ffn_out'), 'FFN output (added to h)']);
+       return out;
+     }}]);
+  s.forEach(function (x, i) { x.title = (i + 1) + '. ' + x.title; });
+  return s;
+}
+var STEPS = [];
+function normNote(l) {
+  var n = D.norms[String(l)], E = D.sizes.E, rms = n.kind === 'rmsnorm', g2 = n.g_rms * n.g_rms;
+  return 'Each row is one token, its E = ' + E + ' numbers; the columns are directions of ' +
+    'the residual stream in no meaningful order, so no picture across them is expected: ' +
+    'compare rows, or hover a cell. The norm works row by row: rows of h (the stream ' +
+    'entering layer ' + l + ') have RMS ' + span(n.h_rms) +
+    (rms ? '' : ' around means ' + span(n.h_mean)) + '; ' +
+    (rms ? 'dividing by their RMS' : 'subtracting the mean and dividing by the standard deviation') +
+    ' gives rows of RMS ' + span(n.n_rms) + ' (1 up to the \u03b5 inside the root), which the learned gain g (RMS ' +
+    short(n.g_rms) + ') then scales channel by channel: rows of x have RMS ' + span(n.x_rms) +
+    '. So the variance over all entries goes from ' + short(n.h_var) + ' (h) to ' +
+    short(n.x_var) + ' (x), not 1: x is n times the learned gain. Were g unrelated to which ' +
+    'channels of n are large, it would be about RMS(g)\u00b2 = ' + short(g2) + '; it is ' +
+    (Math.abs(n.x_var - g2) <= 0.1 * g2 ? 'close to that'
+      : n.x_var < g2 ? 'smaller: the gain is smaller on the channels where n is large'
+        : 'larger: the gain is larger on the channels where n is large') +
+    (rms ? '' : ' (and the bias b adds its share)') + '.';
+}
+function scaledNote(l, h, el2) {
+  var a = stats(mat(hp(l, h) + 'scores')).variance, b = stats(scaled(l, h)).variance;
+  var mq = meanSquare(mat(hp(l, h) + 'q')), mk = meanSquare(mat(kp(l, h) + 'k'));
+  el2.dataset.varRaw = String(a); el2.dataset.varScaled = String(b);
+  el2.dataset.qq = String(mq); el2.dataset.kk = String(mk);
+  return 'variance over all C\u00d7C entries: Q\u00b7K\u1d40 ' + short(a) + ' \u2192 Q\u00b7K\u1d40/\u221aD ' +
+    short(b) + ' (divided by exactly D = ' + D.sizes.D + '). Why not about 1: the note\u2019s ' +
+    'argument assumes entries of q and k independent with mean 0 and variance 1, so that ' +
+    'q\u00b7k has variance D. Here E[q\u00b2] = ' + short(mq) + ' and E[k\u00b2] = ' + short(mk) +
+    ', so independent entries would give Var(S/\u221aD) \u2248 E[q\u00b2]\u00b7E[k\u00b2] = ' +
+    short(mq * mk) + '; the rest of the gap is that q and k are not independent (a trained ' +
+    'head makes some q\u00b7k large on purpose). \u221aD removes the growth with D, not the scale.';
+}
+function ropeNote(l, h) {
+  var qs = qStages(), pre = mat(hp(l, h) + 'q' + qs[qs.length - 2]), post = mat(hp(l, h) + 'q');
+  var a = rowRms(pre), b = rowRms(post), worst = 0;
+  for (var i = 0; i < a.length; i++) { worst = Math.max(worst, Math.abs(a[i] - b[i])); }
+  return 'A rotation keeps each row\u2019s length: max |RMS(q_m rotated) \u2212 RMS(q_m)| = ' +
+    worst.toExponential(1) + '. Row 0 is not turned (angle 0); later rows turn by more. ' +
+    'So R(m)q\u00b7R(n)k = q\u00b7R(n \u2212 m)k: the scores see positions only through m \u2212 n.';
+}
+function ffnNote(l) {
+  var p = mat('layer' + l + '.ffn_post'), zero = 0, a = D.arch || {};
+  for (var i = 0; i < p.rows; i++) {
+    for (var j = 0; j < p.cols; j++) { if (p.get(i, j) === 0) { zero++; } }
+  }
+  var frac = (100 * zero / (p.rows * p.cols)).toFixed(1) + ' %';
+  return 'F = ' + D.sizes.F + ' hidden units per token. ' + (a.mlp === 'relu2'
+    ? frac + ' of the hidden values are exactly 0 (ReLU\u00b2 keeps only positive inputs, squared).'
+    : a.mlp === 'swiglu' ? 'SiLU(gate) (at least \u22120.28) decides per unit how much of up passes.'
+    : 'GELU passes positive inputs and damps negative ones (at least \u22120.17).') +
+    ' The output is added to the residual stream.';
+}
 function stepNote(id, l, h) {
-  if (id === 'scores' || id === 'scaled') {
-    var a = stats(mat(hp(l, h) + 'scores')).variance, b = stats(scaled(l, h)).variance;
-    var el2 = $('step-note');
-    el2.dataset.varRaw = String(a); el2.dataset.varScaled = String(b);
-    return 'variance over all C\u00d7C entries: Q\u00b7K\u1d40 ' + short(a) + ' \u2192 Q\u00b7K\u1d40/\u221aD ' +
-      short(b) + ' (divided by D = ' + D.sizes.D + ')';
+  var el2 = $('step-note');
+  if (id === 'x') { return normNote(l); }
+  if (id === 'scores' || id === 'scaled') { return scaledNote(l, h, el2); }
+  if (id === 'rope') { return ropeNote(l, h); }
+  if (id === 'ffn') { return ffnNote(l); }
+  if (id === 'qkv' && nrep() > 1) {
+    return 'Grouped-query attention: ' + D.sizes.H + ' query heads, ' + D.sizes.Hkv +
+      ' key/value heads; query head ' + h + ' reads key/value head ' + kvOf(h) + '.';
   }
   if (id === 'softmax') {
     var A = mat(hp(l, h) + 'attn'), worst = 0;
@@ -187,6 +380,21 @@ function stepNote(id, l, h) {
   if (id === 'masked') { return 'e^\u2212\u221e = 0: a query never sees a later key'; }
   return '';
 }
+function missing(box, l) {
+  /* a layer whose step-by-step tensors this page does not carry */
+  var d = D.detail, msg = 'This page carries the step-by-step tensors of layer' +
+    (d.length > 1 ? 's ' + d[0] + '\u2013' + d[d.length - 1] : ' ' + d[0]) +
+    ' (the maps, logit lens, low-rank spectra and whole-layer ablations cover all ' +
+    D.sizes.L + '). ';
+  msg += CFG.endpoint ? 'Fetching layer ' + l + '\u2026'
+    : 'Write the page with --layer ' + l + ' to open this one, or use the live page of ' +
+      'tinylm serve (/explorer), which fetches any layer.';
+  box.textContent = '';
+  var p = el('p', 'result missing', msg);
+  p.dataset.layer = l;
+  box.appendChild(p);
+  if (CFG.endpoint) { fetchLayer(l); }
+}
 function renderSteps() {
   var box = $('steps');
   if (!box.childElementCount) {
@@ -197,13 +405,19 @@ function renderSteps() {
       box.appendChild(b);
     });
   }
+  if (!STEPS.some(function (x) { return x.id === st.step; })) { st.step = 'x'; }
   Array.prototype.forEach.call(box.children, function (b) {
     b.classList.toggle('on', b.dataset.step === st.step);
   });
   var s = STEPS.filter(function (x) { return x.id === st.step; })[0];
   $('step-title').textContent = s.title + '  \u2014  layer ' + st.layer +
-    (s.id === 'x' ? '' : ', head ' + st.head);
+    (s.id === 'x' || s.id === 'ffn' ? '' : ', head ' + st.head);
   $('step-formula').textContent = s.formula;
+  if (!inDetail(st.layer)) {
+    $('step-note').textContent = '';
+    missing($('step-maps'), st.layer);
+    return;
+  }
   $('step-note').textContent = stepNote(s.id, st.layer, st.head);
   fill($('step-maps'), s.mats(st.layer, st.head).map(function (p) {
     return heat(p[0], p[1], {mode: p[2], row: st.query});
@@ -212,10 +426,15 @@ function renderSteps() {
 function renderHeads() {
   var l = st.layer, H = D.sizes.H, each = [];
   $('heads-title').textContent = 'layer ' + l + ': all ' + H + ' heads';
+  if (!inDetail(l)) {
+    $('heads-diff').textContent = ''; fill($('heads-forms'), []);
+    missing($('heads-each'), l);
+    return;
+  }
   for (var h = 0; h < H; h++) {
     var col = el('div');
-    col.appendChild(heat(mat(hp(l, h) + 'attn'), 'A of head ' + h, {mode: 'prob', max: 6,
-                                                                 width: 200}));
+    col.appendChild(heat(mat(hp(l, h) + 'attn'), 'A of head ' + h + kvCaption(h),
+                         {mode: 'prob', max: 6, width: 200}));
     col.appendChild(heat(mat(hp(l, h) + 'contrib'), 'R^' + h + '\u00b7W_o^' + h,
                          {max: 2, width: 260}));
     each.push(col);
@@ -334,7 +553,8 @@ function ablationLabel(key) {
 }
 function renderAblation() {
   var sel = $('ablate');
-  if (!sel.options.length) {
+  if (sel.options.length !== D.ablations.length + 1) {
+    sel.textContent = '';
     sel.add(new Option('nothing (the model as it is)', ''));
     D.ablations.forEach(function (a) { sel.add(new Option(ablationLabel(a.key), a.key)); });
     sel.onchange = function () { st.ablate = sel.value; render(); };
@@ -344,7 +564,10 @@ function renderAblation() {
   $('ablation-note').textContent = a ? 'next-token table with ' + ablationLabel(a.key) +
     ' switched off (precomputed); highlighted rows changed their top token; last column: ' +
     'the probability left to the original top token'
-    : 'pick a part to switch off; every table is precomputed, no server needed';
+    : 'pick a part to switch off; every table is precomputed, no server needed' +
+      (D.ablations.length < D.sizes.L * (D.sizes.H + 2)
+        ? ' (single heads: of the layers whose steps the page carries' +
+          (CFG.endpoint ? ', and of each layer the live page fetches)' : ')') : '');
   nextTable($('ablation-table'), a ? a.top : D.next, a ? a.orig_top_prob : null);
 }
 function renderLowrank() {
@@ -402,18 +625,65 @@ function render() {
 }
 
 /* --- loading -------------------------------------------------------------------------- */
+function merge(part) {
+  /* a layer's step-by-step part fetched by the live page: tensors, norms, head ablations */
+  Object.keys(part.tensors).forEach(function (k) { D.tensors[k] = part.tensors[k]; delete T[k]; });
+  Object.keys(part.norms).forEach(function (k) { D.norms[k] = part.norms[k]; });
+  Object.keys(part.vocab || {}).forEach(function (k) { D.vocab[k] = part.vocab[k]; });
+  part.detail.forEach(function (l) { if (!inDetail(l)) { D.detail.push(l); } });
+  D.detail.sort(function (x, y) { return x - y; });
+  var known = {};
+  D.ablations.forEach(function (a) { known[a.key] = true; });
+  D.ablations = D.ablations.concat((part.ablations || []).filter(function (a) { return !known[a.key]; }));
+  var order = function (k) { var p = k.split('.'), l = +p[0].slice(5);
+    return l * 1000 + (p[1] === 'attn' ? 900 : p[1] === 'ffn' ? 901 : +p[1].slice(4)); };
+  D.ablations.sort(function (x, y) { return order(x.key) - order(y.key); });
+}
+var pending = {};
+function post(body) {
+  return fetch(CFG.endpoint, {method: 'POST', headers: {'Content-Type': 'application/json'},
+    body: JSON.stringify(body)})
+    .then(function (r) { return r.json().then(function (j) { return [r.ok, j]; }); })
+    .then(function (p) {
+      if (!p[0]) {
+        var e2 = p[1].error;
+        throw new Error(e2 && e2.message ? e2.message : (p[1].detail || 'request failed'));
+      }
+      return p[1];
+    });
+}
+function fetchLayer(l) {
+  if (pending[l] || !D.prompt) { return; }
+  pending[l] = true;
+  var status = $('live-status'), mine = D;
+  status.textContent = 'fetching layer ' + l + '\u2026';
+  post({prompt: D.prompt, top_k: D.next[0].length, layers: [l]}).then(function (part) {
+    delete pending[l];
+    if (D !== mine) { return; }
+    merge(part); status.textContent = ''; render();
+  }).catch(function (err) { delete pending[l]; status.textContent = String(err.message || err); });
+}
 function load(data) {
-  D = data; T = {};
+  D = data; T = {}; pending = {};
   var s = D.sizes, ls = $('layer'), hs = $('head');
   ls.textContent = ''; hs.textContent = ''; $('ablate').textContent = '';
+  STEPS = buildSteps(); $('steps').textContent = '';
   for (var l = 0; l < s.L; l++) { ls.add(new Option('layer ' + l, l)); }
   for (var h = 0; h < s.H; h++) { hs.add(new Option('head ' + h, h)); }
   st.layer = Math.min(D.select.layer, s.L - 1); st.head = Math.min(D.select.head, s.H - 1);
   st.query = D.ids.length - 1; st.mapsel = [st.layer, st.head]; st.ablate = '';
   st.rank = Math.max(1, Math.floor(s.D / 4));
+  var a = D.arch || {};
+  var parts = [a.norm === 'rmsnorm' ? 'RMSNorm' : 'LayerNorm',
+    a.position === 'rope' ? 'RoPE (\u03b8 = ' + a.rope_theta + ')' : 'learned positions',
+    {gelu: 'GELU', relu2: 'ReLU\u00b2', swiglu: 'SwiGLU'}[a.mlp] + ' FFN (F = ' + s.F + ')',
+    s.Hkv && s.Hkv !== s.H ? 'grouped-query attention (' + s.H + ' query, ' + s.Hkv +
+      ' key/value heads)' : 'multi-head attention'];
+  if (a.qk_norm) { parts.push('QK-norm'); }
+  parts.push(a.tied === false ? 'untied LM head' : 'LM head tied to the embedding');
   $('summary').textContent = 'C = ' + s.C + ' tokens, ' + s.L + ' layers, H = ' + s.H +
-    ' heads, E = ' + s.E + ', D = ' + s.D + ', V = ' + s.V + '.  Hover a matrix for its exact ' +
-    'values; click a token to choose the query row.';
+    ' heads, E = ' + s.E + ', D = ' + s.D + ', V = ' + s.V + '.  ' + parts.join(', ') +
+    '.  Hover a matrix for its exact values; click a token to choose the query row.';
   render();
 }
 $('layer').onchange = function () { st.layer = +this.value; st.mapsel[0] = st.layer; render(); };
@@ -429,18 +699,11 @@ if (CFG.endpoint) {
   form.hidden = false;
   form.onsubmit = function (e) {
     e.preventDefault();
-    var status = $('live-status');
+    var status = $('live-status'), body = {prompt: $('prompt-input').value,
+                                           top_k: +$('topk-input').value};
+    if (st.layer || st.head) { body.layer = st.layer; body.head = st.head; }
     status.textContent = 'computing\u2026';
-    fetch(CFG.endpoint, {method: 'POST', headers: {'Content-Type': 'application/json'},
-      body: JSON.stringify({prompt: $('prompt-input').value, top_k: +$('topk-input').value})})
-      .then(function (r) { return r.json().then(function (j) { return [r.ok, j]; }); })
-      .then(function (p) {
-        if (!p[0]) {
-          var e2 = p[1].error;
-          throw new Error(e2 && e2.message ? e2.message : (p[1].detail || 'request failed'));
-        }
-        status.textContent = ''; load(p[1]);
-      })
+    post(body).then(function (data) { status.textContent = ''; load(data); })
       .catch(function (err) { status.textContent = String(err.message || err); });
   };
 }
