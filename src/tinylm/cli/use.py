@@ -91,6 +91,12 @@ def _info_lines(info: dict) -> list[tuple[str, str]]:
     lines = [("checkpoint", info["folder"]), ("architecture", ", ".join(sizes)),
              ("options", options), ("parameters", f"{info['parameters']:,}"),
              ("tokenizer", tok_text), ("training", training), ("low-rank", lowrank)]
+    source = info.get("source")
+    if source and source.get("gguf"):
+        lines.insert(1, ("converted", f"from {source['gguf']} ({source.get('architecture')}, "
+                                      f"{source.get('bytes', 0) / 1e6:.1f} MB"
+                                      + (f", \"{source['name']}\")" if source.get("name")
+                                         else ")")))
     if info["nonfinite"]:
         lines.append(("WARNING", f"{info['nonfinite']:,} weights are NaN or infinite"))
     return lines

@@ -678,7 +678,9 @@ def describe_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     Keys: folder, model (config fields), parameters, nonfinite (count of NaN/inf
     weights), tokenizer ({kind, vocab_size, eos} or None), step and val_loss (from the
     training state, the best/ record or the run's metrics.jsonl; None when unknown),
-    lowrank ({layer: rank}, empty when none).
+    lowrank ({layer: rank}, empty when none), source (where a converted checkpoint came
+    from: config.json's ``source``, e.g. the GGUF file's name, size and architecture; None
+    for a model trained here).
     """
     folder = resolve_checkpoint_dir(path)
     config = read_config(folder)
@@ -694,7 +696,8 @@ def describe_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     return {"folder": str(folder), "model": model.config.to_dict(),
             "parameters": model.num_parameters(), "nonfinite": nonfinite,
             "tokenizer": tokenizer, "step": step, "val_loss": val_loss,
-            "lowrank": dict(config.get("lowrank") or {})}
+            "lowrank": dict(config.get("lowrank") or {}),
+            "source": config["source"] if isinstance(config.get("source"), dict) else None}
 
 
 def _training_progress(folder: Path, config: dict[str, Any]) -> tuple[int | None, float | None]:
