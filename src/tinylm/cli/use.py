@@ -451,7 +451,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=_positive, default=None, metavar="N",
                    help="torch threads of the decoding loop (default: torch's own choice)")
     p.add_argument("--model-name", default=None, metavar="NAME",
-                   help="the model id clients send (default: the folder's name)")
+                   help="the model id clients send (default: the folder's name, a run "
+                   "folder's own, or a .gguf file's name without .gguf)")
     p.set_defaults(func=_cmd_serve)
 
 
