@@ -50,6 +50,7 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
     from tinylm.data import PrepareOptions, prepare
     from tinylm.data.readers import display_path
 
+    args.tokenizer = _tokenizer_spec(args.tokenizer)
     if args.chat:
         return _cmd_prepare_chat(args)
     start = time.perf_counter()
@@ -68,6 +69,18 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
           f"tokenizer with {data.vocab_size:,} tokens, from {meta['source']} ({mb:.2f} MB) in "
           f"{seconds:.1f} s ({mb / max(seconds, 1e-9):.1f} MB/s, {meta['workers']} worker(s))")
     return 0
+
+
+def _tokenizer_spec(spec):
+    """--tokenizer X.gguf stands for the file's conversion (made once into the GGUF cache,
+    as --model X.gguf is), so the data and the model share one tokenizer.json."""
+    from pathlib import Path
+
+    if isinstance(spec, str) and spec.lower().endswith(".gguf") and Path(spec).is_file():
+        from tinylm.io.checkpoint import resolve_checkpoint_dir
+
+        return str(resolve_checkpoint_dir(spec))
+    return spec
 
 
 def _cmd_prepare_chat(args: argparse.Namespace) -> int:

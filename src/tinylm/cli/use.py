@@ -94,9 +94,11 @@ def _info_lines(info: dict) -> list[tuple[str, str]]:
     if tok is not None and tok.get("chat"):
         lines.insert(5, ("chat", tok["chat"]))
     source = info.get("source")
-    if source:
-        lines.insert(1, ("source", ", ".join(f"{k} {v}" for k, v in source.items()
-                                             if v is not None)))
+    if source and source.get("gguf"):
+        lines.insert(1, ("converted", f"from {source['gguf']} ({source.get('architecture')}, "
+                                      f"{source.get('bytes', 0) / 1e6:.1f} MB"
+                                      + (f", \"{source['name']}\")" if source.get("name")
+                                         else ")")))
     if info["nonfinite"]:
         lines.append(("WARNING", f"{info['nonfinite']:,} weights are NaN or infinite"))
     return lines
@@ -451,7 +453,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=_positive, default=None, metavar="N",
                    help="torch threads of the decoding loop (default: torch's own choice)")
     p.add_argument("--model-name", default=None, metavar="NAME",
-                   help="the model id clients send (default: the folder's name)")
+                   help="the model id clients send (default: the folder's name, a run "
+                   "folder's own, or a .gguf file's name without .gguf)")
     p.set_defaults(func=_cmd_serve)
 
 

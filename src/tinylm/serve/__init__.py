@@ -25,7 +25,7 @@ from tinylm.io.checkpoint import (
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 API_KEY_ENV = "TINYLM_API_KEY"
 
-__all__ = ["API_KEY_ENV", "LOOPBACK", "make_server", "serve"]
+__all__ = ["API_KEY_ENV", "LOOPBACK", "default_model_name", "make_server", "serve"]
 
 
 def _require_serve_extra():
@@ -36,6 +36,18 @@ def _require_serve_extra():
         raise ConfigError(f"tinylm serve needs Starlette and uvicorn ({exc.name} is missing); "
                           f"install them with: pip install 'tinylm[serve]'") from exc
     return uvicorn
+
+
+def default_model_name(model_dir: str | os.PathLike, folder: Path) -> str:
+    """The model id clients send when --model-name is not given: a GGUF file's name
+    without ``.gguf`` (not its private cache folder's), else the folder's name (a run
+    folder's own, not ``latest``)."""
+    given = Path(model_dir)
+    if given.suffix.lower() == ".gguf" and given.is_file():
+        return given.stem
+    if folder.resolve() != given.resolve() and folder.parent.resolve() == given.resolve():
+        return given.resolve().name
+    return folder.resolve().name
 
 
 def make_server(model_dir: str | os.PathLike, *, host: str = "127.0.0.1",
@@ -55,7 +67,7 @@ def make_server(model_dir: str | os.PathLike, *, host: str = "127.0.0.1",
     if not (folder / TOKENIZER_FILE).is_file():
         raise CheckpointError(f"{folder} has no {TOKENIZER_FILE}; the server needs the "
                               f"model's tokenizer to turn text into tokens")
-    settings.setdefault("model_name", Path(folder).resolve().name)
+    settings.setdefault("model_name", default_model_name(model_dir, folder))
     return Server(Settings(api_key=api_key, **settings), lambda: load_checkpoint(folder))
 
 

@@ -63,6 +63,15 @@ def mask_of(data: TrainData, split: str) -> Any | None:
     return mask
 
 
+def window_length(data: TrainData, context_length: int) -> int:
+    """Tokens per training window: the model's context length, or a chat set's shorter
+    rows. Every conversation of ``tinylm prepare --chat`` lies inside one row of C + 1
+    tokens, so a window longer than C only joins conversations: fine-tuning a model of
+    8192 positions on rows of 257 trains windows of 256 (the model keeps its length)."""
+    row = getattr(data, "row_length", None)
+    return context_length if row is None else min(context_length, int(row) - 1)
+
+
 def check_lengths(data: TrainData, C: int) -> None:
     """Each split must hold one window of ``C`` tokens and its next token."""
     for split in ("train", "val"):

@@ -43,6 +43,7 @@ from tinylm.training.batches import (
     check_token_ids,
     data_name,
     mask_of,
+    window_length,
 )
 from tinylm.training.optim import build_optimizer, optimizer_recipe
 from tinylm.training.runfolder import RUN_CONFIG_FILE, Found, preflight
@@ -84,7 +85,7 @@ def setup(model_config: ModelConfig, cfg: TrainConfig, data: TrainData, out: Pat
     fast paths applied to the model are undone when ``stack`` closes."""
     device = distributed.device_for(ctx, resolve_device(cfg.device))
     raw = build_raw_model(model_config, cfg, data, found, model, out)
-    C = raw.config.context_length
+    C = window_length(data, raw.config.context_length)
     check_lengths(data, C)
     check_token_ids(data, raw.config.vocab_size)
     n_params = sum(p.numel() for p in raw.parameters())
@@ -145,7 +146,8 @@ def apply_strategy(raw: nn.Module, cfg: TrainConfig, ctx: distributed.DistContex
         stack.enter_context(acceleration.accelerate(raw, device))
     model_run = distributed.wrap_model(raw, ctx, device, cfg.strategy)
     if cfg.compile:
-        sample = get_batch(data.train, cfg.batch_size, raw.config.context_length,
+        sample = get_batch(data.train, cfg.batch_size,
+                           window_length(data, raw.config.context_length),
                            torch.Generator().manual_seed(0), device)
         model_run = maybe_compile(model_run, True, sample, amp)
     if ctx.enabled and cfg.strategy == "zero1":
