@@ -226,7 +226,8 @@ def test_info_describes_the_gguf_model(smollm2_gguf, cache, capsys) -> None:
         ("rmsnorm", "rope", "swiglu", True)
     assert m["rope_theta"] == 100000.0 and m["context_length"] == 8192
     assert info["parameters"] == 134_515_008  # SmolLM2-135M's count (tied head once)
-    assert info["tokenizer"] == {"kind": "file", "vocab_size": 49152, "eos": "<|im_end|>"}
+    assert info["tokenizer"] == {"kind": "file", "vocab_size": 49152, "eos": "<|im_end|>",
+                                 "chat": "its own template (turns end with <|im_end|>)"}
     assert info["source"]["gguf"] == smollm2_gguf.name
     assert info["source"]["architecture"] == "llama"
     lines = dict(_info_lines(info))  # what `tinylm info` prints from the same record
