@@ -14,18 +14,20 @@ def _seed() -> None:
     torch.manual_seed(0)
 
 
+#: Where ``make smollm2-gguf`` (and so ``make test``) puts the real model's file.
+DEFAULT_SMOLLM2 = Path.home() / ".cache" / "tinylm" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
 def real_model_path(variable: str = "TINYLM_SMOLLM2_GGUF") -> Path:
-    """The real SmolLM2-135M-Instruct GGUF that ``make test`` fetches (its path in
-    ``variable``). Absent: the test skips, or fails under ``TINYLM_REQUIRE_SMOLLM2=1``
-    (what ``make test`` and so CI set), so a missing file can never pass as green."""
+    """The real SmolLM2-135M-Instruct GGUF that ``make test`` fetches: the path in
+    ``variable``, else where the Makefile caches it. Absent, the test fails, saying how to
+    fetch it: a missing file never passes as green, nor as skipped."""
     path = os.environ.get(variable)
-    if path and Path(path).is_file():
-        return Path(path)
-    message = (f"the real model is not here ({variable}={path!r}); 'make test' fetches it "
-               f"('make smollm2-gguf'), or point {variable} at SmolLM2-135M-Instruct.Q4_1.gguf")
-    if os.environ.get("TINYLM_REQUIRE_SMOLLM2") == "1":
-        pytest.fail(message)
-    pytest.skip(message)
+    found = Path(path) if path else DEFAULT_SMOLLM2
+    if not found.is_file():
+        pytest.fail(f"the real model is not here ({found}); 'make smollm2-gguf' fetches it "
+                    f"(make test does), or point {variable} at SmolLM2-135M-Instruct.Q4_1.gguf")
+    return found
 
 
 @pytest.fixture(scope="session")

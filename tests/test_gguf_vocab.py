@@ -20,7 +20,6 @@ pre-tokenizer) and the test says where and why:
 from __future__ import annotations
 
 import json
-import os
 import random
 from pathlib import Path
 from typing import Any
@@ -373,11 +372,8 @@ def test_refusals_are_one_line_naming_the_problem(byte_level: dict[str, Path]) -
 
 
 @pytest.fixture(scope="module")
-def smollm2() -> Path:
-    path = os.environ.get("TINYLM_SMOLLM2_GGUF")
-    if not path or not Path(path).is_file():
-        pytest.skip("TINYLM_SMOLLM2_GGUF is not set to the SmolLM2-135M-Instruct GGUF file")
-    return Path(path)
+def smollm2(smollm2_gguf: Path) -> Path:
+    return smollm2_gguf
 
 
 @pytest.fixture(scope="module")

@@ -12,11 +12,11 @@ against transformers' ``return_assistant_tokens_mask`` on the same template with
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 
+from conftest import real_model_path
 from tinylm.core.errors import DataError
 from tinylm.data.chat import render_chat, render_text, render_with_mask, stop_ids
 from tinylm.data.templates import TokenizerSettings, render_template
@@ -296,7 +296,8 @@ def test_settings_from_hf_dict_and_back() -> None:
 
 def test_checkpoint_keeps_the_settings_and_old_ones_load_unchanged(base, tmp_path) -> None:
     from tinylm import GPT, ModelConfig
-    from tinylm.io.checkpoint import load_tokenizer_of, save_checkpoint
+    from tinylm.io.checkpoint import load_tokenizer_of
+    from tinylm.io.checkpoint_files import save_checkpoint
 
     ours, _ = _pair(base, SMOLLM2_TEMPLATE, {**CHATML_ROLES, "add_bos_token": True})
     model = GPT(ModelConfig(vocab_size=base.vocab_size, context_length=32, n_layer=1,
@@ -339,7 +340,7 @@ def _model_folder(tmp_path: Path, tok, stop_token: str, name: str):
     import torch
 
     from tinylm import GPT, ModelConfig
-    from tinylm.io.checkpoint import save_checkpoint
+    from tinylm.io.checkpoint_files import save_checkpoint
 
     torch.manual_seed(0)
     model = GPT(ModelConfig(vocab_size=tok.vocab_size, context_length=256, n_layer=1,
@@ -413,10 +414,7 @@ def test_from_hf_folder_reads_template_roles_and_generation_config(base, tmp_pat
 
 
 def _smollm2_gguf() -> Path:
-    path = os.environ.get("TINYLM_SMOLLM2_GGUF")
-    if not path or not Path(path).is_file():
-        pytest.skip("TINYLM_SMOLLM2_GGUF does not name the SmolLM2-135M-Instruct GGUF file")
-    return Path(path)
+    return real_model_path()
 
 
 def test_smollm2_gguf_template_token_exact(tmp_path) -> None:
@@ -507,7 +505,8 @@ def test_finetune_keeps_the_models_template_and_vocabulary(char_base, tmp_path) 
 
     from tinylm import GPT, ModelConfig
     from tinylm.data.chatdata import prepare_chat
-    from tinylm.io.checkpoint import load_tokenizer_of, save_checkpoint
+    from tinylm.io.checkpoint import load_tokenizer_of
+    from tinylm.io.checkpoint_files import save_checkpoint
     from tinylm.training.finetune import finetune
 
     tok = char_base.with_settings(TokenizerSettings(chat_template=SMOLLM2_TEMPLATE,
