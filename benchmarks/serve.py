@@ -40,7 +40,7 @@ from tinylm.core.config import ModelConfig, read_toml
 from tinylm.core.model import GPT
 from tinylm.data.corpora import load_corpus
 from tinylm.data.tokenizers import BPETokenizer
-from tinylm.io.checkpoint import save_checkpoint
+from tinylm.io.checkpoint_files import save_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 PNG = Path(__file__).resolve().parent / "serve.png"

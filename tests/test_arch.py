@@ -18,7 +18,8 @@ from tinylm.core.config import ARCH_PRESETS, ModelConfig, resolve_arch
 from tinylm.core.decoding import KVCache
 from tinylm.core.errors import ConfigError
 from tinylm.core.model import GPT, parameter_count
-from tinylm.io.checkpoint import load_model, save_checkpoint
+from tinylm.io.checkpoint import load_model
+from tinylm.io.checkpoint_files import save_checkpoint
 from tinylm.layers.lowrank import dense_weight, structure_of
 
 BASE = dict(vocab_size=53, context_length=24, n_layer=2, n_head=4, n_embd=32)

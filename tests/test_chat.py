@@ -273,7 +273,7 @@ def test_cli_prepare_chat_one_line_errors(tmp_path, char, capsys) -> None:
 
 @pytest.fixture()
 def chat_model(tmp_path, char):
-    from tinylm.io.checkpoint import save_checkpoint
+    from tinylm.io.checkpoint_files import save_checkpoint
 
     torch.manual_seed(0)
     model = GPT(ModelConfig(vocab_size=char.vocab_size, context_length=64, n_layer=1,

@@ -8,13 +8,8 @@ import pytest
 import torch
 
 from tinylm import GPT, CheckpointError, ModelConfig
-from tinylm.io.checkpoint import (
-    load_model,
-    load_train_state,
-    read_config,
-    save_checkpoint,
-    strip_wrapper_prefixes,
-)
+from tinylm.io.checkpoint import load_model, load_train_state, read_config
+from tinylm.io.checkpoint_files import save_checkpoint, strip_wrapper_prefixes
 from tinylm.io.files import DiskFullError
 
 

@@ -10,7 +10,8 @@ import torch
 from tinylm import GPT, ModelConfig
 from tinylm.cli import main
 from tinylm.data import prepare
-from tinylm.io.checkpoint import load_checkpoint, save_checkpoint
+from tinylm.io.checkpoint import load_checkpoint
+from tinylm.io.checkpoint_files import save_checkpoint
 from tinylm.layers.lowrank import structure_of
 
 TEXT = "the quick brown fox jumps over the lazy dog. attention is all you need!\n" * 40

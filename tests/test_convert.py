@@ -14,7 +14,8 @@ from tinylm.cli import main
 from tinylm.core.config import ModelConfig
 from tinylm.core.model import GPT
 from tinylm.data.tokenizers import BPETokenizer, CharTokenizer
-from tinylm.io.checkpoint import load_checkpoint, save_checkpoint
+from tinylm.io.checkpoint import load_checkpoint
+from tinylm.io.checkpoint_files import save_checkpoint
 
 TEXT = "This is a pen. That is a book.\nこれはペンです。 naïve café " * 20
 SAMPLE = "This is a book. これは本です。 <|endoftext|> x\n  y"

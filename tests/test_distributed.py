@@ -325,7 +325,7 @@ def test_a_kill_inside_a_sharded_save_keeps_one_complete_checkpoint(data_dir, tm
     after, and ends like an uninterrupted run (one process, fsdp layout)."""
     import signal
 
-    import tinylm.io.checkpoint as ck
+    import tinylm.io.checkpoint_files as ck
 
     cfg = TrainConfig(**{**TRAIN, "grad_accum": 6, "strategy": "fsdp"})
     out = tmp_path / "run"

@@ -138,7 +138,7 @@ TEXT = "This is a pen. これはペンです。\n" * 30
 def run(tmp_path_factory: pytest.TempPathFactory):
     """A prepared char dataset and a tiny random model saved with its tokenizer."""
     from tinylm.data import prepare
-    from tinylm.io.checkpoint import save_checkpoint
+    from tinylm.io.checkpoint_files import save_checkpoint
 
     root = tmp_path_factory.mktemp("eval")
     (root / "corpus.txt").write_text(TEXT, encoding="utf-8")
@@ -225,7 +225,7 @@ def test_cli_eval_bad_flags(run, capsys, args: list[str], message: str) -> None:
 def test_cli_eval_bad_inputs(run, tmp_path, capsys) -> None:
     from tinylm.cli import main
     from tinylm.data import prepare
-    from tinylm.io.checkpoint import save_checkpoint
+    from tinylm.io.checkpoint_files import save_checkpoint
 
     root, data, m, ckpt = run
     # Data prepared with another tokenizer (a different alphabet).

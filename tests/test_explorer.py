@@ -17,7 +17,7 @@ from tinylm.core.config import ARCH_PRESETS, ModelConfig, read_toml
 from tinylm.core.errors import ConfigError, DataError
 from tinylm.core.model import GPT
 from tinylm.data.tokenizers import CharTokenizer
-from tinylm.io.checkpoint import save_checkpoint
+from tinylm.io.checkpoint_files import save_checkpoint
 from tinylm.use.explorer import (
     decode_tensor,
     encode_tensor,

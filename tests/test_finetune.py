@@ -18,7 +18,8 @@ from tinylm.core.errors import CheckpointError, DataError
 from tinylm.core.model import GPT
 from tinylm.data.chatdata import load_chat_data, prepare_chat
 from tinylm.data.tokenizers import STANDARD_SPECIALS, CharTokenizer
-from tinylm.io.checkpoint import load_checkpoint, read_config, read_tensors, save_checkpoint
+from tinylm.io.checkpoint import load_checkpoint, read_config, read_tensors
+from tinylm.io.checkpoint_files import save_checkpoint
 from tinylm.layers.lora import is_adapter_key
 from tinylm.training.finetune import finetune, merge
 from tinylm.use.evaluation import estimate_loss

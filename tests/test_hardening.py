@@ -440,7 +440,7 @@ def test_fuzz_sample_flags_on_a_real_model(pairs, ckpt, capsys) -> None:
 
 
 def test_prompt_file_is_bounded(ckpt, tmp_path, capsys, monkeypatch) -> None:
-    monkeypatch.setattr("tinylm.cli.PROMPT_MAX_BYTES", 100)
+    monkeypatch.setattr("tinylm.cli.use.PROMPT_MAX_BYTES", 100)
     big = tmp_path / "big.txt"
     big.write_text("hello " * 50)
     line = one_line_exit_2(["sample", "--model", str(ckpt), "--prompt-file", str(big)],

@@ -15,7 +15,7 @@ from tinylm.core.config import ModelConfig
 from tinylm.core.errors import ConfigError, DataError
 from tinylm.core.model import GPT
 from tinylm.data.tokenizers import CharTokenizer
-from tinylm.io.checkpoint import save_checkpoint
+from tinylm.io.checkpoint_files import save_checkpoint
 from tinylm.use.inspection import (
     display_token,
     display_width,

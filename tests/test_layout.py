@@ -138,6 +138,56 @@ def test_imports_run_one_way() -> None:
                      + "\n".join(bad))
 
 
+def import_graph() -> dict[str, set[str]]:
+    """tinylm module -> the tinylm modules it imports (every import, lazy ones too; the
+    package root, which imports the public API, left out)."""
+    modules = {module_name(p): p for p in _sources()}
+    return {me: {m for m in imported(path) if m in modules and m != "tinylm"}
+            for me, path in modules.items() if me != "tinylm"}
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The groups of modules that import each other, directly or round a loop (the
+    strongly connected components of more than one module)."""
+    order, seen = [], set()
+    for start in sorted(graph):  # Kosaraju: finishing order on the graph ...
+        stack = [(start, iter(sorted(graph[start])))] if start not in seen else []
+        seen.add(start)
+        while stack:
+            node, it = stack[-1]
+            nxt = next((m for m in it if m not in seen), None)
+            if nxt is None:
+                order.append(stack.pop()[0])
+            else:
+                seen.add(nxt)
+                stack.append((nxt, iter(sorted(graph.get(nxt, ())))))
+    back: dict[str, set[str]] = {m: set() for m in graph}
+    for m, targets in graph.items():
+        for n in targets:
+            back.setdefault(n, set()).add(m)
+    groups, done = [], set()
+    for start in reversed(order):  # ... then components on the reversed graph
+        if start in done:
+            continue
+        group, todo = [], [start]
+        done.add(start)
+        while todo:
+            node = todo.pop()
+            group.append(node)
+            todo += [m for m in back[node] if m not in done]
+            done.update(back[node])
+        if len(group) > 1:
+            groups.append(sorted(group))
+    return groups
+
+
+def test_no_import_cycles() -> None:
+    cycles = import_cycles(import_graph())
+    assert not cycles, "modules that import each other (imports should run one way):\n" + \
+        "\n".join(" <-> ".join(c) for c in cycles)
+    assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
 def test_the_import_walk_sees_lazy_and_relative_imports_not_type_checking_ones() -> None:
     text = ("from typing import TYPE_CHECKING\nfrom . import sampling\nfrom .. import data\n"
             "if TYPE_CHECKING:\n    from tinylm.cli import main\n"

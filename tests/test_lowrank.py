@@ -12,7 +12,8 @@ from torch import nn
 
 from tinylm import GPT, ConfigError, ModelConfig
 from tinylm.commands.compress import compress, format_report
-from tinylm.io.checkpoint import load_checkpoint, save_checkpoint
+from tinylm.io.checkpoint import load_checkpoint
+from tinylm.io.checkpoint_files import save_checkpoint
 from tinylm.layers.lowrank import (
     LayerSpectrum,
     LowRankLinear,

@@ -18,7 +18,8 @@ from tinylm.commands.quantize import quantize
 from tinylm.core.decoding import Decoder
 from tinylm.core.errors import ConfigError
 from tinylm.data import prepare
-from tinylm.io.checkpoint import load_checkpoint, save_checkpoint
+from tinylm.io.checkpoint import load_checkpoint
+from tinylm.io.checkpoint_files import save_checkpoint
 from tinylm.layers.quantized import (
     QuantizedLinear,
     dequantize_weight,

@@ -12,7 +12,8 @@ from torch import nn
 from tinylm import GPT, ConfigError, ModelConfig
 from tinylm.commands.compress import compress
 from tinylm.commands.quantize import quantize
-from tinylm.io.checkpoint import load_model, save_checkpoint
+from tinylm.io.checkpoint import load_model
+from tinylm.io.checkpoint_files import save_checkpoint
 from tinylm.layers import registry
 from tinylm.layers.lora import LoRALinear, apply_lora
 from tinylm.layers.lowrank import LowRankLinear

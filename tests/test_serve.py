@@ -293,7 +293,7 @@ def test_cli_serve_end_to_end(tmp_path):
     import subprocess
     import sys
 
-    from tinylm.io.checkpoint import save_checkpoint
+    from tinylm.io.checkpoint_files import save_checkpoint
 
     model, tok = tiny_model_and_tokenizer()
     save_checkpoint(tmp_path / "ckpt", model, tok)

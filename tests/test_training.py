@@ -482,7 +482,7 @@ def test_kill_at_every_point_of_the_save_protocol_resumes_bitwise(data_dir, tmp_
     """SIGKILL before each file operation of the last save of latest/ (step 4, replacing
     the checkpoint of step 2): resume continues from the newest complete checkpoint (step
     2, or the finished step 4) and ends bitwise equal to an uninterrupted run."""
-    import tinylm.io.checkpoint as ck
+    import tinylm.io.checkpoint_files as ck
     import tinylm.training.loop as training
 
     monkeypatch.setattr(training, "_redraw", lambda run: None)  # the plot is not the point
@@ -693,7 +693,7 @@ def test_token_ids_outside_the_vocabulary_are_refused(data_dir, tmp_path) -> Non
 def test_disk_full_is_one_line_with_the_path(data_dir, tmp_path, monkeypatch, capsys) -> None:
     import errno
 
-    import tinylm.io.checkpoint as ck
+    import tinylm.io.checkpoint_files as ck
     from tinylm.io.files import DiskFullError
     from tinylm.training.runlog import MetricsLog
 

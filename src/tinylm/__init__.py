@@ -14,7 +14,8 @@ __version__ = "0.1.0"
 from tinylm.core.config import ModelConfig  # noqa: E402
 from tinylm.core.errors import CheckpointError, ConfigError, DataError, TinyLMError  # noqa: E402
 from tinylm.core.model import GPT  # noqa: E402
-from tinylm.io.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from tinylm.io.checkpoint import load_checkpoint
+from tinylm.io.checkpoint_files import save_checkpoint  # noqa: E402
 from tinylm.use.sampling import generate, generate_stream  # noqa: E402
 
 #: The exports imported on first use: name -> the module that defines it.

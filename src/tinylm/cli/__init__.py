@@ -65,12 +65,6 @@ def _help_width() -> int:
     return max(shutil.get_terminal_size().columns - 2, 20)  # what argparse itself uses
 
 
-#: The most prompt text read from --prompt-file (a prompt uses at most its last C - 1
-#: tokens; this only stops /dev/zero or a huge file from filling memory). Read by
-#: :func:`tinylm.cli.use._read_prompt` when it runs.
-PROMPT_MAX_BYTES = 16 * 1024 * 1024
-
-
 #: Every command's adder, in the order ``tinylm --help`` lists them. An adder creates the
 #: subparser and sets ``func=<handler>``.
 COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [

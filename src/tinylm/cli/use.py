@@ -145,15 +145,18 @@ def _add_sample(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_sample)
 
 
+#: The most prompt text read from --prompt-file (a prompt uses at most its last C - 1
+#: tokens; this only stops /dev/zero or a huge file from filling memory).
+PROMPT_MAX_BYTES = 16 * 1024 * 1024
+
+
 def _read_prompt(args: argparse.Namespace) -> str:
-    """--prompt, or the text of --prompt-file (at most ``tinylm.cli.PROMPT_MAX_BYTES``,
-    read when called, so a test may lower it)."""
+    """--prompt, or the text of --prompt-file (at most :data:`PROMPT_MAX_BYTES`)."""
     from pathlib import Path
 
-    from tinylm import cli
     from tinylm.core.errors import DataError
 
-    limit = cli.PROMPT_MAX_BYTES
+    limit = PROMPT_MAX_BYTES
     if args.prompt_file is None:
         return args.prompt or ""
     name = "stdin" if args.prompt_file == "-" else f"prompt file {args.prompt_file}"

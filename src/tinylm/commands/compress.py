@@ -27,14 +27,8 @@ from torch import nn
 from tinylm.core.config import TrainConfig, resolve_device
 from tinylm.core.errors import ConfigError
 from tinylm.data import load_prepared
-from tinylm.io.checkpoint import (
-    WEIGHTS_FILE,
-    check_target,
-    load_checkpoint,
-    read_config,
-    resolve_checkpoint_dir,
-    save_checkpoint,
-)
+from tinylm.io.checkpoint import load_checkpoint, read_config, resolve_checkpoint_dir
+from tinylm.io.checkpoint_files import WEIGHTS_FILE, check_target, save_checkpoint
 from tinylm.layers.lowrank import (
     DEFAULT_LAYERS,
     LayerSpectrum,
@@ -434,7 +428,7 @@ def compress_checkpoint(model_dir: str | os.PathLike, out: str | os.PathLike, *,
     """Compress the checkpoint ``model_dir`` into ``out`` (see ``tinylm compress --help``).
 
     ``mode`` holds exactly one of rank / energy / params_fraction. ``out`` is checked
-    first (:func:`tinylm.io.checkpoint.check_target`: never a run folder or a folder with
+    first (:func:`tinylm.io.checkpoint_files.check_target`: never a run folder or a folder with
     other files; an existing checkpoint only with ``force``), so nothing is lost.
     """
     if finetune_steps < 0 or (finetune_steps and data_dir is None):

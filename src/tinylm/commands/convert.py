@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tinylm.core.errors import ConfigError
-from tinylm.io.checkpoint import check_target, load_checkpoint, save_checkpoint
+from tinylm.io.checkpoint import load_checkpoint
+from tinylm.io.checkpoint_files import check_target, save_checkpoint
 from tinylm.io.gguf_checkpoint import convert_gguf, is_gguf
 from tinylm.io.hf import export_family, hub_folder, is_hub_name, read_hf_folder, write_hf_folder
 

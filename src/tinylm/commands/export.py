@@ -11,18 +11,15 @@ import torch
 from tinylm.core.config import TrainConfig
 from tinylm.core.errors import CheckpointError
 from tinylm.io.checkpoint import (
-    SHARDS_DIR,
     build_model,
-    check_target,
-    is_complete,
     is_sharded,
     load_tokenizer_of,
     load_train_state,
     optimizer_state,
     read_config,
     resolve_checkpoint_dir,
-    save_checkpoint,
 )
+from tinylm.io.checkpoint_files import SHARDS_DIR, check_target, is_complete, save_checkpoint
 from tinylm.layers.registry import SECTIONS as STRUCTURE_SECTIONS
 from tinylm.training import build_optimizer, distributed
 

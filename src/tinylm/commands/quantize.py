@@ -20,7 +20,8 @@ from torch import nn
 
 from tinylm.core.errors import ConfigError
 from tinylm.data import load_prepared
-from tinylm.io.checkpoint import check_target, load_checkpoint, save_checkpoint
+from tinylm.io.checkpoint import load_checkpoint
+from tinylm.io.checkpoint_files import check_target, save_checkpoint
 from tinylm.layers.quantized import QuantizedLinear, check_scheme
 from tinylm.layers.selection import select_layers as select
 from tinylm.use.evaluation import evaluate
@@ -149,7 +150,7 @@ def quantize_checkpoint(model_dir: str | os.PathLike, out: str | os.PathLike, *,
                         ) -> tuple[QuantizeReport, Path]:
     """Load ``model_dir``, quantize it, measure val loss before/after on ``data_dir``
     (a ``tinylm prepare`` folder, optional) and save it to ``out``, checked first by
-    :func:`tinylm.io.checkpoint.check_target` (a new or empty folder; an existing
+    :func:`tinylm.io.checkpoint_files.check_target` (a new or empty folder; an existing
     checkpoint only with ``force``). Returns (report, the checkpoint folder written)."""
     check_scheme(bits, group_size)
     if eval_windows is not None and eval_windows < 1:

@@ -12,13 +12,8 @@ from typing import Any
 import torch
 
 from tinylm.core.errors import CheckpointError
-from tinylm.io.checkpoint import (
-    STATE_JSON_FILE,
-    load_model,
-    load_tokenizer_of,
-    read_config,
-    resolve_checkpoint_dir,
-)
+from tinylm.io.checkpoint import load_model, load_tokenizer_of, read_config, resolve_checkpoint_dir
+from tinylm.io.checkpoint_files import STATE_JSON_FILE
 from tinylm.io.jsonio import read_json
 
 

@@ -29,7 +29,7 @@ from tinylm.core.model import GPT
 from tinylm.data.gguf_vocab import special_tokens_of_gguf, tokenizer_from_gguf
 from tinylm.data.templates import TokenizerSettings
 from tinylm.data.tokenizers import Tokenizer
-from tinylm.io.checkpoint import CONFIG_FILE, check_target, is_complete, save_checkpoint
+from tinylm.io.checkpoint_files import CONFIG_FILE, check_target, is_complete, save_checkpoint
 from tinylm.io.gguf import GGUFModel, gguf_to_tinylm, read_gguf
 
 log = logging.getLogger(__name__)

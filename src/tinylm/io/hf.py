@@ -499,7 +499,7 @@ def to_hf(model: GPT, family: str | None = None):
     """A transformers model (GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM or
     MistralForCausalLM; see :func:`export_family`) with the same weights as ``model``."""
     transformers = _require_transformers()
-    from tinylm.io.checkpoint import unwrap_model
+    from tinylm.io.checkpoint_files import unwrap_model
 
     model = unwrap_model(model)
     c = model.config

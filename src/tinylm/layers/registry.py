@@ -19,7 +19,7 @@ says, in one :class:`LayerKind` row of :data:`KINDS`:
   cannot read (an int8 layer with a per-group minimum: it steps aside for that one).
 
 A new kind (say 4-bit GGUF blocks) is one module with its layer and one row here;
-``io/checkpoint.py``, ``io/hf.py``, ``native/plan.py``, ``native/decoding.py`` and the
+``io/checkpoint*.py``, ``io/hf.py``, ``native/plan.py``, ``native/decoding.py`` and the
 training loop ask these functions and name no kind.
 """
 

@@ -15,12 +15,8 @@ import os
 from pathlib import Path
 
 from tinylm.core.errors import CheckpointError, ConfigError
-from tinylm.io.checkpoint import (
-    TOKENIZER_FILE,
-    load_checkpoint,
-    read_config,
-    resolve_checkpoint_dir,
-)
+from tinylm.io.checkpoint import load_checkpoint, read_config, resolve_checkpoint_dir
+from tinylm.io.checkpoint_files import TOKENIZER_FILE
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 API_KEY_ENV = "TINYLM_API_KEY"

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from tinylm.core.errors import DataError
 from tinylm.data import get_batch, load_prepared
-from tinylm.io.checkpoint import CONFIG_FILE, RUN_LATEST
+from tinylm.io.checkpoint_files import CONFIG_FILE, RUN_LATEST
 from tinylm.training import distributed
 from tinylm.training.runlog import METRICS_FILE
 

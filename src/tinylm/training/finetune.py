@@ -29,13 +29,12 @@ from tinylm.core.model import GPT
 from tinylm.data.chatdata import ChatData, load_chat_data
 from tinylm.data.tokenizers import STANDARD_SPECIALS, Tokenizer
 from tinylm.io.checkpoint import (
-    WEIGHTS_FILE,
     load_checkpoint,
     load_model,
     require_tokenizer_of,
     resolve_checkpoint_dir,
-    save_checkpoint,
 )
+from tinylm.io.checkpoint_files import WEIGHTS_FILE, save_checkpoint
 from tinylm.io.files import sha256_file
 from tinylm.layers.lora import DEFAULT_TARGETS, adapter_parameters, apply_lora, merge_lora
 from tinylm.training import TrainResult, command_threads, train
@@ -155,7 +154,7 @@ def finetune(model_dir: str | os.PathLike, data_dir: str | os.PathLike | ChatDat
 def merge(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
           force: bool = False) -> Path:
     """Fold a LoRA checkpoint's adapters into a plain checkpoint at ``out_dir``."""
-    from tinylm.io.checkpoint import check_target
+    from tinylm.io.checkpoint_files import check_target
 
     model, tok = load_checkpoint(model_dir)
     if not any(isinstance(m, nn.Module) and n.endswith(("qkv", "out", "up", "down"))

@@ -66,7 +66,7 @@ from tinylm import acceleration
 from tinylm.core.config import ModelConfig, TrainConfig, resolve_device
 from tinylm.core.errors import ConfigError
 from tinylm.core.model import lm_loss
-from tinylm.io.checkpoint import RUN_BEST, RUN_LATEST, save_checkpoint
+from tinylm.io.checkpoint_files import RUN_BEST, RUN_LATEST, save_checkpoint
 from tinylm.io.files import FolderLock
 from tinylm.training import distributed
 from tinylm.training.batches import TrainData, data_name, draw_batch, load_data

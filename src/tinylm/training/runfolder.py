@@ -21,14 +21,13 @@ from typing import Any
 
 from tinylm.core.config import ModelConfig, TrainConfig, read_toml, resolve_arch
 from tinylm.core.errors import CheckpointError, ConfigError
-from tinylm.io.checkpoint import (
+from tinylm.io.checkpoint import load_train_state, read_config
+from tinylm.io.checkpoint_files import (
     CONFIG_FILE,
     RUN_BEST,
     RUN_LATEST,
     STATE_JSON_FILE,
     is_complete,
-    load_train_state,
-    read_config,
     recover_checkpoint,
 )
 from tinylm.training import distributed

@@ -13,7 +13,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from tinylm.io.checkpoint import SHARDS_DIR, new_temporary, optimizer_state, save_checkpoint
+from tinylm.io.checkpoint import optimizer_state
+from tinylm.io.checkpoint_files import SHARDS_DIR, new_temporary, save_checkpoint
 from tinylm.training import distributed
 from tinylm.training.state import Run
 

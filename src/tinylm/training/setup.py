@@ -24,8 +24,6 @@ from tinylm.core.errors import ConfigError
 from tinylm.core.model import GPT, lm_loss
 from tinylm.data import get_batch
 from tinylm.io.checkpoint import (
-    RUN_LATEST,
-    SHARDS_DIR,
     build_model,
     is_sharded,
     load_model,
@@ -33,8 +31,8 @@ from tinylm.io.checkpoint import (
     load_tokenizer_of,
     load_train_state,
     read_config,
-    unwrap_model,
 )
+from tinylm.io.checkpoint_files import RUN_LATEST, SHARDS_DIR, unwrap_model
 from tinylm.io.files import atomic_write
 from tinylm.training import distributed
 from tinylm.training.batches import (

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from tinylm.core.config import TrainConfig
-from tinylm.io.checkpoint import RUN_LATEST
+from tinylm.io.checkpoint_files import RUN_LATEST
 from tinylm.training.batches import TrainData
 from tinylm.training.distributed import DistContext
 from tinylm.training.runlog import MetricsLog, Progress, StopSignal, Throughput

@@ -38,7 +38,7 @@ from tinylm.core.checks import check_int, is_int
 from tinylm.core.errors import ConfigError, DataError
 from tinylm.data import iter_windows
 from tinylm.data.shards import TokenShards
-from tinylm.io.checkpoint import unwrap_model
+from tinylm.io.checkpoint_files import unwrap_model
 
 log = logging.getLogger(__name__)
 

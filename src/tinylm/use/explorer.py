@@ -32,7 +32,8 @@ from tinylm.core.checks import is_int
 from tinylm.core.config import resolve_device
 from tinylm.core.errors import ConfigError, DataError
 from tinylm.core.model import GPT
-from tinylm.io.checkpoint import load_checkpoint, require_tokenizer_of, unwrap_model
+from tinylm.io.checkpoint import load_checkpoint, require_tokenizer_of
+from tinylm.io.checkpoint_files import unwrap_model
 from tinylm.io.files import atomic_write_with
 from tinylm.use.inspection import (
     Explanation,

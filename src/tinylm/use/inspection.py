@@ -46,7 +46,7 @@ from tinylm.core.attention import (
 from tinylm.core.checks import check_int
 from tinylm.core.errors import ConfigError, DataError
 from tinylm.core.model import GPT, FeedForward, GatedFeedForward, ReLUSquared
-from tinylm.io.checkpoint import unwrap_model
+from tinylm.io.checkpoint_files import unwrap_model
 from tinylm.io.files import atomic_write_with
 
 log = logging.getLogger(__name__)
