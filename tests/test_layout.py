@@ -262,7 +262,8 @@ def test_the_native_package_sits_below_the_uses() -> None:
 def test_the_replaced_layers_import_only_torch_and_core_at_module_level() -> None:
     # tinylm.layers.quantized and tinylm.layers.lora hold QuantizedLinear and LoRALinear
     # (reference math), which native/ builds on: module level stays torch, core and the
-    # one layer-selection rule (tinylm.layers.selection) and tinylm.layers.dense.
+    # one layer-selection rule (tinylm.layers.selection), tinylm.layers.dense and the
+    # commands' default layer names (tinylm.layers.defaults, plain constants).
     for name in ("layers/quantized.py", "layers/lora.py"):
         for node in ast.parse((SRC / name).read_text(encoding="utf-8")).body:
             if isinstance(node, (ast.Import, ast.ImportFrom)):
@@ -270,7 +271,8 @@ def test_the_replaced_layers_import_only_torch_and_core_at_module_level() -> Non
                     [a.name for a in node.names]
                 for m in names:
                     assert m.split(".")[0] in STDLIB | {"torch"} or _in(
-                        m, {"tinylm.core", "tinylm.layers.selection", "tinylm.layers.dense"}), \
+                        m, {"tinylm.core", "tinylm.layers.selection", "tinylm.layers.dense",
+                            "tinylm.layers.defaults"}), \
                         f"{name} imports {m}"
 
 

@@ -1,49 +1,53 @@
 """tinylm: GPT-style language models from the attention equations up.
 
-The model, its config and errors, checkpoints and sampling import with the package;
-``train`` (:func:`tinylm.training.loop.train`), ``evaluate``
-(:func:`tinylm.use.evaluation.evaluate`) and ``prepare``
-(:func:`tinylm.data.pipeline.prepare`) import on first use, so ``import tinylm`` does not
-load the training loop (nor, by itself, the data pipeline).
+Every public name imports on first use (PEP 562's module ``__getattr__``): ``import
+tinylm`` loads neither torch nor the training loop, so ``tinylm --help`` starts in a
+fraction of a second; ``tinylm.GPT`` (or ``from tinylm import GPT``) imports
+:mod:`tinylm.core.model` then, and ``train`` (:func:`tinylm.training.loop.train`),
+``evaluate`` (:func:`tinylm.use.evaluation.evaluate`) and ``prepare``
+(:func:`tinylm.data.pipeline.prepare`) likewise.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 __version__ = "0.1.0"
 
-from tinylm.core.config import ModelConfig  # noqa: E402
-from tinylm.core.errors import CheckpointError, ConfigError, DataError, TinyLMError  # noqa: E402
-from tinylm.core.model import GPT  # noqa: E402
-from tinylm.io.checkpoint import load_checkpoint
-from tinylm.io.checkpoint_files import save_checkpoint  # noqa: E402
-from tinylm.use.sampling import generate, generate_stream  # noqa: E402
-
-#: The exports imported on first use: name -> the module that defines it.
+#: The public names: name -> the module that defines it, imported when first asked for.
 _LAZY = {
+    "GPT": "tinylm.core.model",
+    "ModelConfig": "tinylm.core.config",
+    "CheckpointError": "tinylm.core.errors",
+    "ConfigError": "tinylm.core.errors",
+    "DataError": "tinylm.core.errors",
+    "TinyLMError": "tinylm.core.errors",
+    "load_checkpoint": "tinylm.io.checkpoint",
+    "save_checkpoint": "tinylm.io.checkpoint_files",
+    "generate": "tinylm.use.sampling",
+    "generate_stream": "tinylm.use.sampling",
     "train": "tinylm.training.loop",
     "evaluate": "tinylm.use.evaluation",
     "prepare": "tinylm.data.pipeline",
 }
 
-__all__ = [
-    "GPT",
-    "CheckpointError",
-    "ConfigError",
-    "DataError",
-    "ModelConfig",
-    "TinyLMError",
-    "load_checkpoint",
-    "save_checkpoint",
-    "__version__",
-    "generate",
-    "generate_stream",
-    *_LAZY,
-]
+if TYPE_CHECKING:  # the names for type checkers and editors; never run
+    from tinylm.core.config import ModelConfig
+    from tinylm.core.errors import CheckpointError, ConfigError, DataError, TinyLMError
+    from tinylm.core.model import GPT
+    from tinylm.data.pipeline import prepare
+    from tinylm.io.checkpoint import load_checkpoint
+    from tinylm.io.checkpoint_files import save_checkpoint
+    from tinylm.training.loop import train
+    from tinylm.use.evaluation import evaluate
+    from tinylm.use.sampling import generate, generate_stream
+
+__all__ = ["__version__", *_LAZY]
 
 
 def __getattr__(name: str) -> object:
-    """``tinylm.train``, ``tinylm.evaluate``, ``tinylm.prepare``: imported when first asked
-    for, then kept as ordinary attributes."""
+    """A public name, imported from its module when first asked for, then kept as an
+    ordinary attribute."""
     if name not in _LAZY:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     import importlib

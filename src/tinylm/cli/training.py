@@ -106,7 +106,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 def _add_finetune(sub: argparse._SubParsersAction) -> None:
     from tinylm.core.config import TrainConfig
-    from tinylm.training.finetune import FINETUNE_DROPOUT, FULL_DEFAULTS, LORA_DEFAULTS
+    from tinylm.training.defaults import FINETUNE_DROPOUT, FULL_DEFAULTS, LORA_DEFAULTS
 
     p = sub.add_parser(
         "finetune",

@@ -9,7 +9,7 @@ from tinylm.cli.flags import _device_flag, _threads_flag
 
 
 def _add_compress(sub: argparse._SubParsersAction) -> None:
-    from tinylm.layers.lowrank import DEFAULT_LAYERS
+    from tinylm.layers.defaults import DEFAULT_LAYERS
 
     p = sub.add_parser(
         "compress",

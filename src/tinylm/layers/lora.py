@@ -31,12 +31,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tinylm.core.errors import CheckpointError, ConfigError
+from tinylm.layers.defaults import DEFAULT_TARGETS  # LoRA's default targets
 from tinylm.layers.dense import dense_linear
 from tinylm.layers.selection import select_layers
 
 #: Short names for the layers LoRA can target, -> the module path inside a block.
 TARGETS = {"qkv": "attn.qkv", "out": "attn.out", "up": "ffn.up", "down": "ffn.down"}
-DEFAULT_TARGETS = ("qkv", "out", "up", "down")
 ADAPTER_SUFFIXES = (".lora_A", ".lora_B")
 
 

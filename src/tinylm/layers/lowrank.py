@@ -46,12 +46,9 @@ from torch import Tensor, nn
 
 from tinylm.core.checks import check_fraction
 from tinylm.core.errors import CheckpointError, ConfigError
+from tinylm.layers.defaults import DEFAULT_LAYERS  # compress's default layers
 from tinylm.layers.dense import dense_linear
 
-#: The layers ``tinylm compress`` factorises by default (patterns for
-#: :func:`tinylm.layers.selection.select_layers`); ffn.gate exists only in a gated
-#: (SwiGLU) MLP, and a default kind the model lacks is skipped.
-DEFAULT_LAYERS: tuple[str, ...] = ("attn.qkv", "attn.out", "ffn.gate", "ffn.up", "ffn.down")
 
 # --- the math as small pure functions ---------------------------------------------------
 

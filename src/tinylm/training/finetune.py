@@ -38,16 +38,7 @@ from tinylm.io.checkpoint_files import WEIGHTS_FILE, save_checkpoint
 from tinylm.io.files import sha256_file
 from tinylm.layers.lora import DEFAULT_TARGETS, adapter_parameters, apply_lora, merge_lora
 from tinylm.training import TrainResult, command_threads, train
-
-#: Fine-tuning defaults where they differ from pretraining's (flags override them).
-FULL_DEFAULTS = {"lr": 1e-4, "warmup_steps": 20, "max_steps": 300, "eval_every": 50,
-                 "save_every": 100, "log_every": 10, "weight_decay": 0.0, "batch_size": 16,
-                 "optimizer": "adamw"}
-LORA_DEFAULTS = {**FULL_DEFAULTS, "lr": 2e-3}
-#: Fine-tuning runs without dropout unless asked (``--dropout``), as LitGPT, torchtune
-#: and nanochat fine-tune: the base's pretraining dropout is not carried over. With
-#: dropout 0 the fused native training block runs (it steps aside for dropout).
-FINETUNE_DROPOUT = 0.0
+from tinylm.training.defaults import FINETUNE_DROPOUT, FULL_DEFAULTS, LORA_DEFAULTS
 
 
 def _same_tokens(base: Tokenizer, data: Tokenizer) -> bool:
