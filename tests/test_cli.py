@@ -84,7 +84,7 @@ _HELP_DEFAULT = re.compile(r"default")
 def test_help_texts_write_defaults_one_way(command) -> None:
     parser = _commands()[command]
     for action in parser._actions:
-        text = (action.help or "").replace("%(default)s", str(action.default))
+        text = parser._get_formatter()._expand_help(action) if action.help else ""
         for match in _HELP_DEFAULT.finditer(text):
             before = text[max(0, match.start() - 1):match.start()]
             assert before == "(" and text[match.end():match.end() + 2] == ": ", \
@@ -100,7 +100,7 @@ def test_device_flag_is_the_same_in_every_command() -> None:
                 # file or the base run decides), and TrainConfig's default is what its
                 # help shows
                 default = action.default if name not in ("train", "finetune") else "auto"
-                seen[name] = (default, action.help)
+                seen[name] = (default, parser._get_formatter()._expand_help(action))
     assert {"sample", "eval", "explain", "compress", "train"} <= set(seen)
     assert len(set(seen.values())) == 1, seen
     default, help_text = next(iter(seen.values()))

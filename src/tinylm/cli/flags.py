@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 
 def _count(value: str) -> int:
@@ -41,7 +41,8 @@ def _device_flag(p: argparse.ArgumentParser) -> None:
     """--device and --threads, with the same default and help in every command that
     computes on a model."""
     p.add_argument("--device", default="auto", metavar="DEVICE",
-                   help="auto (cuda > mps > cpu), cpu, cuda, cuda:N or mps (default: auto)")
+                   help="auto (cuda > mps > cpu), cpu, cuda, cuda:N or mps (default: "
+                   "%(default)s)")
     _threads_flag(p)
 
 
@@ -53,9 +54,13 @@ def _threads_flag(p: argparse.ArgumentParser) -> None:
     p.set_defaults(apply_threads=True)
 
 
-def _config_flags(group: argparse._ArgumentGroup, cls: type, helps: dict[str, str | None]
-                  ) -> None:
-    """One flag per dataclass field (--n-layer for n_layer); default None = not given."""
+def _config_flags(group: argparse._ArgumentGroup, cls: type, helps: dict[str, str | None],
+                  defaults: Mapping[str, object] | None = None,
+                  notes: Mapping[str, str] | None = None) -> None:
+    """One flag per dataclass field (--n-layer for n_layer); default None = not given, the
+    command's layers decide. The help shows the default that runs: ``defaults[name]``
+    where the command has its own (finetune's), else the field's; ``notes[name]`` follows
+    it (``(default: 0.0001; with --lora-rank: 0.002)``)."""
     import dataclasses
 
     types = {"int": int, "float": float, "str": str}
@@ -66,8 +71,10 @@ def _config_flags(group: argparse._ArgumentGroup, cls: type, helps: dict[str, st
         flag = "--" + f.name.replace("_", "-")
         kind = str(f.type).replace(" | None", "")
         default = f.default if f.default is not dataclasses.MISSING else None
+        default = (defaults or {}).get(f.name, default)
         if default is not None:
-            help_text = f"{help_text} (default: {default})"
+            note = (notes or {}).get(f.name)
+            help_text = f"{help_text} (default: {default}" + (f"; {note})" if note else ")")
         optional = "None" in str(f.type) and kind != "str"
         if kind == "bool":
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,

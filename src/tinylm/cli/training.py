@@ -106,6 +106,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 def _add_finetune(sub: argparse._SubParsersAction) -> None:
     from tinylm.core.config import TrainConfig
+    from tinylm.layers.defaults import DEFAULT_TARGETS
     from tinylm.training.defaults import FINETUNE_DROPOUT, FULL_DEFAULTS, LORA_DEFAULTS
 
     p = sub.add_parser(
@@ -127,8 +128,8 @@ def _add_finetune(sub: argparse._SubParsersAction) -> None:
                    help="train rank-R LoRA adapters instead of every weight")
     p.add_argument("--lora-alpha", type=float, metavar="A",
                    help="LoRA scale numerator: updates are (A / R)·x·A·B (default: 2·R)")
-    p.add_argument("--lora-targets", default="qkv,out,up,down", metavar="LIST",
-                   help="layers to adapt, from qkv,out,up,down (default: all four)")
+    p.add_argument("--lora-targets", default=",".join(DEFAULT_TARGETS), metavar="LIST",
+                   help="layers to adapt, from qkv,out,up,down (default: %(default)s)")
     p.add_argument("--dropout", type=float, metavar="P",
                    help="dropout probability while fine-tuning; the base's pretraining "
                    "dropout is not carried over, and with 0 the fused native training step "
@@ -139,7 +140,10 @@ def _add_finetune(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--resume", action="store_true", help="continue from OUT/latest")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="force the progress bar on/off (default: on a terminal)")
-    _config_flags(p.add_argument_group("training"), TrainConfig, {})
+    lora_notes = {k: f"with --lora-rank: {v}" for k, v in LORA_DEFAULTS.items()
+                  if FULL_DEFAULTS.get(k) != v}
+    _config_flags(p.add_argument_group("training"), TrainConfig, {}, defaults=FULL_DEFAULTS,
+                  notes=lora_notes)
     p.set_defaults(func=_cmd_finetune)
 
 
@@ -204,8 +208,7 @@ def _add_plot(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run folders (tinylm train --out)")
     p.add_argument("--out", default="loss-comparison.png", metavar="FILE",
-                   help="the figure to write: .png, .svg or .pdf (default: "
-                   "loss-comparison.png)")
+                   help="the figure to write: .png, .svg or .pdf (default: %(default)s)")
     p.add_argument("--log-scale", action="store_true", help="log-scale loss axis")
     p.set_defaults(func=_cmd_plot)
 

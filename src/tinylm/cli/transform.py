@@ -49,9 +49,9 @@ def _add_compress(sub: argparse._SubParsersAction) -> None:
                    help="peak learning rate of --finetune (default: the peak lr the model "
                    "was trained with, from its config.json, else 1e-3)")
     p.add_argument("--batch-size", type=int, default=32, metavar="B",
-                   help="sequences per step of --finetune (default: 32)")
+                   help="sequences per step of --finetune (default: %(default)s)")
     p.add_argument("--fractions", default="0.9,0.75,0.5,0.35,0.25", metavar="P,P,...",
-                   help="parameter fractions of --sweep (default: 0.9,0.75,0.5,0.35,0.25)")
+                   help="parameter fractions of --sweep (default: %(default)s)")
     p.add_argument("--plot", metavar="FILE.png",
                    help="with --sweep: write the loss/speed plot (.png, .svg or .pdf)")
     p.add_argument("--force", action="store_true",
@@ -161,7 +161,7 @@ def _add_quantize(sub: argparse._SubParsersAction) -> None:
                    help="replace an existing checkpoint at --out (never a run folder or a "
                    "folder with other files)")
     p.add_argument("--bits", type=int, default=8, metavar="B",
-                   help="bits per weight, 2-8, stored in int8 (default: 8)")
+                   help="bits per weight, 2-8, stored in int8 (default: %(default)s)")
     p.add_argument("--group-size", type=int, default=None, metavar="G",
                    help="one scale per G consecutive input features (default: one per "
                    "output channel)")

@@ -121,9 +121,9 @@ def _add_sample(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--prompt-file", metavar="FILE",
                      help="read the prompt from a UTF-8 file ('-' = stdin), used as is")
     p.add_argument("--max-new-tokens", type=_count, default=200, metavar="N",
-                   help="tokens to generate per sample (default: 200)")
+                   help="tokens to generate per sample (default: %(default)s)")
     p.add_argument("--temperature", type=float, default=1.0, metavar="T",
-                   help="0 = greedy; <1 sharper, >1 more random (default: 1.0)")
+                   help="0 = greedy; <1 sharper, >1 more random (default: %(default)s)")
     p.add_argument("--top-k", type=_count, metavar="K",
                    help="sample among the K most likely (default: all)")
     p.add_argument("--top-p", type=float, metavar="P",
@@ -133,7 +133,7 @@ def _add_sample(sub: argparse._SubParsersAction) -> None:
                    help="random seed in [0, 2^63 - 1]: same seed, same text (default: random)")
     p.add_argument("--num-samples", type=_count, default=1, metavar="N",
                    help="samples generated together in one batch, printed one after another "
-                   "(default: 1)")
+                   "(default: %(default)s)")
     p.add_argument("--stop", action="append", default=[], metavar="STRING",
                    help="end a sample before this string (repeatable; escapes like \\n work)")
     p.add_argument("--no-echo", action="store_true", help="print only the continuation")
@@ -256,12 +256,12 @@ def _add_chat(sub: argparse._SubParsersAction) -> None:
                    "new conversation, printed after its question)")
     p.add_argument("--system", metavar="TEXT", help="a system message (default: none)")
     p.add_argument("--temperature", type=float, default=0.7, metavar="T",
-                   help="sampling temperature, 0 = greedy (default: 0.7)")
+                   help="sampling temperature, 0 = greedy (default: %(default)s)")
     p.add_argument("--top-k", type=int, metavar="K", help="sample from the K likeliest tokens")
     p.add_argument("--top-p", type=float, default=0.9, metavar="P",
-                   help="nucleus sampling mass (default: 0.9)")
+                   help="nucleus sampling mass (default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=200, metavar="N",
-                   help="longest answer in tokens (default: 200)")
+                   help="longest answer in tokens (default: %(default)s)")
     p.add_argument("--seed", type=int, metavar="N", help="seed for reproducible answers")
     _device_flag(p)
     p.set_defaults(func=_cmd_chat)
@@ -301,12 +301,12 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--text", metavar="FILE", help="a UTF-8 text file")
     p.add_argument("--model", required=True, metavar="DIR", help="a checkpoint or run folder")
     p.add_argument("--split", choices=("val", "train"), default="val",
-                   help="which split of --data (default: val)")
+                   help="which split of --data (default: %(default)s)")
     p.add_argument("--stride", type=_count, metavar="N",
                    help="sliding-window step, 1..C; each scored token then sees at least "
                    "C - N tokens of context (default: C, non-overlapping windows)")
     p.add_argument("--batch-size", type=_count, default=16, metavar="B",
-                   help="windows per forward pass (default: 16)")
+                   help="windows per forward pass (default: %(default)s)")
     p.add_argument("--max-windows", type=_count, metavar="N",
                    help="stop after N windows: a quick estimate instead of the exact value")
     _device_flag(p)
@@ -378,7 +378,7 @@ def _add_explain(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt", metavar="TEXT",
                    help="the text to explain (at most the model's context length in tokens)")
     p.add_argument("--top-k", type=int, default=5, metavar="K",
-                   help="candidates per row (default: 5)")
+                   help="candidates per row (default: %(default)s)")
     p.add_argument("--json", action="store_true",
                    help="print JSON: a list of rows {token, id, position, candidates: "
                    "[{token, id, prob}]} (with --neighbours, their list too)")
@@ -390,13 +390,13 @@ def _add_explain(sub: argparse._SubParsersAction) -> None:
                    "attention on the prompt (steps, heads, maps, logit lens, ablation, low "
                    "rank, next-token table)")
     p.add_argument("--layer", type=int, default=0, metavar="L",
-                   help="the layer the page opens on (default: 0)")
+                   help="the layer the page opens on (default: %(default)s)")
     p.add_argument("--head", type=int, default=0, metavar="H",
-                   help="the head the page opens on (default: 0)")
+                   help="the head the page opens on (default: %(default)s)")
     p.add_argument("--neighbours", metavar="TOKEN",
                    help="list the tokens nearest to TOKEN by cosine similarity of embeddings")
     p.add_argument("--count", type=int, default=10, metavar="N",
-                   help="how many neighbours (default: 10)")
+                   help="how many neighbours (default: %(default)s)")
     _device_flag(p)
     p.set_defaults(func=_cmd_explain)
 
@@ -440,19 +440,19 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                     "decode together in one batched step. Needs the [serve] extra.")
     p.add_argument("--model", required=True, metavar="DIR", help="checkpoint folder")
     p.add_argument("--host", default="127.0.0.1",
-                   help="address to bind (default: 127.0.0.1; any other needs an API key)")
-    p.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+                   help="address to bind (default: %(default)s; any other needs an API key)")
+    p.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
     p.add_argument("--api-key", default=None, metavar="KEY",
                    help="require 'Authorization: Bearer KEY' (default: $TINYLM_API_KEY; "
                         "none on 127.0.0.1)")
     p.add_argument("--max-batch", type=_positive, default=16, metavar="N",
-                   help="requests decoded together in one step (default: 16)")
+                   help="requests decoded together in one step (default: %(default)s)")
     p.add_argument("--max-queue", type=_positive, default=64, metavar="N",
-                   help="requests waiting beyond the batch; more get 429 (default: 64)")
+                   help="requests waiting beyond the batch; more get 429 (default: %(default)s)")
     p.add_argument("--max-tokens", type=_positive, default=256, metavar="N",
-                   help="the largest max_tokens a request may ask for (default: 256)")
+                   help="the largest max_tokens a request may ask for (default: %(default)s)")
     p.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
-                   help="per-request time limit; generation ends there (default: 60)")
+                   help="per-request time limit; generation ends there (default: %(default)g)")
     p.add_argument("--threads", type=_positive, default=None, metavar="N",
                    help="torch threads of the decoding loop (default: torch's own choice)")
     p.add_argument("--model-name", default=None, metavar="NAME",

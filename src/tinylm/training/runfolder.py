@@ -218,9 +218,3 @@ def layer_configs(out_dir: str | os.PathLike, *, config_file: str | os.PathLike 
 
 #: An override meaning "switch this optional setting off" (``--time-budget 0`` / ``none``).
 UNSET = object()
-
-
-
-
-#: An override meaning "switch this optional setting off" (``--time-budget 0`` / ``none``).
-UNSET = object()
