@@ -40,6 +40,7 @@ demo: $(STAMP)
 	$(PY) -m tinylm sample --model runs/demo --prompt "The" --num-samples 3 \
 		--max-new-tokens 100 --temperature 0.8 --seed 0
 	@echo "loss curve: runs/demo/loss.png"
+	@echo 'next: .venv/bin/tinylm sample --model runs/demo --prompt "Lists are"; .venv/bin/tinylm serve --model runs/demo (http://127.0.0.1:8000); make chat-demo (to chat)'
 
 # Fine-tune the make-demo model (trained first if runs/demo is missing) on the built-in
 # instruction set python-qa with LoRA rank 8 for ~90 s, then ask questions it never saw

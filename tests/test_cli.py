@@ -289,3 +289,38 @@ def test_explain_hint_for_unseen_characters_names_tinylm_prepare(run_dir, capsys
     line = one_line(main(["explain", "--model", str(run_dir), "--prompt", "日本"]),
                     capsys.readouterr().err, "explain")
     assert "tinylm prepare --unknown replace" in line and "use --unknown replace" not in line
+
+
+# --- make demo's last line ------------------------------------------------------------------
+
+
+def _demo_next_line() -> str:
+    """The text `make demo` ends with (the echo of its recipe's last line)."""
+    import shlex
+
+    makefile = (SRC.parent / "Makefile").read_text()
+    recipe = makefile.split("\ndemo:", 1)[1].split("\n\n", 1)[0].splitlines()
+    last = recipe[-1].strip()
+    assert last.startswith("@echo "), last
+    return shlex.split(last[len("@echo "):])[0]
+
+
+def test_make_demo_ends_with_next_steps_that_work(run_dir, capsys) -> None:
+    """Issue 36 item 10: `make demo` ended without a next step. Its last line names
+    commands that run on the demo's output: each tinylm command parses, and the sample
+    one runs (on a tiny run standing for runs/demo)."""
+    import shlex
+
+    line = _demo_next_line()
+    assert line.startswith("next: ") and "\n" not in line
+    commands = [shlex.split(part.split(" (")[0]) for part in line[len("next: "):].split("; ")]
+    assert [c[0] for c in commands] == [".venv/bin/tinylm", ".venv/bin/tinylm", "make"]
+    parser = build_parser()
+    for argv in commands[:2]:
+        args = parser.parse_args(argv[1:])
+        assert args.model == "runs/demo" and args.command in ("sample", "serve")
+    sample = [str(run_dir) if a == "runs/demo" else a for a in commands[0][1:]]
+    assert main([*sample, "--max-new-tokens", "5", "--device", "cpu"]) == 0
+    assert capsys.readouterr().out.startswith("Lists are")
+    assert commands[2] == ["make", "chat-demo"]
+    assert "\nchat-demo: " in (SRC.parent / "Makefile").read_text()

@@ -434,6 +434,34 @@ def test_time_budget_and_compile_fallback(data_dir, tmp_path, monkeypatch, caplo
     assert lrs[-1] < TRAIN["lr"]  # the cosine was stretched over the budget
 
 
+def test_a_time_budget_shorter_than_the_warmup_scales_the_warmup(data_dir, tmp_path,
+                                                                   caplog) -> None:
+    """Issue 36 item 5: `train --time-budget 30` with the defaults trained 14 steps and
+    the lr peaked at 1.4e-4 (the 100-step warm-up never ended), silently. Each step here
+    sleeps 80 ms, so a 1 s budget fits at most 12 of the default 100 warm-up steps."""
+    cfg = TrainConfig(**{**TRAIN, "warmup_steps": 100, "max_steps": 2000, "time_budget": 1.0,
+                         "grad_accum": 1, "eval_every": 100000, "save_every": 100000})
+    result = train(ModelConfig(**MODEL), cfg, data_dir, tmp_path / "run", progress=False,
+                   on_step=lambda step: time.sleep(0.08))
+    assert result.stop_reason == "time_budget" and result.steps < cfg.warmup_steps
+    lrs = [r["lr"] for r in read_metrics(tmp_path / "run") if "train_loss" in r]
+    assert max(lrs) == pytest.approx(cfg.lr)  # the peak is reached, not 12 % of it
+    assert lrs[-1] < cfg.lr  # and the cosine decays over the rest of the budget
+    warnings = [m for m in (r.getMessage() for r in caplog.records)
+                if "fewer than the warm-up" in m]
+    assert len(warnings) == 1 and "\n" not in warnings[0], warnings
+    assert "time budget (1 s)" in warnings[0] and "(100 steps)" in warnings[0]
+
+
+def test_fitted_warmup_keeps_the_schedule_share() -> None:
+    from tinylm.training.loop import fitted_warmup
+
+    assert fitted_warmup(100, 2000, 14) == 1  # 5 % of 14 steps, at least one
+    assert fitted_warmup(100, 200, 40) == 20  # half of the schedule warmed up: half of 40
+    assert fitted_warmup(100, 100, 14) == 7  # a warm-up as long as the run: at most half
+    assert fitted_warmup(30, 100, 3.6) == 1
+
+
 def test_resume_via_cli_extends_a_finished_run(reference_run, data_dir, tmp_path,
                                                capsys) -> None:
     import shutil
@@ -863,14 +891,32 @@ def test_plot_formats_and_a_folder_as_out(reference_run, tmp_path, capsys) -> No
                                                  if ".tmp-" in p.name]
 
 
-def test_throughput_collapse_is_said_once(caplog) -> None:
+def test_throughput_collapse_is_said_once(caplog, monkeypatch) -> None:
     from tinylm.training.runlog import Progress, Throughput
 
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
     watch, bar = Throughput(), Progress(True, False)
     for tok_s in (900.0, 1000.0, 1000.0, 1100.0, 200.0, 100.0, 50.0):
         watch.watch(tok_s, bar)
     assert caplog.text.count("throughput fell to") == 1
-    assert "200 tokens/s from 1,100" in caplog.text and "--threads" in caplog.text
+    assert "200 tokens/s from 1,100" in caplog.text
+    assert "4 threads here): stop the other jobs or use fewer threads (--threads 2)" \
+        in caplog.text
+
+
+def test_throughput_warning_speaks_of_one_thread_and_suggests_no_value_in_use() -> None:
+    """Issue 36 item 10: it said "1 threads" and suggested --threads 1 to a run on one."""
+    from tinylm.training.runlog import slow_message
+
+    one = slow_message(200.0, 1100.0, 3.5, 1, 1)
+    assert "1 CPU, 1 thread here): stop the other jobs" in one and one.endswith("other jobs")
+    assert "threads" not in one and "--threads" not in one
+    two = slow_message(200.0, 1100.0, 3.5, 2, 2)
+    assert two.endswith("2 CPUs, 2 threads here): stop the other jobs or use fewer threads "
+                        "(--threads 1)")
+    for threads in range(1, 17):
+        text = slow_message(1.0, 9.0, 1.0, 16, threads)
+        assert f"--threads {threads})" not in text and "\n" not in text
 
 
 def test_no_function_over_60_lines_in_the_training_room() -> None:

@@ -42,7 +42,22 @@ if TYPE_CHECKING:  # the names for type checkers and editors; never run
     from tinylm.use.evaluation import evaluate
     from tinylm.use.sampling import generate, generate_stream
 
-__all__ = ["__version__", *_LAZY]
+__all__ = [
+    "GPT",
+    "CheckpointError",
+    "ConfigError",
+    "DataError",
+    "ModelConfig",
+    "TinyLMError",
+    "__version__",
+    "evaluate",
+    "generate",
+    "generate_stream",
+    "load_checkpoint",
+    "prepare",
+    "save_checkpoint",
+    "train",
+]
 
 
 def __getattr__(name: str) -> object:

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tinylm.core.errors import CheckpointError, ConfigError
-from tinylm.layers.defaults import DEFAULT_TARGETS  # LoRA's default targets
+from tinylm.layers.defaults import DEFAULT_TARGETS
 from tinylm.layers.dense import dense_linear
 from tinylm.layers.selection import select_layers
 

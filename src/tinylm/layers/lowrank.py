@@ -46,9 +46,8 @@ from torch import Tensor, nn
 
 from tinylm.core.checks import check_fraction
 from tinylm.core.errors import CheckpointError, ConfigError
-from tinylm.layers.defaults import DEFAULT_LAYERS  # compress's default layers
+from tinylm.layers.defaults import DEFAULT_LAYERS as DEFAULT_LAYERS  # compress's defaults
 from tinylm.layers.dense import dense_linear
-
 
 # --- the math as small pure functions ---------------------------------------------------
 

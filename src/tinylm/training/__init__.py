@@ -62,4 +62,7 @@ def __dir__() -> list[str]:
     return sorted([*globals(), *_EXPORTS])
 
 
-__all__ = sorted(_EXPORTS)
+__all__ = ["UNSET", "MuonAdamW", "NonFiniteLossError", "TrainData", "TrainResult",
+           "build_optimizer", "command_threads", "decay_groups", "layer_configs", "lr_at",
+           "newton_schulz", "optimizer_recipe", "plot_losses", "plot_runs", "preflight",
+           "read_metrics", "resume_mode", "set_lr", "train", "train_run", "using_threads"]

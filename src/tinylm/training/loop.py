@@ -144,7 +144,7 @@ def _train_step(run: Run) -> None:
     """One optimizer step: accumulate ``accum`` micro-batches, clip, update."""
     built, feed, counters, health = run.setup, run.feed, run.counters, run.health
     cfg, ctx = built.cfg, built.ctx
-    health.lr = lr_at(counters.step, lr=cfg.lr, warmup_steps=cfg.warmup_steps,
+    health.lr = lr_at(counters.step, lr=cfg.lr, warmup_steps=run.clock.warmup_steps,
                       total_steps=run.clock.total_steps, min_lr_ratio=cfg.min_lr_ratio)
     set_lr(built.optimizer, health.lr)
     step_loss = torch.zeros((), device=built.device)
@@ -204,7 +204,9 @@ def _control(run: Run, now: float) -> bool:
     if ctx.enabled:
         flags = distributed.all_reduce_max(flags, ctx) if at_log else [0.0, 0.0]
     interrupted, time_up = flags[0] > 0, flags[1] > 0
-    if cfg.time_budget is not None and at_log:
+    # the budget's steps: estimated at log steps and, for a warm-up that must fit a short
+    # budget, after each of the first steps (the same steps on every rank)
+    if cfg.time_budget is not None and (at_log or step - clock.start_step <= _EARLY_STEPS):
         busy = now - clock.t_start - clock.eval_total - clock.eval_time
         per_step = busy / (step - clock.start_step)
         if per_step > 0:
@@ -212,11 +214,41 @@ def _control(run: Run, now: float) -> bool:
             clock.total_steps = min(float(cfg.max_steps),
                                     distributed.broadcast_floats([est], ctx)[0])
             run.logs.bar.set_total(int(clock.total_steps))
+            _fit_warmup(run)
     run.stop.final = step >= cfg.max_steps or time_up or interrupted
     if run.stop.final:
         run.stop.reason = ("interrupted" if interrupted else
                            "time_budget" if time_up else "max_steps")
     return at_log
+
+
+#: Steps after the start (or a resume) after which a time budget's length is estimated
+#: even between log steps, so a warm-up longer than the budget is caught early.
+_EARLY_STEPS = 3
+
+
+def fitted_warmup(warmup_steps: int, max_steps: int, total_steps: float) -> int:
+    """The warm-up for a run cut to ``total_steps``: the configured schedule's share of
+    warm-up (``warmup_steps / max_steps``, at most half) of the steps that fit, >= 1."""
+    share = min(warmup_steps / max_steps, 0.5)
+    return max(1, min(round(total_steps * share), int(total_steps) // 2))
+
+
+def _fit_warmup(run: Run) -> None:
+    """Once, when the time budget ends before the configured warm-up would: scale the
+    warm-up to the steps that fit (the cosine then decays over the rest), and say so."""
+    cfg, clock, step = run.setup.cfg, run.clock, run.counters.step
+    if clock.warmup_fitted or clock.total_steps > cfg.warmup_steps or step >= cfg.warmup_steps:
+        return
+    clock.warmup_fitted = True
+    clock.warmup_steps = fitted_warmup(cfg.warmup_steps, cfg.max_steps, clock.total_steps)
+    n = clock.warmup_steps
+    run.logs.bar.message(
+        f"the time budget ({cfg.time_budget:g} s) fits about {int(clock.total_steps)} steps, "
+        f"fewer than the warm-up ({cfg.warmup_steps} steps): warming up over {n} "
+        f"step{'s' if n != 1 else ''} instead, so the learning rate reaches its peak "
+        f"{cfg.lr:g}, then decaying over the rest (--warmup-steps sets another)",
+        logging.WARNING)
 
 
 # --- phase: log ------------------------------------------------------------------------------
@@ -441,7 +473,8 @@ def _start(model_config: ModelConfig, cfg: TrainConfig, data: TrainData, out: Pa
                     pending_from=counters.step + 1, last_saved=counters.resumed_from)
     logs = open_logs(built, counters.step if found.resuming else None, progress)
     return Run(setup=built, feed=feed, counters=counters, best=best, health=health,
-               clock=Clock(total_steps=float(cfg.max_steps)), stop=Stop(), logs=logs)
+               clock=Clock(total_steps=float(cfg.max_steps), warmup_steps=cfg.warmup_steps),
+               stop=Stop(), logs=logs)
 
 
 # --- the entry points --------------------------------------------------------------------------

@@ -227,12 +227,23 @@ class Throughput:
             self.slow_warned = True
             cpus = available_cpus()
             load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-            bar.message(
-                f"throughput fell to {tok_s:,.0f} tokens/s from {self.peak_tok_s:,.0f} earlier "
-                f"in this run; the machine is probably busy (load average {load:.1f} on "
-                f"{cpus} CPUs, {torch.get_num_threads()} threads here): stop the other jobs "
-                f"or use fewer threads (--threads 1)", logging.WARNING)
+            bar.message(slow_message(tok_s, self.peak_tok_s, load, cpus,
+                                     torch.get_num_threads()), logging.WARNING)
         self.peak_tok_s = max(self.peak_tok_s, tok_s)
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def slow_message(tok_s: float, peak: float, load: float, cpus: int, threads: int) -> str:
+    """The one-line warning of a throughput collapse; it suggests fewer threads only
+    when there are fewer to use (half the ones in use)."""
+    advice = "stop the other jobs" + (
+        f" or use fewer threads (--threads {threads // 2})" if threads > 1 else "")
+    return (f"throughput fell to {tok_s:,.0f} tokens/s from {peak:,.0f} earlier in this run; "
+            f"the machine is probably busy (load average {load:.1f} on "
+            f"{_plural(cpus, 'CPU')}, {_plural(threads, 'thread')} here): {advice}")
 
 
 # --- the stop signal --------------------------------------------------------------------

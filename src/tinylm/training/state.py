@@ -114,11 +114,14 @@ class Health:
 @dataclass
 class Clock:
     """The run's timers: started by the loop; ``total_steps`` (the schedule's length,
-    shortened to what a time budget allows) by the control phase; the marks by the log
-    phase; ``eval_time`` (evaluation and saving since the last log step) by the
-    evaluate and save phases."""
+    shortened to what a time budget allows) and ``warmup_steps`` (the warm-up, scaled
+    down once when the budget ends before the configured one would) by the control
+    phase; the marks by the log phase; ``eval_time`` (evaluation and saving since the
+    last log step) by the evaluate and save phases."""
 
     total_steps: float
+    warmup_steps: int = 0
+    warmup_fitted: bool = False
     t_start: float = 0.0
     t_mark: float = 0.0
     start_step: int = 0
