@@ -247,6 +247,7 @@ def test_lowrank_depends_only_on_torch_and_the_core() -> None:
     tree = ast.parse(Path(tinylm.layers.lowrank.__file__).read_text(encoding="utf-8"))
     ours = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
             and n.module and n.module.startswith("tinylm")}
-    # the layers room: the core and the shared dense-layer builder only (the plot and the
-    # reports are tinylm.commands.compress's)
-    assert ours <= {"tinylm.core.checks", "tinylm.core.errors", "tinylm.layers.dense"}, ours
+    # the layers room: the core, the shared dense-layer builder and the default layer
+    # names (constants) only (the plot and the reports are tinylm.commands.compress's)
+    assert ours <= {"tinylm.core.checks", "tinylm.core.errors", "tinylm.layers.dense",
+                    "tinylm.layers.defaults"}, ours
