@@ -1,5 +1,6 @@
-"""The public API of ``import tinylm``: its eager names and the lazy ``train``,
-``evaluate`` and ``prepare`` (issue 28 item 5)."""
+"""The public API of ``import tinylm``: every name imported on first use (issue 28 item
+5: ``train``, ``evaluate`` and ``prepare``; issue 36 item 10: all of them, so ``import
+tinylm`` loads no torch), each the real object of its module."""
 
 from __future__ import annotations
 
@@ -25,6 +26,14 @@ def test_lazy_exports_are_the_real_functions(name, module) -> None:
     namespace: dict[str, object] = {}
     exec(f"from tinylm import {name}", namespace)
     assert namespace[name] is getattr(tinylm, name)
+
+
+def test_every_lazy_name_is_the_object_of_its_module() -> None:
+    import importlib
+
+    for name, module in tinylm._LAZY.items():
+        assert getattr(tinylm, name) is getattr(importlib.import_module(module), name), name
+    assert set(tinylm.__all__) == {*tinylm._LAZY, "__version__"}
 
 
 def test_every_exported_name_resolves_and_unknown_names_raise() -> None:
