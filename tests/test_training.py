@@ -453,6 +453,17 @@ def test_a_time_budget_shorter_than_the_warmup_scales_the_warmup(data_dir, tmp_p
     assert "time budget (1 s)" in warnings[0] and "(100 steps)" in warnings[0]
 
 
+def test_a_budget_that_does_not_end_the_run_leaves_the_warmup(data_dir, tmp_path,
+                                                                caplog) -> None:
+    """--max-steps ends this run before its (long) budget: the warm-up is the user's."""
+    cfg = TrainConfig(**{**TRAIN, "warmup_steps": 4, "max_steps": 3, "time_budget": 600.0,
+                         "grad_accum": 1, "eval_every": 100000, "save_every": 100000})
+    train(ModelConfig(**MODEL), cfg, data_dir, tmp_path / "run", progress=False)
+    lrs = [r["lr"] for r in read_metrics(tmp_path / "run") if "train_loss" in r]
+    assert lrs == pytest.approx([cfg.lr * s / 4 for s in (1, 2, 3)])
+    assert "fewer than the warm-up" not in caplog.text
+
+
 def test_fitted_warmup_keeps_the_schedule_share() -> None:
     from tinylm.training.loop import fitted_warmup
 

@@ -238,7 +238,9 @@ def _fit_warmup(run: Run) -> None:
     """Once, when the time budget ends before the configured warm-up would: scale the
     warm-up to the steps that fit (the cosine then decays over the rest), and say so."""
     cfg, clock, step = run.setup.cfg, run.clock, run.counters.step
-    if clock.warmup_fitted or clock.total_steps > cfg.warmup_steps or step >= cfg.warmup_steps:
+    binds = clock.total_steps < cfg.max_steps  # the budget, not --max-steps, ends the run
+    if clock.warmup_fitted or not binds or clock.total_steps > cfg.warmup_steps or \
+            step >= cfg.warmup_steps:
         return
     clock.warmup_fitted = True
     clock.warmup_steps = fitted_warmup(cfg.warmup_steps, cfg.max_steps, clock.total_steps)
