@@ -44,6 +44,12 @@ NOT_RUN = {
     "tinylm convert --from-hf HuggingFaceTB/": "needs the Hugging Face Hub; tests have no network",
     "tinylm train --data data/shakespeare": "the tiny-Shakespeare text is not in the repository",
 }
+#: The guides' quick examples that do not run here (part of NOT_RUN).
+DOCS_NOT_RUN = {
+    "tinylm export-checkpoint runs/big": "needs a sharded run of torchrun "
+                                         "(tests/test_distributed.py exports one)",
+}
+NOT_RUN.update(DOCS_NOT_RUN)
 
 #: Flags appended to make a command small; later flags win in argparse.
 TINY_MODEL = ["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--context-length", "64"]
@@ -52,7 +58,7 @@ SHORT_RUN = ["--max-steps", "4", "--eval-every", "2", "--save-every", "2", "--ev
 APPENDED = {"train": TINY_MODEL + SHORT_RUN, "finetune": SHORT_RUN,
             "sample": ["--max-new-tokens", "12"]}
 #: What `tinylm train ...` stands for in the README's lines that elide the data and out.
-ELLIPSIS = {"train": ["--data", "data/py", "--out", "runs/py"]}
+ELLIPSIS = {"train": ["--data", "data/py", "--out", "runs/py"], "sample": ["--prompt", "The"]}
 
 
 def readme_blocks(text: str, language: str) -> list[str]:
@@ -105,8 +111,28 @@ def _write_inputs(work: Path) -> None:
                            {"role": "assistant", "content": f"{i} plus {i} is {2 * i}."}]}
              for i in range(60)]
     (work / "convs.jsonl").write_text("".join(json.dumps(c) + "\n" for c in convs))
+    _write_docs_inputs(work, paragraphs)
     (work / "run.toml").write_text("[model]\nn_layer = 1\nn_head = 2\nn_embd = 32\n"
                                    "[train]\nmax_steps = 4\nbatch_size = 4\n")
+
+
+def _write_docs_inputs(work: Path, paragraphs: list[str]) -> None:
+    """The inputs the guides' quick examples name (docs/prepare.md's)."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (work / "shards").mkdir()
+    for i in range(2):
+        pq.write_table(pa.table({"text": paragraphs[i * 200:(i + 1) * 200]}),
+                       work / "shards" / f"part-{i}.parquet")
+    datasets.Dataset.from_dict({"text": paragraphs[:300]}).save_to_disk(work / "saved_dataset")
+    (work / "train").mkdir()
+    for i in range(3):
+        (work / "train" / f"doc{i}.txt").write_text("\n\n".join(paragraphs[i * 100:(i + 1) * 100]))
+    (work / "held_out.jsonl").write_text("".join(json.dumps({"text": p}) + "\n"
+                                                 for p in paragraphs[300:340]))
+    (work / "notes.md").write_text("\n\n".join(paragraphs[340:600]))
 
 
 def _gpt2_files(work: Path) -> None:
@@ -145,8 +171,9 @@ def work(tmp_path_factory, smollm2_gguf) -> Path:
     _run(work, ["prepare", "--corpus", "python-docs", "--tokenizer", "bpe", "--vocab-size", "1024",
                 "--out", "data/python-docs-bpe"])
     _run(work, ["prepare", "--out", "data/py-char"])
+    _run(work, ["prepare", "--out", "data/py"])
     for run, data in (("demo", "python-docs-bpe"), ("py-bpe", "python-docs-bpe"),
-                      ("py-char", "py-char"), ("other", "py-char")):
+                      ("py-char", "py-char"), ("other", "py-char"), ("py", "py")):
         wider = ["--n-layer", "2", "--n-embd", "64"] if run == "demo" else []  # compress halves it
         _run(work, ["train", "--data", f"data/{data}", "--out", f"runs/{run}",
                     "--config", str(ROOT / "configs/demo.toml"), "--time-budget", "none",
@@ -160,13 +187,8 @@ def work(tmp_path_factory, smollm2_gguf) -> Path:
 # --- running the commands ---------------------------------------------------------------
 
 
-def _as_run(argv: list[str]) -> tuple[list[str], str | None]:
-    """The argv tinylm gets (the README's words plus APPENDED) and the stdin it reads."""
-    stdin = None
-    if "|" in argv:  # printf 'TEXT' | tinylm ...
-        cut = argv.index("|")
-        assert argv[0] == "printf", argv
-        stdin, argv = argv[1], argv[cut + 1:]
+def _as_run(argv: list[str]) -> list[str]:
+    """The argv tinylm gets: the README's words plus APPENDED."""
     argv = argv[1:]  # tinylm / .venv/bin/tinylm
     command = argv[0]
     if "..." in argv:
@@ -174,7 +196,7 @@ def _as_run(argv: list[str]) -> tuple[list[str], str | None]:
         argv = argv[:at] + ELLIPSIS[command] + argv[at + 1:]
     if "--finetune" in argv:  # compress --finetune N: two steps
         argv[argv.index("--finetune") + 1] = "2"
-    return argv + APPENDED.get(command, []), stdin
+    return argv + APPENDED.get(command, [])
 
 
 def _clear_outputs(work: Path, argv: list[str]) -> None:
@@ -190,28 +212,18 @@ def _clear_outputs(work: Path, argv: list[str]) -> None:
                 target.unlink()
 
 
-def _serve_block(work: Path, argv: list[str], text: str) -> None:
-    """`tinylm serve` as written (on a free port), its curl line, its openai example."""
+def _serve(work: Path, env: dict[str, str], argv: list[str], check) -> None:
+    """`tinylm serve` as written (on a free port) until ``check(base URL)`` returns."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), **env}
     server = subprocess.Popen([sys.executable, "-m", "tinylm", *argv[1:], "--port", str(port)],
                               cwd=work, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+                              text=True, env=env)
     try:
-        url = f"http://127.0.0.1:{port}"
-        _wait_ready(url, server)
-        curl = next(c for c in bash_commands(text) if c[0] == "curl")
-        curl = [a.replace("127.0.0.1:8000", f"127.0.0.1:{port}") for a in curl]
-        answer = json.loads(subprocess.run(curl, capture_output=True, check=True, timeout=120,
-                                           text=True).stdout)
-        assert answer["choices"][0]["text"], answer
-        example = next(b for b in readme_blocks(text, "python") if "OpenAI(" in b)
-        example = example.replace("127.0.0.1:8000", f"127.0.0.1:{port}")
-        done = subprocess.run([sys.executable, "-c", example], capture_output=True, text=True,
-                              timeout=120)
-        assert done.returncode == 0, done.stderr[-2000:]
-        assert done.stdout.strip(), "the openai example printed no text"
+        _wait_ready(f"http://127.0.0.1:{port}", server)
+        check(port)
     finally:
         server.terminate()
         server.wait(timeout=30)
@@ -230,31 +242,88 @@ def _wait_ready(url: str, server: subprocess.Popen) -> None:
     pytest.fail("tinylm serve did not become ready in 120 s")
 
 
-def test_readme_commands_run_as_written(work):
-    text = README.read_text()
-    ran, exempt_used = 0, set()
+def _readme_serve_examples(text: str):
+    """The README's check of a live server: its curl line and its openai example."""
+    def check(port: int) -> None:
+        here = f"127.0.0.1:{port}"
+        curl = [a.replace("127.0.0.1:8000", here) for a in next(
+            c for c in bash_commands(text) if c[0] == "curl")]
+        answer = json.loads(subprocess.run(curl, capture_output=True, check=True, timeout=120,
+                                           text=True).stdout)
+        assert answer["choices"][0]["text"], answer
+        example = next(b for b in readme_blocks(text, "python") if "OpenAI(" in b)
+        done = subprocess.run([sys.executable, "-c", example.replace("127.0.0.1:8000", here)],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert done.stdout.strip(), "the openai example printed no text"
+    return check
+
+
+def _lists_its_model(port: int) -> None:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=30) as r:
+        assert r.status == 200
+
+
+def _shell_stdin(work: Path, argv: list[str]) -> tuple[list[str], str | None]:
+    """``LEFT | tinylm ...``: the left side's output (printf's text, or the shell's) as stdin."""
+    if "|" not in argv:
+        return argv, None
+    cut = argv.index("|")
+    left = argv[:cut]
+    if left[0] == "printf":
+        return argv[cut + 1:], left[1]
+    done = subprocess.run(" ".join(left), shell=True, cwd=work, capture_output=True,
+                          text=True, check=True)  # e.g. cat *.md: the glob needs a shell
+    return argv[cut + 1:], done.stdout
+
+
+def run_commands(work: Path, commands: list[list[str]], serve_check) -> dict[str, str]:
+    """Each command in order (NOT_RUN ones left out); {command line: its stdout}."""
     outputs = {}
-    for argv in bash_commands(text):
-        key = exemption(argv)
-        if key:
-            exempt_used.add(key)
-            continue
-        if argv[0] == "curl":  # the serve block's curl: run by _serve_block's server
+    for argv in commands:
+        line = shlex.join(argv)
+        env = {}
+        while argv and re.fullmatch(r"[A-Z_]+=.*", argv[0]):  # NAME=VALUE tinylm ...
+            name, value = argv[0].split("=", 1)
+            env[name], argv = value, argv[1:]
+        if exemption(argv) or argv[0] == "curl":  # curl: the serve check runs it
             continue
         if argv[0].endswith("tinylm") and argv[1] == "serve":
-            _serve_block(work, argv, text)
-            ran += 1
+            _serve(work, env, argv, serve_check)
+            outputs[line] = ""
             continue
-        run_argv, stdin = _as_run(argv)
+        assert not env, f"only serve lines set variables here: {line}"
+        argv, stdin = _shell_stdin(work, argv)
+        run_argv = _as_run(argv)
         if run_argv[0] == "chat" and "--prompt" not in run_argv:
             stdin = "What does len() return?\n"  # the interactive chat: one question, Ctrl-D
         _clear_outputs(work, run_argv)
-        outputs[shlex.join(argv)] = _run(work, run_argv, stdin)
-        ran += 1
-    assert set(NOT_RUN) == exempt_used, f"stale exemptions: {set(NOT_RUN) - exempt_used}"
-    assert ran >= 40, ran
+        outputs[line] = _run(work, run_argv, stdin)
+    return outputs
+
+
+def test_readme_commands_run_as_written(work):
+    text = README.read_text()
+    commands = bash_commands(text)
+    outputs = run_commands(work, commands, _readme_serve_examples(text))
+    used = {exemption(argv) for argv in commands} - {None}
+    assert set(NOT_RUN) - set(DOCS_NOT_RUN) <= used, f"stale: {set(NOT_RUN) - used}"
+    assert len(outputs) >= 40, len(outputs)
     france = next(v for k, v in outputs.items() if "capital of France" in k)
     assert "Paris" in france, france  # the quick start's answer, as the README shows it
+
+
+DOCS = sorted(p.name for p in (ROOT / "docs").glob("*.md")
+              if readme_blocks(p.read_text(), "bash"))
+
+
+@pytest.mark.parametrize("name", DOCS)
+def test_docs_quick_examples_run_as_written(work, name):
+    """Each guide's first bash block, its quick examples, runs as written too."""
+    commands = bash_commands("```bash\n" + readme_blocks((ROOT / "docs" / name).read_text(),
+                                                          "bash")[0] + "```\n")
+    outputs = run_commands(work, commands, _lists_its_model)
+    assert outputs or all(exemption(c) for c in commands), name
 
 
 def test_readme_library_example_runs():
