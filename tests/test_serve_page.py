@@ -173,7 +173,15 @@ def test_page_opens_in_chat_mode_and_keeps_the_conversation(browser):
             assert error.startswith("the server answered 400") and "max_tokens" in error
             assert "64" in error
             assert page.input_value("#prompt") == "Too long?"
+            assert page.text_content(".turn.assistant.failed .role") == "error"
             page.fill("#max_tokens", "20")
+            page.fill("#prompt", "the cat " * 200)  # over the context of 256 tokens
+            page.click("#send")
+            page.wait_for_function("document.querySelectorAll('.turn .error').length === 2")
+            error = page.locator(".turn .error").nth(1).text_content()
+            assert "context length is 256" in error and "New chat" in error
+            assert page.locator(".turn:not(.failed)").count() == 4  # the two exchanges
+            page.fill("#prompt", "Too long?")
             page.click("#new-chat")
             assert page.locator(".turn").count() == 0
             page.fill("#system", "Be brief.")
@@ -229,8 +237,9 @@ def test_the_live_explorer_asks_for_the_key_and_shows_errors(browser):
         try:
             page = context.new_page()
             page.goto(url + "/explorer")
+            assert page.text_content("#summary").startswith("Type a prompt")
             page.fill("#prompt-input", "The cat sat")
-            page.click("#run")
+            page.press("#prompt-input", "Control+Enter")
             page.wait_for_function(
                 "document.getElementById('live-status').textContent.includes('401')")
             status = page.text_content("#live-status")

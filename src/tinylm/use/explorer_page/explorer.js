@@ -725,6 +725,9 @@ if (CFG.endpoint) {
   var form = $('live');
   form.hidden = false;
   $('key-input').value = stored();
+  $('prompt-input').onkeydown = function (e) {  /* Ctrl+Enter (or Cmd+Enter) runs it */
+    if (e.key === 'Enter' && (e.ctrlKey || e.metaKey)) { e.preventDefault(); form.requestSubmit(); }
+  };
   form.onsubmit = function (e) {
     e.preventDefault();
     var status = $('live-status'), body = {prompt: $('prompt-input').value,
@@ -739,5 +742,8 @@ window.tinylmExplorer = {state: st, load: load, data: function () { return D; }}
 if (embedded) {
   if (CFG.endpoint && embedded.prompt) { $('prompt-input').value = embedded.prompt; }
   load(embedded);
+} else if (CFG.endpoint) {
+  $('summary').textContent = 'Type a prompt and press explain (or Ctrl+Enter): the model ' +
+    'runs on it and every step of its attention shows here, layer by layer and head by head.';
 }
 })();
