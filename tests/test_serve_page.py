@@ -15,6 +15,7 @@ from serve_support import (
     TEXT,
     live_server,
     one_torch_thread,  # noqa: F401  (autouse: one torch thread)
+    tiny_model_and_tokenizer,
 )
 from tinylm import generate
 from tinylm.core.config import ModelConfig
@@ -106,7 +107,7 @@ def rigged_chat_model() -> tuple[GPT, BPETokenizer]:
         model.pos_emb.weight.zero_()
         model.lm_head.weight.zero_()
         chain = [tok.token_to_id("<|assistant|>"), *ids, tok.token_to_id("<|end|>")]
-        for before, after in zip(chain, chain[1:]):
+        for before, after in zip(chain[:-1], chain[1:], strict=True):
             model.lm_head.weight[after] = 50 * model.final_norm(model.tok_emb.weight[before])
     return model, tok
 
@@ -258,3 +259,34 @@ def test_the_live_explorer_asks_for_the_key_and_shows_errors(browser):
             assert "prompt" in page.text_content("#live-status")
         finally:
             context.close()
+
+
+def test_the_page_takes_the_servers_word_on_chat_when_it_gives_one(browser):
+    """A /v1/models entry with "chat": true (a server that says so) opens chat mode with
+    no probe, even where the probe would say otherwise (this model has no template)."""
+    model, tok = tiny_model_and_tokenizer(eos=False)  # no end-of-text: runs to max_tokens
+    with live_server(model, tok, model_name="tiny") as (url, _):
+        page = browser.new_page()
+        try:
+            def models(route):
+                answer = route.fetch().json()
+                answer["data"][0]["chat"] = True
+                route.fulfill(json=answer)
+
+            chats = []
+            page.on("request", lambda r: chats.append(r.url)
+                    if r.url.endswith("/v1/chat/completions") else None)
+            page.route("**/v1/models", models)
+            page.goto(url + "/")
+            page.wait_for_function("document.getElementById('mode-hint').textContent")
+            assert page.input_value("#mode") == "chat" and chats == []
+            page.select_option("#mode", "completion")
+            assert page.is_visible("#output") and not page.is_visible("#chat")
+            page.fill("#prompt", "The cat")
+            page.fill("#max_tokens", "3")
+            page.click("#send")
+            _finished(page)
+            assert page.text_content("#state").startswith("finished: length (Max tokens")
+            assert chats == []
+        finally:
+            page.close()
