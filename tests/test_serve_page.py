@@ -133,8 +133,9 @@ def test_page_opens_in_chat_mode_and_keeps_the_conversation(browser):
     with live_server(model, tok, model_name="chatty", max_tokens=64) as (url, _):
         page = browser.new_page()
         try:
-            requests = []
+            requests, errors = [], []
             page.on("request", lambda r: requests.append(r))
+            page.on("pageerror", lambda e: errors.append(str(e)))
             page.goto(url + "/")
             page.wait_for_function("document.getElementById('mode-hint').textContent")
             assert page.input_value("#mode") == "chat"  # the model chats: chat mode
@@ -194,6 +195,7 @@ def test_page_opens_in_chat_mode_and_keeps_the_conversation(browser):
                 {"role": "user", "content": "Too long?"}]
             # what the page shows of a reply: control characters dropped, newlines kept
             assert page.evaluate("printable('a\\u0007b\\r\\nc\\u001b[0m\\u0085')") == "ab\nc[0m"
+            assert errors == []
         finally:
             page.close()
 
@@ -218,16 +220,17 @@ def test_the_key_is_kept_for_the_tab_and_the_live_explorer_sends_it(browser):
             assert page.evaluate("sessionStorage.getItem('tinylm-key')") == KEY
             assert page.evaluate("localStorage.getItem('tinylm-key')") is None
             # the live explorer, in the same tab: the key goes with every fetch
-            sent = []
+            sent, errors = [], []
             page.on("request", lambda r: sent.append(r.headers.get("authorization"))
                     if r.url.endswith("/v1/explore") else None)
+            page.on("pageerror", lambda e: errors.append(str(e)))
             page.goto(url + "/explorer")
             assert page.input_value("#key-input") == KEY
             page.fill("#prompt-input", "The cat sat")
             page.click("#run")
             page.wait_for_function("document.querySelectorAll('#tokens .tok').length > 0",
                                    timeout=30_000)
-            assert sent == [f"Bearer {KEY}"]
+            assert sent == [f"Bearer {KEY}"] and errors == []
         finally:
             context.close()
 
