@@ -26,10 +26,11 @@ install: $(STAMP)
 
 # The real-browser tests drive Debian's Chromium (/usr/bin/chromium) through Playwright,
 # which is pointed at it and never downloads a browser. Installed once, as root, when
-# missing (a fresh Debian CI machine); a no-op where it is already there.
+# missing (a fresh Debian CI machine); a no-op where it is already there. curl comes too:
+# tests/test_readme.py runs the README's curl example against a live server.
 browser:
-	@test -x /usr/bin/chromium || { apt-get update && \
-		DEBIAN_FRONTEND=noninteractive apt-get install -y chromium; }
+	@test -x /usr/bin/chromium -a -x /usr/bin/curl || { apt-get update && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y chromium curl; }
 
 # data/ and runs/ are gitignored. The run is replaced on each `make demo`.
 demo: $(STAMP)

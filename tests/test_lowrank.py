@@ -251,3 +251,19 @@ def test_lowrank_depends_only_on_torch_and_the_core() -> None:
     # names (constants) only (the plot and the reports are tinylm.commands.compress's)
     assert ours <= {"tinylm.core.checks", "tinylm.core.errors", "tinylm.layers.dense",
                     "tinylm.layers.defaults"}, ours
+
+
+def test_sweep_leaves_out_fractions_the_model_cannot_reach(caplog) -> None:
+    """A small model's embeddings alone can hold more than a default sweep fraction: the
+    sweep names what it leaves out and measures the rest (it used to fail whole)."""
+    from tinylm.commands.compress import smallest_fraction, sweep
+
+    model = GPT(ModelConfig(vocab_size=1024, context_length=16, n_layer=1, n_head=2, n_embd=32))
+    floor = smallest_fraction(model)
+    assert 0.5 < floor < 1  # the embeddings are 1024·32 of its ~46 K parameters
+    rows = sweep(model, [0.95, floor / 2], lambda m: 0.0, rounds=1,
+                 speed_kwargs={"batch_size": 1, "repeats": 1, "warmup": 0})
+    assert [r.target for r in rows] == [1.0, 0.95]
+    assert f"left out {floor / 2:g}" in caplog.text
+    with pytest.raises(ConfigError, match="no sweep fraction can be reached"):
+        sweep(model, [floor / 2], lambda m: 0.0)

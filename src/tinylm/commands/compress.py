@@ -317,6 +317,7 @@ def sweep(
     """
     for f in fractions:
         check_share("params fraction", f)
+    fractions = _reachable(model, fractions, layers)
     total = sum(p.numel() for p in model.parameters())
     models, losses = [], []
     for target in [1.0, *fractions]:
@@ -337,6 +338,32 @@ def sweep(
         if progress is not None:
             progress(rows[-1])
     return rows
+
+
+def smallest_fraction(model: nn.Module, layers: Sequence[str] = DEFAULT_LAYERS) -> float:
+    """The smallest parameter fraction factorising ``layers`` can reach: every chosen layer
+    at rank 1, the embeddings and all other parameters kept."""
+    chosen = select_layers(model, [layers] if isinstance(layers, str) else layers)
+    total = sum(p.numel() for p in model.parameters())
+    fixed = total - sum(weight_params(m) for _, m in chosen)
+    return (fixed + sum(m.in_features + m.out_features for _, m in chosen)) / total
+
+
+def _reachable(model: nn.Module, fractions: Sequence[float],
+               layers: Sequence[str]) -> list[float]:
+    """The sweep's fractions this model can reach; the others are named once and left out
+    (a small model's embeddings alone may hold more than the smallest default fraction)."""
+    floor = smallest_fraction(model, layers)
+    kept = [f for f in fractions if f >= floor]
+    if not kept:
+        raise ConfigError(f"no sweep fraction can be reached: even rank 1 everywhere keeps "
+                          f"{floor:.3f} of the parameters; choose --fractions >= "
+                          f"{math.ceil(floor * 1000) / 1000:g}")
+    if len(kept) < len(fractions):
+        left = ", ".join(f"{f:g}" for f in fractions if f < floor)
+        log.warning("sweep: left out %s, below the %.3f of the parameters that rank 1 "
+                    "everywhere keeps on this model", left, floor)
+    return kept
 
 
 def format_sweep(rows: Sequence[SweepRow]) -> str:

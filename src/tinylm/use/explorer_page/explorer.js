@@ -640,17 +640,44 @@ function merge(part) {
   D.ablations.sort(function (x, y) { return order(x.key) - order(y.key); });
 }
 var pending = {};
+/* The live page's key: the one the server page (/) keeps for this tab in sessionStorage
+   (never localStorage), or typed here; sent as "Authorization: Bearer KEY". */
+var KEY = 'tinylm-key';
+function stored(value) {  /* read (or, given a value, write) the tab's key; '' without storage */
+  try {
+    if (value) { sessionStorage.setItem(KEY, value); }
+    return sessionStorage.getItem(KEY) || '';
+  } catch (e) { return value || ''; }
+}
+function apiKey() { return stored($('key-input').value.trim()); }
+function failure(r, text) {
+  /* the server's own message (OpenAI's {"error": {"message"}}), else its status */
+  var msg = '';
+  try { var j = JSON.parse(text); msg = (j.error && j.error.message) || j.detail || ''; }
+  catch (e) { msg = text.trim().slice(0, 300); }
+  msg = 'the server answered ' + r.status + (r.statusText ? ' ' + r.statusText : '') +
+    (msg ? ': ' + msg : '');
+  if (r.status === 401) {
+    $('key-label').className = 'needed'; $('key-input').focus();
+    msg += ' (enter the server\'s API key)';
+  }
+  return new Error(msg);
+}
 function post(body) {
-  return fetch(CFG.endpoint, {method: 'POST', headers: {'Content-Type': 'application/json'},
-    body: JSON.stringify(body)})
-    .then(function (r) { return r.json().then(function (j) { return [r.ok, j]; }); })
-    .then(function (p) {
-      if (!p[0]) {
-        var e2 = p[1].error;
-        throw new Error(e2 && e2.message ? e2.message : (p[1].detail || 'request failed'));
-      }
-      return p[1];
+  var headers = {'Content-Type': 'application/json'}, key = apiKey();
+  if (key) { headers.Authorization = 'Bearer ' + key; }
+  return fetch(CFG.endpoint, {method: 'POST', headers: headers, body: JSON.stringify(body)})
+    .then(function (r) {
+      return r.text().then(function (text) {
+        if (!r.ok) { throw failure(r, text); }
+        $('key-label').className = '';
+        return JSON.parse(text);
+      });
     });
+}
+function report(err) {
+  var status = $('live-status');
+  status.className = 'note error'; status.textContent = String(err.message || err);
 }
 function fetchLayer(l) {
   if (pending[l] || !D.prompt) { return; }
@@ -661,7 +688,7 @@ function fetchLayer(l) {
     delete pending[l];
     if (D !== mine) { return; }
     merge(part); status.textContent = ''; render();
-  }).catch(function (err) { delete pending[l]; status.textContent = String(err.message || err); });
+  }).catch(function (err) { delete pending[l]; report(err); });
 }
 function load(data) {
   D = data; T = {}; pending = {};
@@ -697,14 +724,17 @@ Array.prototype.forEach.call(document.querySelectorAll('input[name=mapmode]'), f
 if (CFG.endpoint) {
   var form = $('live');
   form.hidden = false;
+  $('key-input').value = stored();
+  $('prompt-input').onkeydown = function (e) {  /* Ctrl+Enter (or Cmd+Enter) runs it */
+    if (e.key === 'Enter' && (e.ctrlKey || e.metaKey)) { e.preventDefault(); form.requestSubmit(); }
+  };
   form.onsubmit = function (e) {
     e.preventDefault();
     var status = $('live-status'), body = {prompt: $('prompt-input').value,
                                            top_k: +$('topk-input').value};
     if (st.layer || st.head) { body.layer = st.layer; body.head = st.head; }
-    status.textContent = 'computing\u2026';
-    post(body).then(function (data) { status.textContent = ''; load(data); })
-      .catch(function (err) { status.textContent = String(err.message || err); });
+    status.className = 'note'; status.textContent = 'computing\u2026';
+    post(body).then(function (data) { status.textContent = ''; load(data); }).catch(report);
   };
 }
 var embedded = JSON.parse(document.getElementById('data').textContent);
@@ -712,5 +742,8 @@ window.tinylmExplorer = {state: st, load: load, data: function () { return D; }}
 if (embedded) {
   if (CFG.endpoint && embedded.prompt) { $('prompt-input').value = embedded.prompt; }
   load(embedded);
+} else if (CFG.endpoint) {
+  $('summary').textContent = 'Type a prompt and press explain (or Ctrl+Enter): the model ' +
+    'runs on it and every step of its attention shows here, layer by layer and head by head.';
 }
 })();
