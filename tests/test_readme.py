@@ -35,10 +35,10 @@ pytestmark = pytest.mark.slow
 
 #: Commands (by their leading words) that do not run here, and why.
 NOT_RUN = {
-    "make demo": "three minutes of training; a fresh clone's `make demo` is run before each release",
+    "make demo": "three minutes of training (a fresh clone's make demo is tried by hand)",
     "make test": "this is the test suite",
     "make smollm2": "make test depends on it; the workspace below converts the same file",
-    "make chat-demo": "minutes of fine-tuning; the chat commands below run its steps on a tiny model",
+    "make chat-demo": "minutes of fine-tuning; the chat lines below run its steps, tiny",
     "python benchmarks/": "benchmarks take minutes and write BENCHMARKS.md",
     "torchrun": "several processes (tests/test_distributed.py runs torchrun itself)",
     "tinylm convert --from-hf HuggingFaceTB/": "needs the Hugging Face Hub; tests have no network",
