@@ -221,7 +221,7 @@ def _add_convert(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--from-gguf", metavar="FILE", help="a GGUF file to import")
     src.add_argument("--from-hf", metavar="HF_DIR|ORG/NAME",
                      help="a Hugging Face GPT-2/Llama/Qwen2/Mistral folder (or Hub name) to "
-                     "import")
+                     "import; a GGUF file here is converted as --from-gguf would")
     p.add_argument("--out", metavar="DIR",
                    help="the tinylm checkpoint to write (--from-gguf/--from-hf); a new or "
                    "empty folder")

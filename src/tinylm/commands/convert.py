@@ -43,12 +43,23 @@ def _tokenizer_text(tokenizer) -> str:
     return f"{tokenizer.kind} tokenizer{template}"
 
 
+def _has_gguf_magic(path: str) -> bool:
+    """True for an existing file that begins with GGUF's magic bytes, whatever its name
+    (``--from-hf model.bin`` of a GGUF file is converted as ``--from-gguf`` would)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:  # a folder, a Hub name, a missing path: not a GGUF file
+        return False
+
+
 def import_model(source: str | os.PathLike, out: str | os.PathLike, *,
                  keep_quantized: bool = False, force: bool = False) -> Converted:
-    """Write ``source`` (a .gguf file, a Hugging Face folder, or a Hub ``ORG/NAME``) as
-    the tinylm checkpoint ``out``. ``keep_quantized`` applies to GGUF files only."""
+    """Write ``source`` (a GGUF file, by its .gguf name or its magic bytes; a Hugging Face
+    folder; or a Hub ``ORG/NAME``) as the tinylm checkpoint ``out``. ``keep_quantized``
+    applies to GGUF files only."""
     text = str(source)
-    if is_gguf(text):
+    if is_gguf(text) or _has_gguf_magic(text):
         info = convert_gguf(text, out, keep_quantized=keep_quantized, force=force)
         how = "kept as QuantizedLinear where exact" if keep_quantized else "dequantized"
         template = " and its chat template" if info["chat_template"] else ""
