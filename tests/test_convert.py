@@ -276,3 +276,14 @@ def test_from_hf_of_a_file(tmp_path: Path, capsys) -> None:
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"{other} is a file, not a Hugging Face folder" in err
     assert "does not exist" not in err and "--from-gguf" in err
+
+
+def test_info_says_where_an_hf_import_came_from(hf_dir: Path, tmp_path: Path, capsys) -> None:
+    from tinylm.io.describe import describe_checkpoint, info_lines
+
+    assert main(["convert", "--from-hf", str(hf_dir), "--out", str(tmp_path / "t")]) == 0
+    info = describe_checkpoint(tmp_path / "t")
+    assert info["source"] == {"hf": str(hf_dir.resolve())}
+    lines = dict(info_lines(info))
+    assert lines["made by"] == f"tinylm convert --from-hf {hf_dir.resolve()}"
+    assert lines["training"] == "pretrained elsewhere (converted); none in tinylm"

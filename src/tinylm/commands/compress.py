@@ -455,7 +455,8 @@ def compress_checkpoint(model_dir: str | os.PathLike, out: str | os.PathLike, *,
             finetune(model, data_dir, cfg, dest_parent, tokenizer)
             tuned = measure(model)
         dest = save_checkpoint(out, model, tokenizer, extra_config={"compress": {
-            "source": str(model_dir), "mode": report.mode, "finetune_steps": finetune_steps}})
+            "source": str(Path(model_dir).resolve()), "mode": report.mode,
+            "finetune_steps": finetune_steps}})
     size_in = (resolve_checkpoint_dir(model_dir) / WEIGHTS_FILE).stat().st_size
     size_out = (dest / WEIGHTS_FILE).stat().st_size
     return CompressOutcome(report, dest, before, after, tuned, finetune_steps, size_in,

@@ -71,7 +71,8 @@ def import_model(source: str | os.PathLike, out: str | os.PathLike, *,
     check_target(out, force=force)
     folder = hub_folder(text) if is_hub_name(text) else Path(text)
     model, tokenizer = read_hf_folder(folder)
-    save_checkpoint(out, model, tokenizer)
+    where = text if is_hub_name(text) else str(Path(text).resolve())
+    save_checkpoint(out, model, tokenizer, extra_config={"source": {"hf": where}})
     return Converted(text, str(out), model.num_parameters(), _tokenizer_text(tokenizer))
 
 

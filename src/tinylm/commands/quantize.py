@@ -183,5 +183,5 @@ def quantize_checkpoint(model_dir: str | os.PathLike, out: str | os.PathLike, *,
     report = QuantizeReport(report.bits, report.group_size, report.layers,
                             report.bytes_before, report.bytes_after, before, after)
     written = save_checkpoint(dest, model, tokenizer, extra_config={"quantized_from": {
-        "source": str(model_dir), "scheme": report.scheme}})
+        "source": str(Path(model_dir).resolve()), "scheme": report.scheme}})
     return report, written
