@@ -287,3 +287,22 @@ def test_info_says_where_an_hf_import_came_from(hf_dir: Path, tmp_path: Path, ca
     lines = dict(info_lines(info))
     assert lines["made by"] == f"tinylm convert --from-hf {hf_dir.resolve()}"
     assert lines["training"] == "pretrained elsewhere (converted); none in tinylm"
+
+
+def test_kept_quantized_gguf_counts_every_parameter(tmp_path: Path) -> None:
+    """convert --from-gguf --keep-quantized and info count the integer weights too: the
+    same number as the dequantized model (issue 36 item 7: not the float ones only)."""
+    from gguf import GGMLQuantizationType as Q
+
+    from test_gguf_convert import write_chat_gguf
+    from tinylm.commands.convert import import_model
+    from tinylm.io.describe import describe_checkpoint
+    from tinylm.io.gguf import gguf_to_tinylm
+
+    path = write_chat_gguf(tmp_path / "q8.gguf", Q.Q8_0)
+    full = gguf_to_tinylm(path).num_parameters()
+    done = import_model(path, tmp_path / "ck", keep_quantized=True)
+    assert done.parameters == full and f"({full:,} parameters" in done.line()
+    info = describe_checkpoint(tmp_path / "ck")
+    assert info["parameters"] == full and info["parameter_kinds"]["quantized"] > 0
+    assert info["quantized"][0]["bits"] == 8 and info["quantized"][0]["group_size"] == 32

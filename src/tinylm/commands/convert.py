@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tinylm.core.errors import ConfigError
-from tinylm.io.checkpoint import load_checkpoint
+from tinylm.io.checkpoint import load_checkpoint, load_model
 from tinylm.io.checkpoint_files import check_target, save_checkpoint
+from tinylm.io.describe import all_parameters
 from tinylm.io.gguf_checkpoint import convert_gguf, is_gguf
 from tinylm.io.hf import export_family, hub_folder, is_hub_name, read_hf_folder, write_hf_folder
 
@@ -63,7 +64,9 @@ def import_model(source: str | os.PathLike, out: str | os.PathLike, *,
         info = convert_gguf(text, out, keep_quantized=keep_quantized, force=force)
         how = "kept as QuantizedLinear where exact" if keep_quantized else "dequantized"
         template = " and its chat template" if info["chat_template"] else ""
-        return Converted(text, str(out), info["parameters"],
+        # kept blocks hold their weights as integer buffers: count them too
+        count = all_parameters(load_model(out)) if keep_quantized else info["parameters"]
+        return Converted(text, str(out), count,
                          f"{info['tokenizer']} tokenizer{template}",
                          f"{info['arch']}, {'/'.join(info['types'])} {how}")
     if keep_quantized:

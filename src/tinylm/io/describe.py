@@ -85,6 +85,12 @@ def _quantized_weights(model: nn.Module) -> int:
     return sum(m.qweight.numel() for m in model.modules() if isinstance(m, QuantizedLinear))
 
 
+def all_parameters(model: nn.Module) -> int:
+    """Every weight ``model`` computes with: its distinct float parameters plus the
+    quantized integer weights (which ``num_parameters`` does not see: they are buffers)."""
+    return sum(p.numel() for p in model.parameters()) + _quantized_weights(model)
+
+
 def _memory_bytes(model: nn.Module) -> int:
     """Bytes of the model's distinct parameters and buffers as loaded."""
     seen: set[int] = set()
