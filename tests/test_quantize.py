@@ -360,6 +360,13 @@ def test_data_prepared_with_another_tokenizer_is_refused_as_eval_refuses_it(
     assert eval_err.split(": error: ")[1].split(";")[0] == err.split(": error: ")[1].split(";")[0]
     assert str(setup / "model" / "tokenizer.json") in err
     assert not (tmp_path / "q").exists()
+    # a missing folder: the hint prepares it with the model's tokenizer, not a char one
+    code = main(["quantize", "--model", str(setup / "model"), "--out", str(tmp_path / "q"),
+                 "--data", str(tmp_path / "absent")])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert (f"does not exist; make it with the model's tokenizer: tinylm prepare --input TEXT "
+            f"--tokenizer {setup / 'model' / 'tokenizer.json'} --out {tmp_path / 'absent'}") in err
 
 
 def test_convert_to_hf_writes_the_dequantized_weights(setup, tmp_path) -> None:
