@@ -236,7 +236,7 @@ def test_from_hf_still_refuses_what_changes_the_computation(hf_dir: Path, tmp_pa
     assert not (tmp_path / "t").exists()
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
 def test_a_model_transformers_loaded_from_gguf_imports(tmp_path: Path, arch: str) -> None:
     """transformers' GGUF loader dequantizes the weights and leaves quantization_config
     (quant_method gguf), _model_name_or_path and, for gpt2, feed_forward_length in the

@@ -94,8 +94,9 @@ def test_a_quantized_model_shows_every_parameter_its_bytes_and_its_scheme(
     assert info["quantized"] == [{"bits": bits, "group_size": group, "minimum": False,
                                   "layers": [n for n, _ in quantized]}]
     rows = _lines(made / name, capsys)
-    assert rows["parameters"] == (f"{info['parameters']:,} ({info['parameter_kinds']['quantized']:,}"
-                                  f" quantized weights + {model.num_parameters():,} float)")
+    kinds = info["parameter_kinds"]
+    assert rows["parameters"] == (f"{info['parameters']:,} ({kinds['quantized']:,} quantized "
+                                  f"weights + {model.num_parameters():,} float)")
     kind = "int8" if bits == 8 else "4-bit (stored in int8)"
     per = "per output channel" if group is None else f"groups of {group} inputs"
     assert rows["quantized"] == (f"{kind}, {per}: {len(quantized)} layers "
