@@ -289,7 +289,8 @@ def test_info_says_where_an_hf_import_came_from(hf_dir: Path, tmp_path: Path, ca
     assert lines["training"] == "pretrained elsewhere (converted); none in tinylm"
 
 
-def test_kept_quantized_gguf_counts_every_parameter(tmp_path: Path) -> None:
+def test_kept_quantized_gguf_counts_every_parameter(tmp_path: Path, monkeypatch,
+                                                     capsys) -> None:
     """convert --from-gguf --keep-quantized and info count the integer weights too: the
     same number as the dequantized model (issue 36 item 7: not the float ones only)."""
     from gguf import GGMLQuantizationType as Q
@@ -306,3 +307,13 @@ def test_kept_quantized_gguf_counts_every_parameter(tmp_path: Path) -> None:
     info = describe_checkpoint(tmp_path / "ck")
     assert info["parameters"] == full and info["parameter_kinds"]["quantized"] > 0
     assert info["quantized"][0]["bits"] == 8 and info["quantized"][0]["group_size"] == 32
+    # tinylm quantize of the .gguf file itself: pretrained elsewhere, not "no longer there"
+    from tinylm.io.describe import info_lines
+
+    monkeypatch.setenv("TINYLM_GGUF_CACHE", str(tmp_path / "cache"))
+    assert main(["quantize", "--model", str(path), "--out", str(tmp_path / "q")]) == 0
+    capsys.readouterr()
+    lines = dict(info_lines(describe_checkpoint(tmp_path / "q")))
+    assert lines["training"] == f"none in tinylm; made from {path}, pretrained elsewhere"
+    assert lines["made by"].startswith("tinylm quantize (int8 symmetric, per output channel) "
+                                       f"of {path}")

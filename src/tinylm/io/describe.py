@@ -203,7 +203,7 @@ def _source_training(config: dict[str, Any], hops: int = 4) -> dict[str, Any] | 
         return None
     found = {"source": source, "found": False, "step": None, "val_loss": None}
     if source.lower().endswith(".gguf"):  # a pretrained file: no tinylm training
-        return found
+        return {**found, "found": Path(source).is_file(), "pretrained": True}
     try:
         folder = resolve_checkpoint_dir(source)
         cfg = read_config(folder)
@@ -347,6 +347,8 @@ def _training_text(info: dict[str, Any]) -> str:
                        + ([f"val loss {src['val_loss']:.4f}"] if src["val_loss"] is not None
                           else []))
         return f"none of its own; made from {src['source']}, trained to {of}"
+    if src and src.get("pretrained"):
+        return f"none in tinylm; made from {src['source']}, pretrained elsewhere"
     if src:
         state = "no longer there" if not src["found"] else "has no training record"
         return f"none of its own; its source {src['source']} {state}"
