@@ -131,3 +131,24 @@ def test_sweep_plot_reports_the_file_written_and_refuses_other_formats(setup, tm
     assert b"<svg" in (tmp_path / "x.svg").read_bytes()[:500]
     assert main([*base, "--plot", str(tmp_path / "x.jpg")]) == 2
     assert ".jpg" in capsys.readouterr().err and not (tmp_path / "x.jpg").exists()
+
+
+def test_data_prepared_with_another_tokenizer_is_refused(setup, tmp_path, capsys) -> None:
+    """Issue 36 item 3: compress --data (and --sweep) of another tokenizer reported a loss
+    change with exit 0; now one line and exit 2, as eval and quantize, nothing written. The
+    same text in capitals gives a char vocabulary of the same size (every id in range)."""
+    (tmp_path / "upper.txt").write_text(TEXT.upper(), encoding="utf-8")
+    other = prepare(tmp_path / "other", [tmp_path / "upper.txt"], context_length=16,
+                    progress=False)
+    assert other.vocab_size == load_checkpoint(setup / "model")[0].config.vocab_size
+    base = ["compress", "--model", str(setup / "model"), "--data", str(other.dir)]
+    for flags in (["--out", str(tmp_path / "c"), "--rank", "2"],
+                  ["--out", str(tmp_path / "c"), "--rank", "2", "--finetune", "2"],
+                  ["--sweep", "--fractions", "0.8", "--plot", str(tmp_path / "s.png")]):
+        code = main([*base, *flags])
+        err = capsys.readouterr().err
+        assert code == 2, flags
+        assert err.startswith("tinylm compress: error:") and err.count("\n") == 1, err
+        assert "was prepared with a different tokenizer than the model's" in err
+        assert str(setup / "model" / "tokenizer.json") in err
+    assert not (tmp_path / "c").exists() and not (tmp_path / "s.png").exists()

@@ -101,6 +101,35 @@ def test_quantize_report_and_bytes() -> None:
     assert report.bytes_before - report.bytes_after == saved
 
 
+def test_report_errors_share_one_denominator_and_the_table_says_so() -> None:
+    """Issue 36 item 10: the mean error printed above its max (mean|dW|/mean|W| vs
+    max|dW|/max|W|). A layer of small weights and one large one made it obvious; now both
+    are over max|W| (mean <= max), against the closed forms, and the table says so."""
+    model = tiny()
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for block in model.blocks:
+            block.ffn.up.weight.mul_(0.01)[0, 0] = 1.0  # one outlier per layer
+    W = model.blocks[0].ffn.up.weight.detach().clone()
+    old_mean = ((W - QuantizedLinear.from_linear(model.blocks[0].ffn.up).weight).abs().mean()
+                / W.abs().mean())
+    report = quantize(model)
+    row = next(r for r in report.layers if r.name == "blocks.0.ffn.up")
+    dW = W - model.blocks[0].ffn.up.weight
+    assert float(old_mean) > row.max_rel_error  # the complaint: the old mean beat the max
+    assert row.max_rel_error == pytest.approx(float(dW.abs().max() / W.abs().max()))
+    assert row.mean_rel_error == pytest.approx(float(dW.abs().mean() / W.abs().max()))
+    assert row.rel_error == pytest.approx(float(dW.norm() / W.norm()))
+    assert all(r.mean_rel_error <= r.max_rel_error for r in report.layers)
+    from tinylm.commands.quantize import format_report
+
+    text = format_report(report)
+    header = text.splitlines()[1].split()
+    assert header[3:7] == ["max", "err", "mean", "err"] and "rel. error" in text
+    assert "over the layer's largest |W| (one denominator: mean <= max)" in text
+    assert "||W - q*s|| / ||W|| of the whole matrix" in text
+
+
 @pytest.mark.parametrize("kwargs, match", [
     ({"bits": 9}, "bits must be an integer in"), ({"bits": 1}, "bits must be"),
     ({"group_size": 0}, "group size must be"), ({"layers": ["mlp.c_fc"]}, "unknown layer"),
@@ -308,6 +337,36 @@ def test_quantize_prints_the_report_and_every_command_loads_it(setup, capsys, tm
     assert main(["eval", "--model", q, "--data", str(setup / "data")]) == 0
     assert main(["explain", "--model", q, "--prompt", "the fox", "--json"]) == 0
     capsys.readouterr()
+
+
+def test_data_prepared_with_another_tokenizer_is_refused_as_eval_refuses_it(
+        setup, tmp_path, capsys) -> None:
+    """Issue 36 item 3: --data of another tokenizer (here the same text in capitals: a
+    char vocabulary of the same size, so every id is in range) printed a meaningless val
+    loss with exit 0; now one line and exit 2, the words eval uses, nothing written."""
+    (tmp_path / "upper.txt").write_text(TEXT.upper(), encoding="utf-8")
+    other = prepare(tmp_path / "other", [tmp_path / "upper.txt"], context_length=16,
+                    progress=False)
+    model, _ = load_checkpoint(setup / "model")
+    assert other.vocab_size == model.config.vocab_size  # the id range check cannot see it
+    assert main(["eval", "--model", str(setup / "model"), "--data", str(other.dir)]) == 2
+    eval_err = capsys.readouterr().err
+    code = main(["quantize", "--model", str(setup / "model"), "--out", str(tmp_path / "q"),
+                 "--data", str(other.dir)])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert err.startswith("tinylm quantize: error:")
+    assert "was prepared with a different tokenizer than the model's" in err
+    assert eval_err.split(": error: ")[1].split(";")[0] == err.split(": error: ")[1].split(";")[0]
+    assert str(setup / "model" / "tokenizer.json") in err
+    assert not (tmp_path / "q").exists()
+    # a missing folder: the hint prepares it with the model's tokenizer, not a char one
+    code = main(["quantize", "--model", str(setup / "model"), "--out", str(tmp_path / "q"),
+                 "--data", str(tmp_path / "absent")])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert (f"does not exist; make it with the model's tokenizer: tinylm prepare --input TEXT "
+            f"--tokenizer {setup / 'model' / 'tokenizer.json'} --out {tmp_path / 'absent'}") in err
 
 
 def test_convert_to_hf_writes_the_dequantized_weights(setup, tmp_path) -> None:

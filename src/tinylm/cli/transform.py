@@ -39,8 +39,9 @@ def _add_compress(sub: argparse._SubParsersAction) -> None:
                    help="comma-separated layer names or suffixes to factorise (default: "
                    "%(default)s)")
     p.add_argument("--data", metavar="DIR",
-                   help="prepared data folder ('tinylm prepare --out'): report validation "
-                   "loss and perplexity before and after")
+                   help="prepared data folder ('tinylm prepare --out', made with the "
+                   "model's tokenizer): report validation loss and perplexity before and "
+                   "after")
     p.add_argument("--eval-windows", type=int, metavar="N",
                    help="evaluate on at most N windows of the validation split (default: all)")
     p.add_argument("--finetune", type=int, default=0, metavar="STEPS",
@@ -149,8 +150,9 @@ def _add_quantize(sub: argparse._SubParsersAction) -> None:
         "scales, one scale per output channel (default) or per --group-size G input "
         "features; activations stay float32. Writes a checkpoint that every command loads "
         "without flags ('convert --to-hf' exports it dequantized) and prints per layer the "
-        "max and mean relative error and the bytes before and after; with --data also the "
-        "validation loss before and after.",
+        "max and mean error per weight (both over the layer's largest |W|), the whole "
+        "matrix's relative error and the bytes before and after; with --data (prepared "
+        "with the model's tokenizer) also the validation loss before and after.",
     )
     p.add_argument("--model", required=True, metavar="DIR",
                    help="checkpoint (or training run) folder to quantize")
@@ -172,8 +174,9 @@ def _add_quantize(sub: argparse._SubParsersAction) -> None:
                    help="quantize the LM head too (an untied one; a tied head is the "
                    "token embedding and stays float32)")
     p.add_argument("--data", metavar="DIR",
-                   help="prepared data folder ('tinylm prepare --out'): report validation "
-                   "loss and perplexity before and after")
+                   help="prepared data folder ('tinylm prepare --out', made with the "
+                   "model's tokenizer): report validation loss and perplexity before and "
+                   "after")
     p.add_argument("--eval-windows", type=int, metavar="N",
                    help="evaluate on at most N windows of the validation split (default: all)")
     _threads_flag(p)
@@ -218,7 +221,7 @@ def _add_convert(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--from-gguf", metavar="FILE", help="a GGUF file to import")
     src.add_argument("--from-hf", metavar="HF_DIR|ORG/NAME",
                      help="a Hugging Face GPT-2/Llama/Qwen2/Mistral folder (or Hub name) to "
-                     "import")
+                     "import; a GGUF file here is converted as --from-gguf would")
     p.add_argument("--out", metavar="DIR",
                    help="the tinylm checkpoint to write (--from-gguf/--from-hf); a new or "
                    "empty folder")

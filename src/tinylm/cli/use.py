@@ -19,8 +19,11 @@ def _add_info(sub: argparse._SubParsersAction) -> None:
         help="show versions, the device and native kernels, and what a model is",
         description="Print tinylm/torch versions, the device tinylm picks (cuda > mps > "
         "cpu) and whether its native kernels are active. Given a checkpoint or run folder, "
-        "also its architecture, parameter count, tokenizer kind and size, training step "
-        "and validation loss, and low-rank ranks.",
+        "also its architecture, parameter count (quantized weights included) and bytes on "
+        "disk and in memory, tokenizer kind and size, what made it (train, finetune, "
+        "quantize, compress, merge, convert), the training step and validation loss (its "
+        "source's for a quantized or compressed copy), its quantization, low-rank ranks and "
+        "LoRA adapters with their base.",
     )
     p.add_argument("run", nargs="?", metavar="RUN",
                    help="a checkpoint folder or training run folder to describe")
@@ -70,38 +73,9 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 
 def _info_lines(info: dict) -> list[tuple[str, str]]:
-    m = dict(info["model"])
-    sizes = [f"{m.pop(k)} {label}" for k, label in (
-        ("n_layer", "layers"), ("n_head", "heads"), ("head_dim", "dims/head"),
-        ("n_embd", "n_embd"), ("context_length", "context"), ("vocab_size", "vocab"))
-        if k in m]
-    options = ", ".join(f"{k}={v}" for k, v in sorted(m.items()))
-    tok = info["tokenizer"]
-    tok_text = "none (no tokenizer.json)" if tok is None else (
-        f"{tok['kind']}, {tok['vocab_size']:,} tokens, end-of-text "
-        f"{tok['eos'] if tok['eos'] is not None else 'none'}")
-    step, val = info["step"], info["val_loss"]
-    training = ", ".join(([f"step {step:,}"] if step is not None else [])
-                         + ([f"val loss {val:.4f}"] if val is not None else [])) or "unknown"
-    ranks = info["lowrank"]
-    lowrank = "none (full-rank)" if not ranks else (
-        f"{len(ranks)} layers, ranks {min(ranks.values())}..{max(ranks.values())}: "
-        + ", ".join(f"{k} {v}" for k, v in list(ranks.items())[:6])
-        + (", ..." if len(ranks) > 6 else ""))
-    lines = [("checkpoint", info["folder"]), ("architecture", ", ".join(sizes)),
-             ("options", options), ("parameters", f"{info['parameters']:,}"),
-             ("tokenizer", tok_text), ("training", training), ("low-rank", lowrank)]
-    if tok is not None and tok.get("chat"):
-        lines.insert(5, ("chat", tok["chat"]))
-    source = info.get("source")
-    if source and source.get("gguf"):
-        lines.insert(1, ("converted", f"from {source['gguf']} ({source.get('architecture')}, "
-                                      f"{source.get('bytes', 0) / 1e6:.1f} MB"
-                                      + (f", \"{source['name']}\")" if source.get("name")
-                                         else ")")))
-    if info["nonfinite"]:
-        lines.append(("WARNING", f"{info['nonfinite']:,} weights are NaN or infinite"))
-    return lines
+    from tinylm.io.describe import info_lines
+
+    return info_lines(info)
 
 
 def _add_sample(sub: argparse._SubParsersAction) -> None:

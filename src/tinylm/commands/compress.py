@@ -24,9 +24,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from tinylm.commands.measure import validation_tokens
 from tinylm.core.config import TrainConfig, resolve_device
 from tinylm.core.errors import ConfigError
-from tinylm.data import load_prepared
 from tinylm.io.checkpoint import load_checkpoint, read_config, resolve_checkpoint_dir
 from tinylm.io.checkpoint_files import WEIGHTS_FILE, check_target, save_checkpoint
 from tinylm.layers.lowrank import (
@@ -465,7 +465,7 @@ def compress_checkpoint(model_dir: str | os.PathLike, out: str | os.PathLike, *,
     dev = resolve_device(device)
     with using_threads(threads):
         model, tokenizer = load_checkpoint(model_dir, device=dev)
-        val = load_prepared(data_dir).val if data_dir is not None else None
+        val = None if data_dir is None else validation_tokens(data_dir, tokenizer, model_dir)
 
         def measure(m: nn.Module) -> EvalResult | None:
             return None if val is None else evaluate(m, val, max_windows=eval_windows)
@@ -482,7 +482,8 @@ def compress_checkpoint(model_dir: str | os.PathLike, out: str | os.PathLike, *,
             finetune(model, data_dir, cfg, dest_parent, tokenizer)
             tuned = measure(model)
         dest = save_checkpoint(out, model, tokenizer, extra_config={"compress": {
-            "source": str(model_dir), "mode": report.mode, "finetune_steps": finetune_steps}})
+            "source": str(Path(model_dir).resolve()), "mode": report.mode,
+            "finetune_steps": finetune_steps}})
     size_in = (resolve_checkpoint_dir(model_dir) / WEIGHTS_FILE).stat().st_size
     size_out = (dest / WEIGHTS_FILE).stat().st_size
     return CompressOutcome(report, dest, before, after, tuned, finetune_steps, size_in,
@@ -500,8 +501,8 @@ def sweep_checkpoint(model_dir: str | os.PathLike, data_dir: str | os.PathLike,
     if plot is not None:
         figure_path(plot)
     with using_threads(threads):
-        model, _tok = load_checkpoint(model_dir, device=resolve_device(device))
-        val = load_prepared(data_dir).val
+        model, tokenizer = load_checkpoint(model_dir, device=resolve_device(device))
+        val = validation_tokens(data_dir, tokenizer, model_dir)
         rows = sweep(model, fractions, lambda m: evaluate(m, val, max_windows=eval_windows).loss,
                      layers=layers,
                      progress=lambda r: log.info("params %.3f kept: val loss %.4f, %.0f "

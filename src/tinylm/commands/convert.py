@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tinylm.core.errors import ConfigError
-from tinylm.io.checkpoint import load_checkpoint
+from tinylm.io.checkpoint import load_checkpoint, load_model
 from tinylm.io.checkpoint_files import check_target, save_checkpoint
+from tinylm.io.describe import all_parameters
 from tinylm.io.gguf_checkpoint import convert_gguf, is_gguf
 from tinylm.io.hf import export_family, hub_folder, is_hub_name, read_hf_folder, write_hf_folder
 
@@ -43,16 +44,29 @@ def _tokenizer_text(tokenizer) -> str:
     return f"{tokenizer.kind} tokenizer{template}"
 
 
+def _has_gguf_magic(path: str) -> bool:
+    """True for an existing file that begins with GGUF's magic bytes, whatever its name
+    (``--from-hf model.bin`` of a GGUF file is converted as ``--from-gguf`` would)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:  # a folder, a Hub name, a missing path: not a GGUF file
+        return False
+
+
 def import_model(source: str | os.PathLike, out: str | os.PathLike, *,
                  keep_quantized: bool = False, force: bool = False) -> Converted:
-    """Write ``source`` (a .gguf file, a Hugging Face folder, or a Hub ``ORG/NAME``) as
-    the tinylm checkpoint ``out``. ``keep_quantized`` applies to GGUF files only."""
+    """Write ``source`` (a GGUF file, by its .gguf name or its magic bytes; a Hugging Face
+    folder; or a Hub ``ORG/NAME``) as the tinylm checkpoint ``out``. ``keep_quantized``
+    applies to GGUF files only."""
     text = str(source)
-    if is_gguf(text):
+    if is_gguf(text) or _has_gguf_magic(text):
         info = convert_gguf(text, out, keep_quantized=keep_quantized, force=force)
         how = "kept as QuantizedLinear where exact" if keep_quantized else "dequantized"
         template = " and its chat template" if info["chat_template"] else ""
-        return Converted(text, str(out), info["parameters"],
+        # kept blocks hold their weights as integer buffers: count them too
+        count = all_parameters(load_model(out)) if keep_quantized else info["parameters"]
+        return Converted(text, str(out), count,
                          f"{info['tokenizer']} tokenizer{template}",
                          f"{info['arch']}, {'/'.join(info['types'])} {how}")
     if keep_quantized:
@@ -60,7 +74,8 @@ def import_model(source: str | os.PathLike, out: str | os.PathLike, *,
     check_target(out, force=force)
     folder = hub_folder(text) if is_hub_name(text) else Path(text)
     model, tokenizer = read_hf_folder(folder)
-    save_checkpoint(out, model, tokenizer)
+    where = text if is_hub_name(text) else str(Path(text).resolve())
+    save_checkpoint(out, model, tokenizer, extra_config={"source": {"hf": where}})
     return Converted(text, str(out), model.num_parameters(), _tokenizer_text(tokenizer))
 
 

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from tinylm.commands.measure import validation_tokens
 from tinylm.core.errors import ConfigError
-from tinylm.data import load_prepared
 from tinylm.io.checkpoint import load_checkpoint
 from tinylm.io.checkpoint_files import check_target, save_checkpoint
 from tinylm.layers.quantized import QuantizedLinear, check_scheme
@@ -33,8 +33,10 @@ log = logging.getLogger(__name__)
 class LayerReport:
     """One quantized layer: shape (I -> O), groups per row, error and bytes of its weight.
 
-    Errors are relative to the largest weight magnitude of the whole layer, per element:
-    ``max_rel_error`` = max|W - q·s| / max|W|, ``mean_rel_error`` = mean|W - q·s| / mean|W|.
+    The per-weight errors share one denominator, the layer's largest weight magnitude, so
+    the mean never exceeds the max: ``max_rel_error`` = max|W - q·s| / max|W|,
+    ``mean_rel_error`` = mean|W - q·s| / max|W|. ``rel_error`` is the whole matrix's
+    relative error ||W - q·s||_F / ||W||_F (what ``tinylm compress`` reports).
     """
 
     name: str
@@ -45,6 +47,7 @@ class LayerReport:
     mean_rel_error: float
     bytes_before: int
     bytes_after: int
+    rel_error: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -110,29 +113,45 @@ def quantize(model: nn.Module, bits: int = 8, group_size: int | None = None,
     for name, layer in chosen:
         W = layer.weight.detach().to(torch.float32)
         new = QuantizedLinear.from_linear(layer, bits, group_size)
-        err = (W - new.weight).abs()
-        top, mean = float(W.abs().max()), float(W.abs().mean())
-        rows.append(LayerReport(
-            name, layer.in_features, layer.out_features, new.scale.shape[1],
-            float(err.max()) / top if top > 0 else 0.0,
-            float(err.mean()) / mean if mean > 0 else 0.0,
-            W.numel() * layer.weight.element_size(),
-            new.qweight.numel() + new.scale.numel() * new.scale.element_size()))
+        rows.append(_layer_report(name, W, new, layer.weight.element_size()))
         model.set_submodule(name, new)
         log.debug("quantized %s (%d->%d) to int%d", name, layer.in_features,
                   layer.out_features, bits)
     return QuantizeReport(bits, group_size, tuple(rows), before, model_bytes(model))
 
 
+def _layer_report(name: str, W: torch.Tensor, new: QuantizedLinear,
+                  element_size: int) -> LayerReport:
+    """The report row of one layer: ``W`` (O, I) float32 before, ``new`` after."""
+    diff = W - new.weight  # (O, I)
+    err = diff.abs()
+    top, norm = float(W.abs().max()), float(torch.linalg.vector_norm(W))
+    return LayerReport(
+        name, new.in_features, new.out_features, new.scale.shape[1],
+        float(err.max()) / top if top > 0 else 0.0,
+        float(err.mean()) / top if top > 0 else 0.0,
+        W.numel() * element_size,
+        new.qweight.numel() + new.scale.numel() * new.scale.element_size(),
+        float(torch.linalg.vector_norm(diff)) / norm if norm > 0 else 0.0)
+
+
+#: What the error columns of :func:`format_report` mean, printed under the table.
+ERROR_LEGEND = ("max err, mean err: |W - q*s| per weight over the layer's largest |W| "
+                "(one denominator: mean <= max)\n"
+                "rel. error: ||W - q*s|| / ||W|| of the whole matrix (Frobenius, as compress "
+                "reports it)")
+
+
 def format_report(report: QuantizeReport) -> str:
-    """The report as a fixed-width table plus totals, for printing."""
+    """The report as a fixed-width table, what its error columns mean, and totals."""
     lines = [f"quantize ({report.scheme})",
-             f"{'layer':<22} {'shape':>11} {'groups':>6} {'max rel.err':>11} "
-             f"{'mean rel.err':>12} {'bytes before':>13} {'bytes after':>12}"]
+             f"{'layer':<22} {'shape':>11} {'groups':>6} {'max err':>9} {'mean err':>9} "
+             f"{'rel. error':>10} {'bytes before':>13} {'bytes after':>12}"]
     for r in report.layers:
         lines.append(f"{r.name:<22} {f'{r.in_features}x{r.out_features}':>11} {r.groups:>6} "
-                     f"{r.max_rel_error:>11.5f} {r.mean_rel_error:>12.5f} "
+                     f"{r.max_rel_error:>9.5f} {r.mean_rel_error:>9.5f} {r.rel_error:>10.5f} "
                      f"{r.bytes_before:>13,} {r.bytes_after:>12,}")
+    lines.append(ERROR_LEGEND)
     lines.append(f"weights: {report.bytes_before / 1e6:.3f} MB -> {report.bytes_after / 1e6:.3f}"
                  f" MB ({100 * (1 - report.bytes_after / report.bytes_before):.1f} % smaller)")
     b, a = report.val_before, report.val_after
@@ -157,14 +176,12 @@ def quantize_checkpoint(model_dir: str | os.PathLike, out: str | os.PathLike, *,
         raise ConfigError(f"--eval-windows must be >= 1, got {eval_windows}")
     dest = check_target(out, force=force)
     model, tokenizer = load_checkpoint(model_dir)
-    val = None
-    if data_dir is not None:
-        val = load_prepared(data_dir).val
+    val = None if data_dir is None else validation_tokens(data_dir, tokenizer, model_dir)
     before = evaluate(model, val, max_windows=eval_windows) if val is not None else None
     report = quantize(model, bits, group_size, layers, include_head)
     after = evaluate(model, val, max_windows=eval_windows) if val is not None else None
     report = QuantizeReport(report.bits, report.group_size, report.layers,
                             report.bytes_before, report.bytes_after, before, after)
     written = save_checkpoint(dest, model, tokenizer, extra_config={"quantized_from": {
-        "source": str(model_dir), "scheme": report.scheme}})
+        "source": str(Path(model_dir).resolve()), "scheme": report.scheme}})
     return report, written

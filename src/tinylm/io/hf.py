@@ -86,16 +86,37 @@ MISTRAL_NAMES = [r for r in _llama_rows(bias_rows=False) if not r[0].endswith(".
 #: Tensors a file may hold that carry no weights (causal-mask and RoPE buffers).
 _BUFFERS = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
 
-#: config.json keys that do not change the function a model computes.
+#: config.json keys that do not change the function a model computes: where it came from
+#: and which library wrote it (every key starting with "_" too: transformers' private
+#: bookkeeping, "_name_or_path", "_model_name_or_path", "_commit_hash",
+#: "_attn_implementation"), how it was stored, its token roles, training-only settings,
+#: and transformers 4's generation defaults (how to sample, not what the model computes).
 _HARMLESS = {
-    "_name_or_path", "architectures", "chunk_size_feed_forward", "dtype", "torch_dtype",
+    "architectures", "chunk_size_feed_forward", "dtype", "torch_dtype",
     "id2label", "label2id", "is_encoder_decoder", "model_type", "output_attentions",
     "output_hidden_states", "problem_type", "return_dict", "transformers_version",
     "initializer_range", "use_cache", "bos_token_id", "eos_token_id", "pad_token_id",
     "tie_word_embeddings", "vocab_size", "attention_dropout", "pretraining_tp",
+    "name_or_path", "model_name_or_path", "unk_token_id", "sep_token_id", "cls_token_id",
+    "mask_token_id", "decoder_start_token_id", "tokenizer_class", "prefix",
+    "finetuning_task", "torchscript", "use_bfloat16", "tf_legacy_loss", "is_decoder",
+    "tie_encoder_decoder", "cross_attention_hidden_size", "num_labels", "use_return_dict",
+    "gradient_checkpointing", "keys_to_ignore_at_inference",
+    # generation defaults (transformers 4 kept them in config.json)
+    "max_length", "min_length", "do_sample", "early_stopping", "num_beams", "num_beam_groups",
+    "diversity_penalty", "temperature", "top_k", "top_p", "typical_p", "repetition_penalty",
+    "length_penalty", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size",
+    "bad_words_ids", "num_return_sequences", "output_scores", "return_dict_in_generate",
+    "forced_bos_token_id", "forced_eos_token_id", "remove_invalid_values",
+    "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens",
 }
+#: quantization_config methods whose weights reach tinylm as plain floats: transformers'
+#: GGUF loader dequantizes every tensor when it loads a .gguf file and only records the
+#: file in the config ({"quant_method": "gguf", "gguf_file": ...}).
+_DEQUANTIZED_METHODS = {"gguf"}
 _GPT2_KEYS = {
-    "activation_function", "n_embd", "n_head", "n_inner", "n_layer", "n_positions", "n_ctx",
+    "activation_function", "n_embd", "n_head", "n_inner", "feed_forward_length", "n_layer",
+    "n_positions", "n_ctx",
     "layer_norm_epsilon", "scale_attn_weights", "scale_attn_by_inverse_layer_idx",
     "reorder_and_upcast_attn", "add_cross_attention", "attn_pdrop", "embd_pdrop",
     "resid_pdrop", "summary_activation", "summary_first_dropout", "summary_proj_to_labels",
@@ -123,13 +144,37 @@ class Family:
 
 def _refuse(family: str, unsupported: list[str]) -> None:
     if unsupported:
-        raise ConfigError(f"this {family} config.json uses features tinylm does not implement: "
+        raise ConfigError(f"this {family} config uses features tinylm does not implement: "
                           + "; ".join(unsupported) + " (nothing was written)")
 
 
+def _is_default(value: Any) -> bool:
+    """None, False or an empty container/string: a key that switches nothing on."""
+    return value is None or value is False or (isinstance(value, (dict, list, str))
+                                                and not value)
+
+
 def _unknown_fields(d: dict[str, Any], known: set[str]) -> list[str]:
-    return [f"{k}={d[k]!r}" for k in sorted(d) if k not in known and k not in _HARMLESS
-            and d[k] not in (None, False)]
+    """The config keys that would change the computation and tinylm does not read, each
+    as ``key=value``: bookkeeping (:data:`_HARMLESS`, "_..." keys) and keys left at their
+    off value are not among them; quantization_config only for stored-quantized weights."""
+    unsupported = [f"{k}={d[k]!r:.80}" for k in sorted(d)
+                   if k not in known and k not in _HARMLESS and k != "quantization_config"
+                   and not k.startswith("_") and not _is_default(d[k])]
+    return unsupported + _quantization_refusal(d.get("quantization_config"))
+
+
+def _quantization_refusal(q: Any) -> list[str]:
+    """[] when ``quantization_config`` is absent or describes weights transformers has
+    already dequantized (a model loaded from a GGUF file); else the one reason."""
+    if _is_default(q):
+        return []
+    method = q.get("quant_method") if isinstance(q, dict) else None
+    if method in _DEQUANTIZED_METHODS:
+        return []
+    return [f"quantization_config with quant_method={method!r} (weights stored quantized; "
+            f"tinylm imports float weights: dequantize the model in transformers and "
+            f"save_pretrained it, or convert a GGUF file with --from-gguf)"]
 
 
 def _gpt2_config(d: dict[str, Any]) -> ModelConfig:
@@ -137,9 +182,9 @@ def _gpt2_config(d: dict[str, Any]) -> ModelConfig:
     act = d.get("activation_function", "gelu_new")
     if act not in ("gelu_new", "gelu_pytorch_tanh"):
         unsupported.append(f"activation_function={act!r} (tinylm uses GELU tanh, 'gelu_new')")
-    n_inner = d.get("n_inner")
-    if n_inner not in (None, 4 * d["n_embd"]):
-        unsupported.append(f"n_inner={n_inner} (tinylm's GPT-2 uses 4·n_embd)")
+    for key in ("n_inner", "feed_forward_length"):  # the second: transformers' GGUF loader
+        if d.get(key) not in (None, 4 * d["n_embd"]):
+            unsupported.append(f"{key}={d[key]} (tinylm's GPT-2 uses 4·n_embd)")
     if not d.get("scale_attn_weights", True):
         unsupported.append("scale_attn_weights=False")
     for flag in ("scale_attn_by_inverse_layer_idx", "add_cross_attention"):
@@ -590,6 +635,10 @@ def read_hf_folder(folder: str | os.PathLike) -> tuple[GPT, Any]:
     Nothing is downloaded.
     """
     path = Path(folder)
+    if path.is_file():
+        raise CheckpointError(f"{path} is a file, not a Hugging Face folder; pass the folder "
+                              f"that holds its config.json and model.safetensors (a .gguf "
+                              f"file: --from-gguf FILE)")
     if not path.is_dir():
         raise CheckpointError(f"Hugging Face folder {path} does not exist; pass a folder "
                               f"written by save_pretrained (config.json + model.safetensors)")

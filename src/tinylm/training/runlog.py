@@ -26,7 +26,13 @@ import torch
 from tinylm.core.config import available_cpus
 from tinylm.core.errors import DataError, TinyLMError
 from tinylm.io.files import atomic_write, disk_errors
-from tinylm.use.plotting import figure_path, new_figure, readable_log_axis, save_figure
+from tinylm.use.plotting import (
+    figure_path,
+    legend_outside,
+    new_figure,
+    readable_log_axis,
+    save_figure,
+)
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +95,7 @@ def plot_losses(runs: Sequence[tuple[str, Sequence[dict[str, Any]]]], out: str |
         ax.set_yscale("log")
         readable_log_axis(ax.yaxis)
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
+    legend_outside(ax, fontsize=8)
     if title:
         ax.set_title(title)
     return save_figure(fig, out, bbox_inches="tight")

@@ -3,7 +3,8 @@
 :func:`new_figure` makes a matplotlib ``Figure`` on the Agg canvas (no display, no
 pyplot global state); :func:`save_figure` writes it in the format its file name asks
 for (``.png``, ``.svg`` or ``.pdf``; a name without a suffix gets ``.png``; any other
-suffix is refused before drawing), atomically, and returns the path really written.
+suffix is refused before drawing), atomically, and returns the path really written;
+:func:`legend_outside` puts a legend where it covers no curve.
 matplotlib is optional: without it these raise a one-line ConfigError.
 """
 
@@ -54,6 +55,15 @@ def readable_log_axis(axis: Any) -> None:
     axis.set_minor_locator(LogLocator(base=10, subs=(1.5, 4.0, 6.0, 7.0, 8.0, 9.0)))
     axis.set_major_formatter(FormatStrFormatter("%g"))
     axis.set_minor_formatter(FormatStrFormatter("%g"))
+
+
+def legend_outside(ax: Any, **kwargs: Any) -> Any:
+    """The legend of ``ax`` beside its plot area, right of it and top-aligned, so that
+    it never covers a curve, however many runs it lists (matplotlib's "best" place
+    inside the axes still sits on a curve when they fill the plot). Save the figure
+    with ``bbox_inches="tight"`` so that the file keeps it."""
+    return ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0,
+                     **kwargs)
 
 
 def save_figure(fig: Any, path: str | os.PathLike, **kwargs: Any) -> Path:
