@@ -334,10 +334,19 @@ def _asset(name: str) -> str:
     return resources.files("tinylm.use").joinpath("explorer_page", name).read_text(encoding="utf-8")
 
 
+#: What :func:`_script_json` writes as a JSON escape: "<" and ">" (no "</script>", no
+#: "<!--" that would send the HTML parser into a script's escaped states), "&", and the
+#: line separators U+2028/9.
+_SCRIPT_ESCAPES = {"<": "\\u003c", ">": "\\u003e", "&": "\\u0026", "\u2028": "\\u2028",
+                   "\u2029": "\\u2029"}
+
+
 def _script_json(value: Any) -> str:
-    """JSON safe inside <script>: "</" cannot end the block, and no U+2028/9 surprises."""
+    """JSON safe inside <script>: no "<", ">" or "&" (each written as its \\u escape, which
+    JSON.parse reads back as the same character), so nothing in it can end the block or
+    change how the HTML parser reads it."""
     text = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
-    return text.replace("</", "<\\/").replace("\u2028", "\\u2028").replace("\u2029", "\\u2029")
+    return re.sub("[<>&\u2028\u2029]", lambda m: _SCRIPT_ESCAPES[m.group(0)], text)
 
 
 def render_explorer(data: dict[str, Any] | None, *, title: str = "tinylm explorer",
