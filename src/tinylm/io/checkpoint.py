@@ -216,14 +216,14 @@ def load_model(path: str | os.PathLike, device: torch.device | str = "cpu", *,
                               f"{config['sharded'].get('strategy', 'fsdp')}); consolidate it "
                               f"first: tinylm export-checkpoint {path} --out DIR")
     model = build_model(config)
-    state = strip_wrapper_prefixes(read_tensors(path / WEIGHTS_FILE))
+    state = _stored_state(path, read_tensors(path / WEIGHTS_FILE))
     if config.get("lora_base"):  # adapters only: the frozen weights come from the base
         own = state
-        state = {k: v for k, v in strip_wrapper_prefixes(
-            _lora_base_state(config["lora_base"], path)).items() if k not in own}
+        state = {k: v for k, v in _stored_state(
+            path, _lora_base_state(config["lora_base"], path)).items() if k not in own}
         state.update(own)
     if model.config.tie_embeddings:
-        state.pop("lm_head.weight", None)
+        _drop_tied_head(path, state)
     expected = set(model_state(model))
     missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
     if missing or unexpected:
@@ -241,6 +241,41 @@ def load_model(path: str | os.PathLike, device: torch.device | str = "cpu", *,
     state = _check_weights(path, state, own, allow_nonfinite)
     model.load_state_dict(state, strict=False)
     return model.to(device).eval()
+
+
+def _stored_state(path: Path, raw: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The stored tensors by the model's names (torch.compile / DDP prefixes removed);
+    two stored tensors that name the same weight are refused, never one silently kept."""
+    state = strip_wrapper_prefixes(raw)
+    if len(state) < len(raw):
+        seen: dict[str, str] = {}
+        for key in raw:
+            name = next(iter(strip_wrapper_prefixes({key: None})))
+            if name in seen:
+                raise CheckpointError(
+                    f"{path}: the weights hold both {seen[name]} and {key}, which name the "
+                    f"same weight {name}; one of them would be ignored, so the file is "
+                    f"refused: restore the checkpoint or re-save it from its source")
+            seen[name] = key
+    return state
+
+
+def _drop_tied_head(path: Path, state: dict[str, Tensor]) -> None:
+    """Remove a stored ``lm_head.weight`` of a tied model, whose head IS its embedding.
+    One equal to the embedding (what some converters write) is a harmless duplicate and
+    dropped; any other would be ignored by the model, so the checkpoint is refused."""
+    head = state.pop("lm_head.weight", None)
+    emb = state.get("tok_emb.weight")
+    if head is None:
+        return
+    same = emb is not None and head.shape == emb.shape and torch.equal(
+        head.to(torch.float32), emb.to(torch.float32))
+    if not same:
+        raise CheckpointError(
+            f"{path}: config.json says the LM head is tied to the token embedding, but the "
+            f"weights hold an lm_head.weight that differs from tok_emb.weight; the model "
+            f"would ignore it, so the checkpoint is refused: set \"tie_embeddings\": false "
+            f"in config.json if the head is its own, or remove lm_head.weight")
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
