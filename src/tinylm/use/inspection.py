@@ -46,6 +46,7 @@ from tinylm.core.attention import (
 from tinylm.core.checks import check_int
 from tinylm.core.errors import ConfigError, DataError
 from tinylm.core.model import GPT, FeedForward, GatedFeedForward, ReLUSquared
+from tinylm.io.checkpoint import nonfinite_error
 from tinylm.io.checkpoint_files import unwrap_model
 from tinylm.io.files import atomic_write_with
 
@@ -174,6 +175,8 @@ def explain(model: nn.Module, tokenizer: Any, prompt: str | Sequence[int], *,
             logits, maps = base.forward_with_attention(x)  # (1, C, V), (L, 1, H, C, C)
     finally:
         base.train(was_training)
+    if not bool(torch.isfinite(logits).all()):
+        raise nonfinite_error(base, "the next-token logits of the prompt")
     probs = F.softmax(logits[0].float(), dim=-1).cpu()  # (C, V)
     attention = maps[:, 0].float().cpu()  # (L, 1, H, C, C) -> (L, H, C, C)
     rows = next_token_rows(probs, ids, tokenizer, top_k)
@@ -501,6 +504,9 @@ def trace(model: nn.Module, ids: Sequence[int] | Tensor, *,
     finally:
         base.train(was_training)
     values = {k: t.float().cpu() for k, t in values.items()}
+    if not bool(torch.isfinite(values["logits"]).all()):
+        raise nonfinite_error(base, "the traced logits" + (" (with " + ", ".join(ablate)
+                                                          + " switched off)" if ablate else ""))
     if reference is not None:
         gap = float((values["logits"] - reference.float().cpu()).abs().max())
         if not gap <= 1e-3 * max(1.0, float(reference.abs().max())):
@@ -551,6 +557,8 @@ def nearest_tokens(model: nn.Module, tokenizer: Any, token: str, count: int = 10
             raise DataError(f"token {token!r} has id {query}, outside the model's vocabulary "
                             f"of {emb.shape[0]}; the tokenizer does not belong to this model")
         sims = F.cosine_similarity(emb, emb[query][None, :], dim=-1)  # (V, E) vs (1, E) -> (V,)
+        if not bool(torch.isfinite(sims).all()):
+            raise nonfinite_error(base, "the cosine similarities of its token embeddings")
         sims[query] = 1.0  # exactly, whatever the rounding
     order = sorted(range(emb.shape[0]), key=lambda i: (-float(sims[i]), i != query, i))
     return [Neighbour(token_text(tokenizer, i), i, float(sims[i]))

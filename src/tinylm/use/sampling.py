@@ -39,6 +39,7 @@ from tinylm.core.config import available_memory, format_bytes
 from tinylm.core.decoding import Decoder
 from tinylm.core.errors import ConfigError, DataError
 from tinylm.core.model import GPT
+from tinylm.io.checkpoint import nonfinite_error
 
 log = logging.getLogger(__name__)
 
@@ -307,16 +308,18 @@ def _run(model: GPT, prompt: Tensor, max_new_tokens: int, config: SamplingConfig
     try:
         decoder = acceleration.plan(model, prompt.device).decoder(prompt.shape[0])
         with torch.inference_mode(), autocast, decoder:
-            yield from _decode(decoder, prompt, max_new_tokens, config, generator, stops,
-                               vocab_size)
+            yield from _decode(model, decoder, prompt, max_new_tokens, config, generator,
+                               stops, vocab_size)
     finally:
         model.train(was_training)
 
 
-def _decode(decoder: Decoder, prompt: Tensor, max_new_tokens: int, config: SamplingConfig,
-            generator: torch.Generator | None, stops: Tensor | None,
+def _decode(model: GPT, decoder: Decoder, prompt: Tensor, max_new_tokens: int,
+            config: SamplingConfig, generator: torch.Generator | None, stops: Tensor | None,
             vocab_size: int | None) -> Iterator[Tensor]:
-    """The loop of :func:`generate_stream` (already in inference mode)."""
+    """The loop of :func:`generate_stream` (already in inference mode). Each step's
+    logits are checked to be finite (one isfinite over (B, V)): NaN or inf there means
+    weights that overflow, and no token can be drawn from them."""
     B, T = prompt.shape
     cache = decoder.cache
     C = cache.max_len  # the model's context length
@@ -333,6 +336,8 @@ def _decode(decoder: Decoder, prompt: Tensor, max_new_tokens: int, config: Sampl
     logits = decoder.prefill(seq[:, start:n])  # (B, V)
     done = torch.zeros(B, dtype=torch.bool, device=prompt.device) if stops is not None else None
     for step in range(max_new_tokens):
+        if not bool(torch.isfinite(logits).all()):
+            raise nonfinite_error(model, "the next-token logits")
         if vocab_size is not None:
             logits = logits[:, :vocab_size]  # (B, V) -> (B, V'), a view
         nxt = sample_next(logits.float(), config, generator, decoder.argmax)  # (B,)
