@@ -307,7 +307,8 @@ def _work_bytes(cfg: Any, C: int) -> int:
     ablation = _F32 * C * (rows * (V + 6 * E + 3 * F_ + 3 * H * D + 2 * H * C) + V)
     lens = _F32 * C * V * 2
     low_rank = 8 * C * (min(D, E) + 1) * E * 3
-    return max(ablation, lens, low_rank)
+    checks = _F32 * C * V // 2  # isfinite's bool masks, the allocator's slack
+    return max(ablation, lens, low_rank) + checks
 
 
 def explore_cost(config: Any, n_tokens: int, *, top_k: int = 5,

@@ -540,9 +540,13 @@ def trace(model: nn.Module, ids: Sequence[int] | Tensor, *,
     if not bool(torch.isfinite(values["logits"]).all()):
         raise nonfinite_error(base, "the traced logits" + (" (with " + ", ".join(ablate)
                                                           + " switched off)" if ablate else ""))
-    if reference is not None:
-        gap = float((values["logits"] - reference.float().cpu()).abs().max())
-        if not gap <= 1e-3 * max(1.0, float(reference.abs().max())):
+    if reference is not None:  # compared in place: no (C, V) temporaries beside the two
+        reference = reference.float().cpu()
+        scale = max(1.0, float(reference.max()), -float(reference.min()))
+        reference.sub_(values["logits"])
+        gap = max(float(reference.max()), -float(reference.min()))
+        del reference
+        if not gap <= 1e-3 * scale:
             raise ConfigError(f"the explorer's trace does not reproduce this model's logits "
                               f"(max difference {gap:.3g}); its architecture is not one the "
                               f"trace knows")
