@@ -137,3 +137,16 @@ def test_a_model_built_in_python_is_named_the_model(tok: CharTokenizer) -> None:
         finite.tok_emb.weight[tok.token_to_id("a")] = float("nan")
     with pytest.raises(CheckpointError, match="cosine similarities of its token embeddings"):
         nearest_tokens(finite, tok, "b")
+
+
+def test_check_logits_is_what_a_decoding_loop_calls(huge: Path) -> None:
+    """A server's own decoding loop (tinylm serve's engine) checks each step the same way."""
+    from tinylm.use.sampling import check_logits
+
+    model = load_model(huge)
+    check_logits(model, torch.zeros(2, 5))
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        logits = torch.zeros(2, 5)
+        logits[1, 3] = bad
+        with pytest.raises(CheckpointError, match=f"the model of {huge} gives NaN"):
+            check_logits(model, logits)

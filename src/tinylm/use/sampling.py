@@ -48,6 +48,7 @@ __all__ = [
     "TextStream",
     "apply_temperature",
     "check_generation",
+    "check_logits",
     "encode_prompt",
     "filter_logits",
     "generate",
@@ -216,6 +217,16 @@ def next_token_probs(logits: Tensor, config: SamplingConfig) -> Tensor:
     return F.softmax(filter_logits(logits, config), dim=-1)
 
 
+def check_logits(model: Any, logits: Tensor) -> None:
+    """A one-line CheckpointError naming ``model``'s checkpoint unless every one of
+    ``logits`` (B, V) is finite: NaN or inf there means weights that overflow float32
+    in the forward pass, and no token can be drawn from them (one isfinite, one sync).
+    Every decoding loop calls it on each step's logits (:func:`generate_stream`'s, and a
+    server's)."""
+    if not bool(torch.isfinite(logits).all()):
+        raise nonfinite_error(model, "the next-token logits")
+
+
 def sample_next(logits: Tensor, config: SamplingConfig,
                 generator: torch.Generator | None = None,
                 argmax: Callable[[Tensor], Tensor] | None = None) -> Tensor:
@@ -317,9 +328,8 @@ def _run(model: GPT, prompt: Tensor, max_new_tokens: int, config: SamplingConfig
 def _decode(model: GPT, decoder: Decoder, prompt: Tensor, max_new_tokens: int,
             config: SamplingConfig, generator: torch.Generator | None, stops: Tensor | None,
             vocab_size: int | None) -> Iterator[Tensor]:
-    """The loop of :func:`generate_stream` (already in inference mode). Each step's
-    logits are checked to be finite (one isfinite over (B, V)): NaN or inf there means
-    weights that overflow, and no token can be drawn from them."""
+    """The loop of :func:`generate_stream` (already in inference mode); each step's
+    logits go through :func:`check_logits` first."""
     B, T = prompt.shape
     cache = decoder.cache
     C = cache.max_len  # the model's context length
@@ -336,8 +346,7 @@ def _decode(model: GPT, decoder: Decoder, prompt: Tensor, max_new_tokens: int,
     logits = decoder.prefill(seq[:, start:n])  # (B, V)
     done = torch.zeros(B, dtype=torch.bool, device=prompt.device) if stops is not None else None
     for step in range(max_new_tokens):
-        if not bool(torch.isfinite(logits).all()):
-            raise nonfinite_error(model, "the next-token logits")
+        check_logits(model, logits)
         if vocab_size is not None:
             logits = logits[:, :vocab_size]  # (B, V) -> (B, V'), a view
         nxt = sample_next(logits.float(), config, generator, decoder.argmax)  # (B,)
