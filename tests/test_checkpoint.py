@@ -113,3 +113,52 @@ def test_checkpoint_files_follow_the_umask(tmp_path, umask) -> None:
     assert set(modes) == {"config.json", "model.safetensors", "train_state.safetensors",
                           "train_state.json"}
     assert set(modes.values()) == {0o666 & ~umask}, modes
+
+
+def _rewrite_weights(folder, change) -> None:
+    from safetensors.torch import load_file, save_file
+
+    path = folder / "model.safetensors"
+    state = load_file(str(path))
+    change(state)
+    save_file(state, str(path))
+
+
+def test_a_tied_checkpoint_with_a_different_lm_head_is_refused(tmp_path) -> None:
+    """Issue #32: the extra lm_head.weight of a tied checkpoint was silently dropped."""
+    model = small().eval()
+    save_checkpoint(tmp_path / "ck", model)
+    emb = model.tok_emb.weight.detach().clone()
+    _rewrite_weights(tmp_path / "ck", lambda s: s.update({"lm_head.weight": emb + 1.0}))
+    with pytest.raises(CheckpointError, match="lm_head.weight that differs from tok_emb"):
+        load_model(tmp_path / "ck")
+    _rewrite_weights(tmp_path / "ck", lambda s: s.update({"lm_head.weight": emb[:5]}))
+    with pytest.raises(CheckpointError, match="differs from tok_emb"):
+        load_model(tmp_path / "ck")
+    # a head equal to the embedding (as some converters write it) is only a duplicate
+    _rewrite_weights(tmp_path / "ck", lambda s: s.update({"lm_head.weight": emb.clone()}))
+    loaded = load_model(tmp_path / "ck")
+    ids = torch.randint(0, 33, (1, 16))
+    assert torch.equal(loaded(ids), model(ids))
+    assert loaded.lm_head.weight is loaded.tok_emb.weight
+
+
+def test_two_stored_names_of_one_weight_are_refused(tmp_path) -> None:
+    """A wrapper-prefixed copy beside the plain name: one of them would be ignored."""
+    model = small().eval()
+    save_checkpoint(tmp_path / "ck", model)
+    _rewrite_weights(tmp_path / "ck", lambda s: s.update(
+        {"module.blocks.0.ln1.weight": s["blocks.0.ln1.weight"] * 2}))
+    with pytest.raises(CheckpointError, match="name the same weight blocks.0.ln1.weight"):
+        load_model(tmp_path / "ck")
+    _rewrite_weights(tmp_path / "ck", lambda s: s.pop("module.blocks.0.ln1.weight"))
+    assert torch.equal(load_model(tmp_path / "ck").blocks[0].ln1.weight,
+                       model.blocks[0].ln1.weight)
+
+
+def test_an_unused_extra_tensor_is_refused(tmp_path) -> None:
+    model = small().eval()
+    save_checkpoint(tmp_path / "ck", model)
+    _rewrite_weights(tmp_path / "ck", lambda s: s.update({"blocks.0.extra": torch.ones(3)}))
+    with pytest.raises(CheckpointError, match=r"unexpected \['blocks.0.extra'\]"):
+        load_model(tmp_path / "ck")

@@ -354,3 +354,58 @@ def test_a_kill_inside_a_sharded_save_keeps_one_complete_checkpoint(data_dir, tm
         single = _single(data_dir, tmp_path / "single", strategy="fsdp")
         wa, wb = _weights(single, tmp_path), _weights(out, tmp_path)
         assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_a_surviving_rank_reports_its_peers_death_in_one_line(data_dir, tmp_path) -> None:
+    """Issue #32: rank 1 is SIGKILLed mid-run; rank 0's next collective fails inside gloo
+    ("Read error ... Connection reset by peer"), which it reports in one line with exit
+    status 2, not a raw gloo traceback. The two ranks get torchrun's environment
+    directly: torchrun's agent would SIGTERM the survivor at a moment of its choosing."""
+    port = _free_port()
+    flags = ["train", "--data", str(data_dir), "--out", str(tmp_path / "run"), "--n-layer",
+             "1", "--n-head", "2", "--n-embd", "16", "--context-length", "32",
+             "--batch-size", "2", "--max-steps", "200", "--save-every", "2",
+             "--log-every", "100", "--eval-every", "1000", "--device", "cpu"]
+    procs = []
+    for rank in (0, 1):
+        env = {**ENV, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+               "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "TORCHELASTIC_RESTART_COUNT": "0", "CRASH_AFTER": "2", "CRASH_SIGKILL": "1"}
+        procs.append(subprocess.Popen(
+            [sys.executable, str(HERE / "torchrun_crash_once.py"), *flags], env=env,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    try:
+        results = [p.communicate(timeout=180) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert procs[1].returncode == -9  # SIGKILL
+    err = results[0][1]
+    assert procs[0].returncode == 2, err[-3000:]
+    assert "Traceback" not in err and "gloo" not in err, err[-3000:]
+    errors = [line for line in err.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and errors[0].startswith("tinylm train: error: rank 0 of 2: "
+                                                     "another rank of the run died"), err
+    assert "--resume" in errors[0] and "--max-restarts" in errors[0]
+
+
+def test_peer_lost_recognises_gloo_and_nccl_messages() -> None:
+    from tinylm.training.distributed import DistContext, PeerLostError, reraise
+
+    ctx = DistContext(rank=1, world_size=3)
+    for text in ["[../gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:10631: "
+                 "Connection reset by peer. This is typically caused by a remote worker",
+                 "[pair.cc:598] Connection closed by peer [10.0.0.2]:4242",
+                 "NCCL error: remote process exited or there was a network error"]:
+        with pytest.raises(PeerLostError, match="^rank 1 of 3: another rank") as info:
+            reraise(RuntimeError(text), ctx)
+        assert "\n" not in str(info.value) and info.value.__cause__ is None
+    with pytest.raises(PeerLostError, match="from 127.0.0.1:10631"):
+        reraise(RuntimeError("Read error [127.0.0.1]:10631"), ctx)
+    for exc, where in [(RuntimeError("mat1 and mat2 shapes cannot be multiplied"), ctx),
+                       (RuntimeError("Connection reset by peer"), DistContext()),  # 1 process
+                       (ValueError("Connection reset by peer"), ctx)]:  # not a collective's
+        with pytest.raises(type(exc)) as info:
+            reraise(exc, where)
+        assert info.value is exc

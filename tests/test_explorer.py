@@ -450,3 +450,28 @@ def test_the_norm_statistics_are_the_norms(tokenizer: CharTokenizer) -> None:
         g = model.blocks[0].ln1.weight.detach()
         assert n["g_rms"] == pytest.approx(float(g.pow(2).mean().sqrt()), rel=1e-5)
         assert n["kind"] == model.config.norm
+
+
+def _embedded(page: str, name: str) -> str:
+    """The raw text of the page's <script id=NAME> block, as the HTML puts it."""
+    start = page.index(f"id={name}>") + len(f"id={name}>")
+    return page[start:page.index("</script>", start)]
+
+
+def test_a_prompt_with_html_in_it_cannot_break_the_static_page() -> None:
+    """Issue #32: "<!--<script" in the prompt sent the HTML parser into a script's escaped
+    states, so the data block swallowed the page's own script and the page was blank."""
+    tok = CharTokenizer("<!-script>/&a ")
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(vocab_size=tok.vocab_size, context_length=32, n_layer=1,
+                            n_head=2, n_embd=8)).eval()
+    prompt = "<!--<script a</script>&a"
+    data = explorer_data(model, tok, prompt, top_k=2)
+    page = render_explorer(data, title="<!--<script")
+    embedded = _embedded(page, "data")
+    assert not set("<>&") & set(embedded)  # each one a \u escape instead
+    assert "\\u003c!--\\u003cscript" in embedded
+    parsed = json.loads(embedded)
+    assert parsed == data and parsed["prompt"] == prompt
+    assert json.loads(_embedded(page, "config"))["title"] == "<!--<script"
+    assert page.count("<script") == 3 and page.count("</script>") == 3

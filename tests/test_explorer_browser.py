@@ -474,3 +474,25 @@ def test_the_real_smollm2_page(browser, smollm2_gguf, tmp_path_factory, monkeypa
     assert "Paris" in top  # the real model's next token after "The capital of France is"
     assert requests == [] and errors == []
     context.close()
+
+
+def test_a_prompt_with_html_in_it_renders_in_the_static_page(browser) -> None:
+    """Issue #32: a prompt holding "<!--<script" (or "</script>") blanked the static page;
+    its data is now written with <, > and & escaped, and the page renders the prompt."""
+    tok = CharTokenizer("<!-script>/&a ")
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(vocab_size=tok.vocab_size, context_length=32, n_layer=1,
+                            n_head=2, n_embd=8)).eval()
+    prompt = "<!--<script a</script>&a"
+    context = browser.new_context(viewport={"width": 1280, "height": 860})
+    errors: list[str] = []
+    context.route("**/*", lambda route: route.abort())
+    pg = context.new_page()
+    pg.on("pageerror", lambda e: errors.append(str(e)))
+    pg.set_content(render_explorer(explorer_data(model, tok, prompt)), wait_until="load")
+    try:
+        assert errors == []
+        assert pg.locator("#tokens .tok").count() == len(prompt)
+        assert pg.locator("#summary").text_content().startswith(f"C = {len(prompt)} tokens")
+    finally:
+        context.close()

@@ -34,7 +34,9 @@ def _positive(text: str) -> int:
 
 def _allow_nonfinite_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-nonfinite", action="store_true",
-                   help="load a model whose weights hold NaN or inf (refused otherwise)")
+                   help="load a model whose weights hold NaN or inf (refused otherwise); "
+                   "eval then reports a non-finite loss as it is, sample still stops at "
+                   "non-finite logits")
 
 
 def _device_flag(p: argparse.ArgumentParser) -> None:

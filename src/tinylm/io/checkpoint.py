@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,7 @@ from tinylm.io.checkpoint_files import (
     model_state,
     recover_checkpoint,
     strip_wrapper_prefixes,
+    unwrap_model,
 )
 from tinylm.io.files import is_locked, sha256_file
 from tinylm.io.jsonio import read_json
@@ -209,21 +211,21 @@ def load_model(path: str | os.PathLike, device: torch.device | str = "cpu", *,
     model's with a note; integer or bool weights are refused, and so are NaN/infinite
     weights unless ``allow_nonfinite``.
     """
-    path = resolve_checkpoint_dir(path)
+    given, path = path, resolve_checkpoint_dir(path)
     config = read_config(path)
     if config.get("sharded"):
         raise CheckpointError(f"{path} is a sharded checkpoint (tinylm train --strategy "
                               f"{config['sharded'].get('strategy', 'fsdp')}); consolidate it "
                               f"first: tinylm export-checkpoint {path} --out DIR")
     model = build_model(config)
-    state = strip_wrapper_prefixes(read_tensors(path / WEIGHTS_FILE))
+    state = _stored_state(path, read_tensors(path / WEIGHTS_FILE))
     if config.get("lora_base"):  # adapters only: the frozen weights come from the base
         own = state
-        state = {k: v for k, v in strip_wrapper_prefixes(
-            _lora_base_state(config["lora_base"], path)).items() if k not in own}
+        state = {k: v for k, v in _stored_state(
+            path, _lora_base_state(config["lora_base"], path)).items() if k not in own}
         state.update(own)
     if model.config.tie_embeddings:
-        state.pop("lm_head.weight", None)
+        _drop_tied_head(path, state)
     expected = set(model_state(model))
     missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
     if missing or unexpected:
@@ -240,7 +242,71 @@ def load_model(path: str | os.PathLike, device: torch.device | str = "cpu", *,
             )
     state = _check_weights(path, state, own, allow_nonfinite)
     model.load_state_dict(state, strict=False)
-    return model.to(device).eval()
+    model = model.to(device).eval()
+    _ORIGINS[model] = (str(given if Path(given).suffix.lower() == ".gguf" else path),
+                       allow_nonfinite)
+    return model
+
+
+#: Where each model :func:`load_model` returned came from: (the checkpoint as the user
+#: named it — a .gguf file, else its folder — and whether non-finite weights were allowed),
+#: for run-time messages. Weak keys: an entry goes with its model.
+_ORIGINS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def nonfinite_allowed(model: torch.nn.Module) -> bool:
+    """Whether ``model`` was loaded with ``allow_nonfinite`` (``--allow-nonfinite``): then
+    eval reports a non-finite loss as it is, which is what the flag asks for."""
+    return _ORIGINS.get(unwrap_model(model), (None, False))[1]
+
+
+def nonfinite_error(model: torch.nn.Module, what: str) -> CheckpointError:
+    """The one-line error for NaN or infinite values found at run time in ``what`` (e.g.
+    "the next-token logits") of ``model``: finite weights can still overflow float32 in
+    the forward pass (every weight 3e38 passes the load-time check). It names the
+    checkpoint the model was loaded from, when :func:`load_model` loaded it."""
+    where, allowed = _ORIGINS.get(unwrap_model(model), (None, False))
+    name = f"the model of {where}" if where else "the model"
+    cause = ("its weights were loaded with --allow-nonfinite, so they may hold NaN or inf"
+             if allowed else "its weights are finite but overflow float32 in the forward pass")
+    return CheckpointError(
+        f"{name} gives NaN or infinite values in {what} ({cause}); training diverged or the "
+        f"file is damaged: use an earlier checkpoint (e.g. the run's best/) or retrain")
+
+
+def _stored_state(path: Path, raw: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The stored tensors by the model's names (torch.compile / DDP prefixes removed);
+    two stored tensors that name the same weight are refused, never one silently kept."""
+    state = strip_wrapper_prefixes(raw)
+    if len(state) < len(raw):
+        seen: dict[str, str] = {}
+        for key in raw:
+            name = next(iter(strip_wrapper_prefixes({key: None})))
+            if name in seen:
+                raise CheckpointError(
+                    f"{path}: the weights hold both {seen[name]} and {key}, which name the "
+                    f"same weight {name}; one of them would be ignored, so the file is "
+                    f"refused: restore the checkpoint or re-save it from its source")
+            seen[name] = key
+    return state
+
+
+def _drop_tied_head(path: Path, state: dict[str, Tensor]) -> None:
+    """Remove a stored ``lm_head.weight`` of a tied model, whose head IS its embedding.
+    One equal to the embedding (what some converters write) is a harmless duplicate and
+    dropped; any other would be ignored by the model, so the checkpoint is refused."""
+    head = state.pop("lm_head.weight", None)
+    emb = state.get("tok_emb.weight")
+    if head is None:
+        return
+    same = emb is not None and head.shape == emb.shape and torch.equal(
+        head.to(torch.float32), emb.to(torch.float32))
+    if not same:
+        raise CheckpointError(
+            f"{path}: config.json says the LM head is tied to the token embedding, but the "
+            f"weights hold an lm_head.weight that differs from tok_emb.weight; the model "
+            f"would ignore it, so the checkpoint is refused: set \"tie_embeddings\": false "
+            f"in config.json if the head is its own, or remove lm_head.weight")
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

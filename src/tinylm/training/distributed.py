@@ -36,16 +36,17 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import Tensor, nn
 
-from tinylm.core.errors import CheckpointError, ConfigError
+from tinylm.core.errors import CheckpointError, ConfigError, TinyLMError
 
 log = logging.getLogger(__name__)
 
@@ -287,12 +288,45 @@ def barrier(ctx: DistContext) -> None:
 
 
 def shutdown(ctx: DistContext) -> None:
-    """Leave the process group if this context created it."""
+    """Leave the process group if this context created it (quietly when a peer is gone:
+    the error that says so is already on its way)."""
     if ctx.enabled and ctx.owns_group:
         import torch.distributed as dist
 
         if dist.is_initialized():
-            dist.destroy_process_group()
+            try:
+                dist.destroy_process_group()
+            except RuntimeError as exc:
+                log.debug("leaving the process group: %s", exc)
+
+
+class PeerLostError(TinyLMError):
+    """Another rank of the process group died or was killed during a collective."""
+
+
+#: What gloo and nccl say when a collective fails because a peer's connection is gone.
+_PEER_GONE = re.compile(r"connection (?:reset|closed|refused)(?: by peer)?|read error|"
+                        r"broken pipe|socket (?:closed|timeout)|remote process exited|"
+                        r"communicator was aborted", re.IGNORECASE)
+_PEER_ADDRESS = re.compile(r"\[([0-9A-Fa-f.:]+)\]:(\d+)")
+
+
+def reraise(exc: BaseException, ctx: DistContext) -> NoReturn:
+    """Raise ``exc`` again, or, when it is a collective's failure because another rank
+    died or was killed (gloo: "Connection reset by peer", "Read error", ...), a one-line
+    :class:`PeerLostError` in its place (what a training's ``except`` calls)."""
+    text = " ".join(str(exc).split())
+    gone = _PEER_GONE.search(text)
+    if (not ctx.enabled or not isinstance(exc, RuntimeError) or isinstance(exc, TinyLMError)
+            or gone is None):
+        raise exc
+    peer = _PEER_ADDRESS.search(text)
+    seen = f"{gone.group(0).lower()}" + (f" from {peer.group(1)}:{peer.group(2)}" if peer else "")
+    raise PeerLostError(
+        f"rank {ctx.rank} of {ctx.world_size}: another rank of the run died or was killed "
+        f"({seen}); its own output says why. The run folder keeps its last checkpoint: "
+        f"launch the same command again with --resume, or use torchrun --max-restarts N "
+        f"to restart lost ranks by themselves") from None
 
 
 def _comm_device() -> torch.device:

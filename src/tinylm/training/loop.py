@@ -536,6 +536,8 @@ def train(
             run = _start(model_config, cfg, data, out, ctx, found, model, extra, progress,
                          stack)
             return _loop(run, on_step)
+    except RuntimeError as exc:  # a collective failed because a rank died: one line
+        distributed.reraise(exc, ctx)
     finally:
         if lock is not None:
             lock.release()

@@ -38,6 +38,7 @@ from tinylm.core.checks import check_int, is_int
 from tinylm.core.errors import ConfigError, DataError
 from tinylm.data import iter_windows
 from tinylm.data.shards import TokenShards
+from tinylm.io.checkpoint import nonfinite_allowed, nonfinite_error
 from tinylm.io.checkpoint_files import unwrap_model
 
 log = logging.getLogger(__name__)
@@ -118,8 +119,9 @@ def evaluate(
     scored fraction when ``max_windows`` cuts the evaluation short).
 
     Runs under ``torch.inference_mode``, in eval mode (the previous train/eval mode is
-    restored), in fp32 on CPU and with bf16 autocast on CUDA.
-    """
+    restored), in fp32 on CPU and with bf16 autocast on CUDA. A NaN or infinite loss is
+    a CheckpointError naming the checkpoint, unless the model was loaded with
+    ``allow_nonfinite`` (then it is the result)."""
     base = unwrap_model(model)
     config = base.config
     C = config.context_length if context_length is None else context_length
@@ -207,7 +209,10 @@ def _score_windows(base: nn.Module, arr: np.ndarray, C: int, batch_size: int,
         nll = F.cross_entropy(logits.reshape(-1, V), y[:, first:].reshape(-1),
                               reduction="none")  # (b·n, V) -> (b·n,)
         keep = mask[:, first:].reshape(-1)  # (b, n) -> (b·n,)
-        total += float(nll[keep].double().sum())
+        batch = float(nll[keep].double().sum())  # NaN/inf in any scored logit shows here
+        if not math.isfinite(batch) and not nonfinite_allowed(base):
+            raise nonfinite_error(base, "the loss of the evaluated windows")
+        total += batch
         scored += int(keep.sum())
         windows += x.shape[0]
         if max_windows is not None and windows >= max_windows:

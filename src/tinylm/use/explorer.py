@@ -39,13 +39,14 @@ from tinylm.use.inspection import (
     Explanation,
     Neighbour,
     Trace,
-    ablated_logits,
+    ablation_rows_per_pass,
     check_traceable,
     encode_prompt,
     explain,
     nearest_tokens,
     picture_format,
     plot_attention,
+    reduce_ablations,
     token_text,
     trace,
 )
@@ -81,7 +82,11 @@ def decode_tensor(item: dict[str, Any]) -> Tensor:
 
 def _top(logits: Tensor, k: int) -> list[list[list[float]]]:
     """Per position the top-k [id, prob] pairs of softmax(logits), (C, V) -> C × k."""
-    probs = F.softmax(logits.float(), dim=-1)
+    return _top_of(F.softmax(logits.float(), dim=-1), k)
+
+
+def _top_of(probs: Tensor, k: int) -> list[list[list[float]]]:
+    """Per position the top-k [id, prob] pairs of probs (C, V) -> C × k."""
     top = torch.topk(probs, min(k, probs.shape[-1]), dim=-1)
     return [[[int(i), round(float(p), 6)] for p, i in zip(vals, idx, strict=True)]
             for vals, idx in zip(top.values.tolist(), top.indices.tolist(), strict=True)]
@@ -108,20 +113,25 @@ def _ablations(base: GPT, tr: Trace, base_top: list[int], k: int, head_layers: S
     layer's attention and FFN), the next-token table with that part switched off and the
     probability it leaves to each position's original top token. Layer l's keys start
     from the traced residual stream entering block l (the blocks before it are unchanged
-    by them), and each layer's logits are reduced to top-k at once."""
+    by them), and each ablation's logits (C, V) are reduced to those numbers as soon as
+    its pass ends (:func:`~tinylm.use.inspection.reduce_ablations`): memory of one pass,
+    never layers × heads × C × V."""
     cfg, ids = base.config, list(tr.ids)
-    pos = torch.arange(len(ids))
+    pos, top_ids = torch.arange(len(ids)), torch.tensor(base_top)
+
+    def summary(key: str, logits: Tensor) -> dict[str, Any]:
+        probs = F.softmax(logits, dim=-1)  # (C, V)
+        return {"key": key, "top": _top_of(probs, k),
+                "orig_top_prob": [round(float(p), 6) for p in
+                                  probs[pos.to(probs.device), top_ids.to(probs.device)]]}
+
     out = []
     for l in range(cfg.n_layer):
         keys = [f"layer{l}.head{i}" for i in range(cfg.n_head)] if l in head_layers else []
         keys += [f"layer{l}.attn", f"layer{l}.ffn"] if whole_layers else []
-        if not keys:
-            continue
-        logits = ablated_logits(base, ids, keys, residual=tr[f"layer{l}.resid_pre"], start=l)
-        probs = F.softmax(logits, dim=-1)  # (keys, C, V)
-        out += [{"key": key, "top": _top(logits[b], k),
-                 "orig_top_prob": [round(float(p), 6) for p in probs[b, pos, base_top]]}
-                for b, key in enumerate(keys)]
+        if keys:
+            out += reduce_ablations(base, ids, keys, summary,
+                                    residual=tr[f"layer{l}.resid_pre"], start=l)
     return out
 
 
@@ -263,6 +273,78 @@ def architecture(cfg: Any) -> dict[str, Any]:
             "tied": cfg.tie_embeddings, "bias": cfg.bias, "qkv_bias": cfg.qkv_bias}
 
 
+@dataclass(frozen=True)
+class RequestCost:
+    """What one explore or explain request will cost, estimated from the model's shape
+    before any work starts: ``bytes`` of peak memory (an upper estimate: the trace, the
+    largest working set, the answer and its JSON text) and ``forward_passes`` (full
+    forwards; an ablation from layer l counts as a whole one)."""
+
+    bytes: int
+    forward_passes: int
+
+
+_F32 = 4
+#: Bytes of one [id, prob] pair of a top-k table once in Python lists and in JSON text.
+_PAIR_BYTES = 160
+
+
+def _trace_bytes(cfg: Any, C: int) -> int:
+    """The values :func:`~tinylm.use.inspection.trace` keeps (fp32): per layer its (C, E),
+    (C, H·D) and (C, F) steps, per head its (C, D) and (C, E) steps and four (C, C) maps;
+    the logits and the reference forward's (C, V)."""
+    L, H, D, E, F_ = cfg.n_layer, cfg.n_head, cfg.head_dim, cfg.n_embd, cfg.ffn_dim
+    per_layer = 9 * E + H * D + 3 * F_ + H * (8 * D + E + 4 * C)
+    return _F32 * C * (L * per_layer + 4 * E + 2 * cfg.vocab_size)
+
+
+def _work_bytes(cfg: Any, C: int) -> int:
+    """The largest temporary working set after the trace: one batched ablation pass (its
+    rows' logits, one row's softmax, the rows' activations and maps), the logit lens, or
+    one head's low-rank errors (float64, (C, D + 1, E) three times)."""
+    H, D, E, F_, V = cfg.n_head, cfg.head_dim, cfg.n_embd, cfg.ffn_dim, cfg.vocab_size
+    rows = ablation_rows_per_pass(C, V)
+    ablation = _F32 * C * (rows * (V + 6 * E + 3 * F_ + 3 * H * D + 2 * H * C) + V)
+    lens = _F32 * C * V * 2
+    low_rank = 8 * C * (min(D, E) + 1) * E * 3
+    checks = _F32 * C * V // 2  # isfinite's bool masks, the allocator's slack
+    return max(ablation, lens, low_rank) + checks
+
+
+def explore_cost(config: Any, n_tokens: int, *, top_k: int = 5,
+                 layers: int | None = None, max_bytes: int = DETAIL_BYTES) -> RequestCost:
+    """The cost of :func:`explorer_data` on ``n_tokens`` tokens with ``config``'s shape
+    (``layers``: of :func:`explorer_layers` for that many layers instead), for a server to
+    decide before starting: every head's attention maps and the step-by-step tensors in
+    base64 (twice: the answer and its JSON text), the ablation tables (layers × (heads +
+    2) keys × C × top_k pairs), the trace and the largest working set."""
+    cfg, C = config, int(n_tokens)
+    L, H = cfg.n_layer, cfg.n_head
+    b64 = _F32 * 4 // 3 + 1
+    if layers is None:
+        keys, tables = L * (H + 2), L * (H + 2) + 2 * (L + 1)
+        encoded = b64 * L * H * C * C + max_bytes + b64 * L * H * (cfg.head_dim + 1) * 3
+    else:
+        keys = tables = int(layers) * H
+        encoded = max_bytes * max(1, int(layers))
+    answer = 2 * encoded + tables * C * top_k * _PAIR_BYTES
+    total = _trace_bytes(cfg, C) + _work_bytes(cfg, C) + answer
+    return RequestCost(bytes=int(total), forward_passes=2 + keys)
+
+
+def explain_cost(config: Any, n_tokens: int, *, top_k: int = 5) -> RequestCost:
+    """The cost of :func:`~tinylm.use.inspection.explain` (``POST /v1/explain``,
+    ``tinylm explain`` without ``--html``): one forward through the explicit path, its
+    logits (C, V) and softmax, every attention map (L, H, C, C) with its scores, the
+    activations, and the table of C × top_k candidates."""
+    cfg, C = config, int(n_tokens)
+    L, H, E = cfg.n_layer, cfg.n_head, cfg.n_embd
+    maps = 3 * L * H * C * C  # scores, weights, and the (L, H, C, C) copy returned
+    activations = C * (8 * E + 3 * cfg.ffn_dim + 3 * H * cfg.head_dim)
+    total = _F32 * (3 * C * cfg.vocab_size + maps + activations) + C * top_k * _PAIR_BYTES
+    return RequestCost(bytes=int(total), forward_passes=1)
+
+
 def explorer_data(model: nn.Module, tokenizer: Any, prompt: str | Sequence[int], *,
                   top_k: int = 5, layer: int = 0, head: int = 0,
                   max_bytes: int = DETAIL_BYTES) -> dict[str, Any]:
@@ -334,10 +416,19 @@ def _asset(name: str) -> str:
     return resources.files("tinylm.use").joinpath("explorer_page", name).read_text(encoding="utf-8")
 
 
+#: What :func:`_script_json` writes as a JSON escape: "<" and ">" (no "</script>", no
+#: "<!--" that would send the HTML parser into a script's escaped states), "&", and the
+#: line separators U+2028/9.
+_SCRIPT_ESCAPES = {"<": "\\u003c", ">": "\\u003e", "&": "\\u0026", "\u2028": "\\u2028",
+                   "\u2029": "\\u2029"}
+
+
 def _script_json(value: Any) -> str:
-    """JSON safe inside <script>: "</" cannot end the block, and no U+2028/9 surprises."""
+    """JSON safe inside <script>: no "<", ">" or "&" (each written as its \\u escape, which
+    JSON.parse reads back as the same character), so nothing in it can end the block or
+    change how the HTML parser reads it."""
     text = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
-    return text.replace("</", "<\\/").replace("\u2028", "\\u2028").replace("\u2029", "\\u2029")
+    return re.sub("[<>&\u2028\u2029]", lambda m: _SCRIPT_ESCAPES[m.group(0)], text)
 
 
 def render_explorer(data: dict[str, Any] | None, *, title: str = "tinylm explorer",
@@ -419,11 +510,14 @@ def run_explain(model_dir: str | os.PathLike, *, prompt: str | None = None, top_
 __all__ = [
     "FORMAT",
     "ExplainReport",
+    "RequestCost",
     "decode_tensor",
     "encode_tensor",
     "DETAIL_BYTES",
     "architecture",
     "detail_layers",
+    "explain_cost",
+    "explore_cost",
     "explorer_data",
     "explorer_layers",
     "head_weights",

@@ -24,7 +24,7 @@ import math
 import os
 import unicodedata
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,6 +46,7 @@ from tinylm.core.attention import (
 from tinylm.core.checks import check_int
 from tinylm.core.errors import ConfigError, DataError
 from tinylm.core.model import GPT, FeedForward, GatedFeedForward, ReLUSquared
+from tinylm.io.checkpoint import nonfinite_error
 from tinylm.io.checkpoint_files import unwrap_model
 from tinylm.io.files import atomic_write_with
 
@@ -174,6 +175,8 @@ def explain(model: nn.Module, tokenizer: Any, prompt: str | Sequence[int], *,
             logits, maps = base.forward_with_attention(x)  # (1, C, V), (L, 1, H, C, C)
     finally:
         base.train(was_training)
+    if not bool(torch.isfinite(logits).all()):
+        raise nonfinite_error(base, "the next-token logits of the prompt")
     probs = F.softmax(logits[0].float(), dim=-1).cpu()  # (C, V)
     attention = maps[:, 0].float().cpu()  # (L, 1, H, C, C) -> (L, H, C, C)
     rows = next_token_rows(probs, ids, tokenizer, top_k)
@@ -349,20 +352,40 @@ def _ablated_run(base: GPT, x: Tensor, start: int, masks: tuple[Tensor, Tensor, 
     return base.lm_head(base.final_norm(x))  # (K, C, V)
 
 
-def ablated_logits(model: nn.Module, ids: Sequence[int], keys: Sequence[str], *,
-                   residual: Tensor | None = None, start: int = 0, chunk: int = 16) -> Tensor:
-    """The logits with one part switched off per key, (K, C, V) fp32 CPU: row b is what
-    ``trace(model, ids, ablate=[keys[b]])["logits"]`` gives, through the same modules
-    (heads, attention and FFN masked by 0/1 factors), ``chunk`` rows per batched pass.
-    With ``residual`` (C, E), the residual stream entering block ``start`` (every key
-    then names a layer >= start), the blocks before it are not run again."""
+#: The most ablation logits one batched pass holds (rows x C x V float32): a pass takes
+#: as many rows as fit (at most ``chunk``, at least one) and each row is reduced at once,
+#: so an explore's peak memory is that of one forward's logits (C x V) plus this, whatever
+#: its layers x heads.
+ABLATION_BYTES = 32 * 2**20
+
+
+def ablation_rows_per_pass(n_tokens: int, vocab_size: int, chunk: int = 16,
+                           max_bytes: int | None = None) -> int:
+    """How many ablations one batched pass of :func:`reduce_ablations` runs together:
+    as many as ``max_bytes`` of logits hold (default :data:`ABLATION_BYTES`), 1 to chunk."""
+    budget = ABLATION_BYTES if max_bytes is None else max_bytes
+    return max(1, min(chunk, budget // max(1, 4 * n_tokens * vocab_size)))
+
+
+def reduce_ablations(model: nn.Module, ids: Sequence[int], keys: Sequence[str],
+                     reduce: Callable[[str, Tensor], Any], *, residual: Tensor | None = None,
+                     start: int = 0, chunk: int = 16, max_bytes: int | None = None
+                     ) -> list[Any]:
+    """``reduce(key, logits)`` for each key, in order, where ``logits`` (C, V) fp32 is what
+    ``trace(model, ids, ablate=[key])["logits"]`` gives, through the same modules (heads,
+    attention and FFN masked by 0/1 factors). The keys run in batched passes of
+    :func:`ablation_rows_per_pass` rows and each row is reduced before the next pass, so
+    no more than one pass's logits exist at once (never K x C x V). With ``residual``
+    (C, E), the residual stream entering block ``start`` (every key then names a layer
+    >= start), the blocks before it are not run again."""
     base = check_traceable(model)
     cfg = base.config
     masks = _ablation_masks(keys, cfg.n_layer, cfg.n_head)
+    rows = ablation_rows_per_pass(len(ids), cfg.vocab_size, chunk, max_bytes)
     dev = next(base.parameters()).device
     was_training = base.training
     base.eval()
-    out = []
+    out: list[Any] = []
     try:
         with torch.no_grad():
             if residual is None:
@@ -370,13 +393,26 @@ def ablated_logits(model: nn.Module, ids: Sequence[int], keys: Sequence[str], *,
                 x, start = base._embed(x[None], 0)[0], 0
             else:
                 x = residual.to(dev, next(base.parameters()).dtype)
-            for b in range(0, len(keys), chunk):
-                part = tuple(m[:, b:b + chunk] for m in masks)
-                rows = part[1].shape[1]
-                out.append(_ablated_run(base, x.expand(rows, -1, -1), start, part).float().cpu())
+            for b in range(0, len(keys), rows):
+                part = tuple(m[:, b:b + rows] for m in masks)
+                n = part[1].shape[1]
+                logits = _ablated_run(base, x.expand(n, -1, -1), start, part)  # (n, C, V)
+                out += [reduce(keys[b + j], logits[j].float()) for j in range(n)]
+                del logits
     finally:
         base.train(was_training)
-    return torch.cat(out) if out else torch.zeros(0, len(ids), cfg.vocab_size)
+    return out
+
+
+def ablated_logits(model: nn.Module, ids: Sequence[int], keys: Sequence[str], *,
+                   residual: Tensor | None = None, start: int = 0, chunk: int = 16) -> Tensor:
+    """The logits with one part switched off per key, (K, C, V) fp32 CPU: row b is what
+    ``trace(model, ids, ablate=[keys[b]])["logits"]`` gives (see :func:`reduce_ablations`,
+    which the explorer uses instead: this holds all K rows, K x C x V floats)."""
+    rows = reduce_ablations(model, ids, keys, lambda _, logits: logits.cpu().clone(),
+                            residual=residual, start=start, chunk=chunk)
+    V = unwrap_model(model).config.vocab_size
+    return torch.stack(rows) if rows else torch.zeros(0, len(ids), V)
 
 
 def _trace_heads(attn: MultiHeadAttention, x: Tensor, p: str, v: dict[str, Tensor]) -> None:
@@ -501,9 +537,16 @@ def trace(model: nn.Module, ids: Sequence[int] | Tensor, *,
     finally:
         base.train(was_training)
     values = {k: t.float().cpu() for k, t in values.items()}
-    if reference is not None:
-        gap = float((values["logits"] - reference.float().cpu()).abs().max())
-        if not gap <= 1e-3 * max(1.0, float(reference.abs().max())):
+    if not bool(torch.isfinite(values["logits"]).all()):
+        raise nonfinite_error(base, "the traced logits" + (" (with " + ", ".join(ablate)
+                                                          + " switched off)" if ablate else ""))
+    if reference is not None:  # compared in place: no (C, V) temporaries beside the two
+        reference = reference.float().cpu()
+        scale = max(1.0, float(reference.max()), -float(reference.min()))
+        reference.sub_(values["logits"])
+        gap = max(float(reference.max()), -float(reference.min()))
+        del reference
+        if not gap <= 1e-3 * scale:
             raise ConfigError(f"the explorer's trace does not reproduce this model's logits "
                               f"(max difference {gap:.3g}); its architecture is not one the "
                               f"trace knows")
@@ -551,6 +594,8 @@ def nearest_tokens(model: nn.Module, tokenizer: Any, token: str, count: int = 10
             raise DataError(f"token {token!r} has id {query}, outside the model's vocabulary "
                             f"of {emb.shape[0]}; the tokenizer does not belong to this model")
         sims = F.cosine_similarity(emb, emb[query][None, :], dim=-1)  # (V, E) vs (1, E) -> (V,)
+        if not bool(torch.isfinite(sims).all()):
+            raise nonfinite_error(base, "the cosine similarities of its token embeddings")
         sims[query] = 1.0  # exactly, whatever the rounding
     order = sorted(range(emb.shape[0]), key=lambda i: (-float(sims[i]), i != query, i))
     return [Neighbour(token_text(tokenizer, i), i, float(sims[i]))
@@ -710,8 +755,10 @@ __all__ = [
     "SHAPES",
     "Trace",
     "VARIANT_SHAPES",
+    "ABLATION_BYTES",
     "ablated_logits",
     "ablation_keys",
+    "ablation_rows_per_pass",
     "check_traceable",
     "display_token",
     "encode_prompt",
@@ -722,6 +769,7 @@ __all__ = [
     "next_token_rows",
     "picture_format",
     "plot_attention",
+    "reduce_ablations",
     "token_id_of",
     "token_text",
     "trace",

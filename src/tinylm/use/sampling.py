@@ -39,6 +39,7 @@ from tinylm.core.config import available_memory, format_bytes
 from tinylm.core.decoding import Decoder
 from tinylm.core.errors import ConfigError, DataError
 from tinylm.core.model import GPT
+from tinylm.io.checkpoint import nonfinite_error
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,7 @@ __all__ = [
     "TextStream",
     "apply_temperature",
     "check_generation",
+    "check_logits",
     "encode_prompt",
     "filter_logits",
     "generate",
@@ -215,6 +217,16 @@ def next_token_probs(logits: Tensor, config: SamplingConfig) -> Tensor:
     return F.softmax(filter_logits(logits, config), dim=-1)
 
 
+def check_logits(model: Any, logits: Tensor) -> None:
+    """A one-line CheckpointError naming ``model``'s checkpoint unless every one of
+    ``logits`` (B, V) is finite: NaN or inf there means weights that overflow float32
+    in the forward pass, and no token can be drawn from them (one isfinite, one sync).
+    Every decoding loop calls it on each step's logits (:func:`generate_stream`'s, and a
+    server's)."""
+    if not bool(torch.isfinite(logits).all()):
+        raise nonfinite_error(model, "the next-token logits")
+
+
 def sample_next(logits: Tensor, config: SamplingConfig,
                 generator: torch.Generator | None = None,
                 argmax: Callable[[Tensor], Tensor] | None = None) -> Tensor:
@@ -307,16 +319,17 @@ def _run(model: GPT, prompt: Tensor, max_new_tokens: int, config: SamplingConfig
     try:
         decoder = acceleration.plan(model, prompt.device).decoder(prompt.shape[0])
         with torch.inference_mode(), autocast, decoder:
-            yield from _decode(decoder, prompt, max_new_tokens, config, generator, stops,
-                               vocab_size)
+            yield from _decode(model, decoder, prompt, max_new_tokens, config, generator,
+                               stops, vocab_size)
     finally:
         model.train(was_training)
 
 
-def _decode(decoder: Decoder, prompt: Tensor, max_new_tokens: int, config: SamplingConfig,
-            generator: torch.Generator | None, stops: Tensor | None,
+def _decode(model: GPT, decoder: Decoder, prompt: Tensor, max_new_tokens: int,
+            config: SamplingConfig, generator: torch.Generator | None, stops: Tensor | None,
             vocab_size: int | None) -> Iterator[Tensor]:
-    """The loop of :func:`generate_stream` (already in inference mode)."""
+    """The loop of :func:`generate_stream` (already in inference mode); each step's
+    logits go through :func:`check_logits` first."""
     B, T = prompt.shape
     cache = decoder.cache
     C = cache.max_len  # the model's context length
@@ -333,6 +346,7 @@ def _decode(decoder: Decoder, prompt: Tensor, max_new_tokens: int, config: Sampl
     logits = decoder.prefill(seq[:, start:n])  # (B, V)
     done = torch.zeros(B, dtype=torch.bool, device=prompt.device) if stops is not None else None
     for step in range(max_new_tokens):
+        check_logits(model, logits)
         if vocab_size is not None:
             logits = logits[:, :vocab_size]  # (B, V) -> (B, V'), a view
         nxt = sample_next(logits.float(), config, generator, decoder.argmax)  # (B,)
