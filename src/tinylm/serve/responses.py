@@ -18,6 +18,9 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+import torch.nn.functional as F
+
 from tinylm.serve.engine import End, Engine, Request, Token
 from tinylm.serve.schemas import Generation, RequestError
 from tinylm.use.sampling import TextStream
@@ -112,6 +115,10 @@ class Run:
                               self.stop_ids, gen.logprobs, tokenizer.vocab_size, deadline)
                 self.choices.append(Choice(i, len(ids), TextStream(tokenizer, gen.stop), req))
                 requests.append(req)
+        if gen.max_tokens == 0:  # nothing to generate: every choice ends at its prompt
+            for c in self.choices:
+                c.finish_reason, c.request = "length", None
+            return
         engine.submit(requests)  # QueueFull propagates: nothing was queued
 
     def _emitter(self, i: int):
@@ -178,8 +185,28 @@ def _text(tokenizer: Any, i: int) -> str:
     return tokenizer.decode([i]) if i < tokenizer.vocab_size else ""
 
 
+def prompt_tokens(model: Any, ids: Sequence[int], k: int) -> list[Token]:
+    """The prompt's own tokens scored as OpenAI's ``echo`` + ``logprobs`` does: token t's
+    log-probability under the model's next-token distribution after tokens < t (the
+    log_softmax of the logits over the model's whole vocabulary, as ``tinylm eval`` and
+    lm-evaluation-harness score), with the k likeliest there; the first token has none
+    (None, as OpenAI). One forward of the prompt alone, the reference model's forward."""
+    with torch.inference_mode():
+        logits = model(torch.tensor([list(ids)], dtype=torch.long))[0, :-1]  # (T-1, V)
+        logp = F.log_softmax(logits.float(), dim=-1)
+        chosen = logp.gather(1, torch.tensor(list(ids[1:]), dtype=torch.long)[:, None])
+        top_v, top_i = torch.topk(logp, min(k, logp.shape[-1])) if k > 0 else (None, None)
+    out = [Token(int(ids[0]))]
+    for t, lp in enumerate(chosen[:, 0].tolist()):
+        top = () if top_v is None else tuple(zip(top_i[t].tolist(), top_v[t].tolist(),
+                                                 strict=True))
+        out.append(Token(int(ids[t + 1]), lp, top))
+    return out
+
+
 def completion_logprobs(tokenizer: Any, tokens: Sequence[Token], offset: int) -> dict:
-    """Completions' logprobs object; ``offset`` is the text offset of the first token."""
+    """Completions' logprobs object; ``offset`` is the text offset of the first token.
+    A token without a log-probability (an echoed prompt's first) has null top_logprobs."""
     texts = [_text(tokenizer, t.id) for t in tokens]
     offsets = []
     for s in texts:
@@ -190,7 +217,7 @@ def completion_logprobs(tokenizer: Any, tokens: Sequence[Token], offset: int) ->
         top: dict[str, float] = {}
         for i, lp in t.top:
             top.setdefault(_text(tokenizer, i), lp)
-        tops.append(top)
+        tops.append(None if t.logprob is None else top)
     return {"tokens": texts, "token_logprobs": [t.logprob for t in tokens],
             "top_logprobs": tops, "text_offset": offsets}
 
