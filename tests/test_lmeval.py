@@ -82,11 +82,16 @@ def test_echo_logprobs_score_the_prompt_with_the_models_log_softmax(served):
         assert lp["tokens"][:len(ids)] == [tok.decode([i]) for i in ids]
         assert all(b - a == len(s) for a, b, s in
                    zip(lp["text_offset"], lp["text_offset"][1:], lp["tokens"], strict=False))
-        assert c["text"].startswith(tok.decode(ids))
-        # the generated token: greedy, as the same request without echo scores it
-        plain = _post(url, prompt=ids, logprobs=2, max_tokens=1, temperature=0)
-        assert lp["token_logprobs"][-1] == plain["choices"][0]["logprobs"]["token_logprobs"][0]
+        # the generated token (taken from the same forward, not decoded again): the
+        # engine's greedy token, text and score, as the request without echo has them
+        plain = _post(url, prompt=ids, logprobs=2, max_tokens=1, temperature=0)["choices"][0]
+        assert c["text"] == tok.decode(ids) + plain["text"]
+        assert c["finish_reason"] == plain["finish_reason"]
+        assert lp["tokens"][-1] == plain["logprobs"]["tokens"][0]
+        assert lp["token_logprobs"][-1] == pytest.approx(
+            plain["logprobs"]["token_logprobs"][0], abs=1e-5)
         assert lp["token_logprobs"][-1] == pytest.approx(float(ref[-1].max()), abs=1e-5)
+        assert lp["top_logprobs"][-1].keys() == plain["logprobs"]["top_logprobs"][0].keys()
 
 
 def test_max_tokens_zero_returns_only_the_prompt(served):
@@ -108,6 +113,22 @@ def test_max_tokens_zero_returns_only_the_prompt(served):
         timeout=30).text.splitlines() if line.startswith("data: {")]
     assert [ch["choices"][0]["text"] for ch in streamed] == [tok.decode(ids)]
     assert streamed[0]["choices"][0]["finish_reason"] == "length"
+
+
+def test_echo_with_more_tokens_or_sampling_decodes_after_the_scored_prompt(served):
+    url, model, tok = served
+    ids = tok.encode("Numbers 0123456789 and")
+    ref = _reference(model, ids)
+    for extra in ({"max_tokens": 4, "temperature": 0}, {"max_tokens": 1, "temperature": 1.0,
+                                                       "seed": 3}):
+        r = _post(url, prompt=ids, echo=True, logprobs=1, **extra)["choices"][0]
+        plain = _post(url, prompt=ids, logprobs=1, **extra)["choices"][0]
+        assert r["text"] == tok.decode(ids) + plain["text"]
+        lp = r["logprobs"]
+        assert lp["token_logprobs"][1:len(ids)] == pytest.approx(
+            [float(ref[t - 1, ids[t]]) for t in range(1, len(ids))], abs=1e-5)
+        assert lp["token_logprobs"][len(ids):] == plain["logprobs"]["token_logprobs"]
+        assert lp["text_offset"][len(ids)] == sum(len(s) for s in lp["tokens"][:len(ids)])
 
 
 def test_a_batch_of_prompts_scores_each_as_alone(served):

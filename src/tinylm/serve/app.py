@@ -205,12 +205,15 @@ async def completions(server: Server, request: Request) -> Response:
     req = parse_completion(await _body(server, request), server.limits)
     _check_model(server, req.model)
     prompts = [_encode(server, p) for p in req.prompts]
-    scored = None  # echo + logprobs: each prompt's own tokens, scored
+    scored = given = None  # echo + logprobs: each prompt's own tokens, scored
     if req.echo and req.gen.logprobs is not None:
-        scored = await asyncio.to_thread(
-            lambda: [prompt_tokens(server.model, p, req.gen.logprobs) for p in prompts])
+        pairs = await asyncio.to_thread(lambda: [prompt_tokens(
+            server.model, p, req.gen.logprobs, server.tokenizer.vocab_size) for p in prompts])
+        scored = [tokens for tokens, _ in pairs]
+        if req.gen.max_tokens == 1 and req.gen.sampling.greedy and not req.gen.stream:
+            given = [nxt for _, nxt in pairs]  # lm-eval's request: its one token is known
     run = Run(server.engine, server.tokenizer, prompts, req.gen, _eos(server),
-              server.settings.timeout)
+              server.settings.timeout, given)
     echoes = [server.tokenizer.decode(p) if req.echo else "" for p in prompts]
     if req.gen.stream:
         return _sse(_completion_chunks(server, run, req, echoes, scored), run)
