@@ -217,7 +217,7 @@ def _harness_reference(model, tok, items: list[dict]) -> dict:
 
 
 TASK_YAML = """\
-task: tinylm_mc
+task: {name}
 dataset_path: json
 dataset_kwargs:
   data_files:
@@ -246,27 +246,29 @@ def _offline_env() -> dict:
                 TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
 
 
-@pytest.fixture(scope="module")
-def harness_run(tmp_path_factory):
-    """tinylm serve on a saved tiny checkpoint, lm_eval run against it (the commands of
-    docs/evaluate.md); (the checkpoint, the items file, lm_eval's results, its samples)."""
-    tmp = tmp_path_factory.mktemp("lmeval")
-    model, tok = tiny_model_and_tokenizer()
-    ckpt = save_checkpoint(tmp / "tiny", model, tok)
-    items = _items()
-    data = tmp / "tinylm_mc.jsonl"
+def write_task(tmp: Path, name: str, items: list[dict]) -> tuple[Path, Path]:
+    """(the JSONL file of items in tinylm's format, the folder of its task YAML)."""
+    data = tmp / f"{name}.jsonl"
     data.write_text("".join(json.dumps(it, ensure_ascii=False) + "\n" for it in items),
                     encoding="utf-8")
     tasks = tmp / "tasks"
-    tasks.mkdir()
-    (tasks / "tinylm_mc.yaml").write_text(TASK_YAML.format(data=data, cache=tmp / "hf"))
+    tasks.mkdir(exist_ok=True)
+    (tasks / f"{name}.yaml").write_text(TASK_YAML.format(name=name, data=data,
+                                                         cache=tmp / "hf"))
+    return data, tasks
+
+
+def run_lm_eval(model: Path, tokenizer: Path, name: str, tasks: Path, out: Path,
+                max_length: int) -> tuple[dict, list[dict]]:
+    """``tinylm serve --model MODEL`` in a subprocess, ``lm_eval --model local-completions``
+    against it (the commands of docs/evaluate.md, offline); (results, samples)."""
     port = _free_port()
-    server = subprocess.Popen([sys.executable, "-m", "tinylm", "serve", "--model", str(ckpt),
+    server = subprocess.Popen([sys.executable, "-m", "tinylm", "serve", "--model", str(model),
                                "--port", str(port), "--threads", "1", "-q"],
                               env=_offline_env(), stdout=subprocess.DEVNULL)
     try:
         base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 120
         while True:
             assert server.poll() is None, "tinylm serve exited"
             try:
@@ -276,21 +278,48 @@ def harness_run(tmp_path_factory):
                 pass
             assert time.monotonic() < deadline, "tinylm serve did not become ready"
             time.sleep(0.2)
-        out = tmp / "out"
         args = [sys.executable, "-m", "lm_eval", "--model", "local-completions", "--model_args",
-                f"base_url={base}/v1/completions,tokenizer={ckpt},"
-                f"tokenizer_backend=huggingface,max_length=64",
-                "--batch_size", "8", "--tasks", "tinylm_mc", "--include_path", str(tasks),
+                f"base_url={base}/v1/completions,tokenizer={tokenizer},"
+                f"tokenizer_backend=huggingface,max_length={max_length}",
+                "--batch_size", "8", "--tasks", name, "--include_path", str(tasks),
                 "--output_path", str(out), "--log_samples"]
         done = subprocess.run(args, env=_offline_env(), capture_output=True, text=True,
-                              timeout=300)
+                              timeout=600)
         assert done.returncode == 0, done.stderr[-3000:]
     finally:
         server.terminate()
         server.wait(30)
     results = json.loads(next(out.rglob("results_*.json")).read_text())
     samples = [json.loads(line) for line in
-               next(out.rglob("samples_tinylm_mc_*.jsonl")).read_text().splitlines()]
+               next(out.rglob(f"samples_{name}_*.jsonl")).read_text().splitlines()]
+    return results, samples
+
+
+def check_against_reference(results: dict, samples: list[dict], name: str, ref: dict,
+                            n: int) -> None:
+    """The harness's acc, acc_norm and acc_bytes equal the reference's exactly, and each
+    choice's log-likelihood equals the reference's."""
+    got = results["results"][name]
+    assert results["n-samples"][name]["effective"] == n
+    for key in ("acc", "acc_norm", "acc_bytes"):
+        assert got[f"{key},none"] == ref[key], key  # exactly: the same items chosen
+    by_doc = {s["doc_id"]: s for s in samples}
+    for i, lls in enumerate(ref["lls"]):
+        harness = [float(r[0]) for r in by_doc[i]["filtered_resps"]]
+        assert harness == pytest.approx(lls, abs=1e-4), i
+
+
+@pytest.fixture(scope="module")
+def harness_run(tmp_path_factory):
+    """lm_eval through tinylm serve on a saved tiny checkpoint; (the checkpoint, the
+    items file, the items, lm_eval's results, its samples)."""
+    tmp = tmp_path_factory.mktemp("lmeval")
+    model, tok = tiny_model_and_tokenizer()
+    ckpt = save_checkpoint(tmp / "tiny", model, tok)
+    items = _items()
+    data, tasks = write_task(tmp, "tinylm_mc", items)
+    results, samples = run_lm_eval(ckpt, ckpt, "tinylm_mc", tasks, tmp / "out",
+                                   model.config.context_length)
     return ckpt, data, items, results, samples
 
 
@@ -298,14 +327,7 @@ def test_lm_eval_through_tinylm_serve_scores_as_the_reference(harness_run):
     ckpt, _, items, results, samples = harness_run
     model, tok = load_checkpoint(ckpt)
     ref = _harness_reference(model.eval(), tok, items)
-    got = results["results"]["tinylm_mc"]
-    assert results["n-samples"]["tinylm_mc"]["effective"] == len(items)
-    for key in ("acc", "acc_norm", "acc_bytes"):
-        assert got[f"{key},none"] == ref[key], key  # exactly: the same items chosen
-    by_doc = {s["doc_id"]: s for s in samples}
-    for i, lls in enumerate(ref["lls"]):  # and each choice's log-likelihood
-        harness = [r[0] for r in by_doc[i]["filtered_resps"]]
-        assert [float(x) for x in harness] == pytest.approx(lls, abs=1e-4)
+    check_against_reference(results, samples, "tinylm_mc", ref, len(items))
     # the items tell the three rules apart: each pair picks differently somewhere
     for a, b in ((0, 1), (0, 2), (1, 2)):
         assert any(p[a] != p[b] for p in ref["preds"]), (a, b)

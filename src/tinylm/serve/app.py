@@ -45,7 +45,7 @@ from tinylm.serve.responses import (
     check_prompt,
     collect,
     completion_logprobs,
-    prompt_tokens,
+    score_prompts,
 )
 from tinylm.serve.schemas import (
     ChatRequest,
@@ -207,8 +207,8 @@ async def completions(server: Server, request: Request) -> Response:
     prompts = [_encode(server, p) for p in req.prompts]
     scored = given = None  # echo + logprobs: each prompt's own tokens, scored
     if req.echo and req.gen.logprobs is not None:
-        pairs = await asyncio.to_thread(lambda: [prompt_tokens(
-            server.model, p, req.gen.logprobs, server.tokenizer.vocab_size) for p in prompts])
+        pairs = await asyncio.to_thread(score_prompts, server.model, prompts, req.gen.logprobs,
+                                        server.tokenizer.vocab_size, server.settings.threads)
         scored = [tokens for tokens, _ in pairs]
         if req.gen.max_tokens == 1 and req.gen.sampling.greedy and not req.gen.stream:
             given = [nxt for _, nxt in pairs]  # lm-eval's request: its one token is known

@@ -224,6 +224,16 @@ def prompt_tokens(model: Any, ids: Sequence[int], k: int,
     return out, Token(best, float(last[best]), top)
 
 
+def score_prompts(model: Any, prompts: Sequence[Sequence[int]], k: int, vocab_size: int,
+                  threads: int | None) -> list[tuple[list[Token], Token]]:
+    """:func:`prompt_tokens` of each prompt, on the calling thread with ``threads`` torch
+    threads (the server's --threads: torch's thread count is per thread, and a worker
+    thread left at the default oversubscribes a busy machine)."""
+    if threads is not None:
+        torch.set_num_threads(threads)
+    return [prompt_tokens(model, p, k, vocab_size) for p in prompts]
+
+
 def completion_logprobs(tokenizer: Any, tokens: Sequence[Token], offset: int) -> dict:
     """Completions' logprobs object; ``offset`` is the text offset of the first token.
     A token without a log-probability (an echoed prompt's first) has null top_logprobs."""
