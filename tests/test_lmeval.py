@@ -35,6 +35,8 @@ from serve_support import (
     one_torch_thread,  # noqa: F401  (autouse: one torch thread)
     tiny_model_and_tokenizer,
 )
+from tinylm.core.config import ModelConfig
+from tinylm.core.model import GPT
 from tinylm.io.checkpoint import load_checkpoint
 from tinylm.io.checkpoint_files import save_checkpoint
 from tinylm.serve.schemas import Limits, RequestError, parse_completion
@@ -92,6 +94,31 @@ def test_echo_logprobs_score_the_prompt_with_the_models_log_softmax(served):
             plain["logprobs"]["token_logprobs"][0], abs=1e-5)
         assert lp["token_logprobs"][-1] == pytest.approx(float(ref[-1].max()), abs=1e-5)
         assert lp["top_logprobs"][-1].keys() == plain["logprobs"]["top_logprobs"][0].keys()
+
+
+def test_a_padded_vocabulary_scores_over_all_the_models_ids():
+    """A model with more ids than its tokenizer (GPT-2's 50304 for 50257): the prompt is
+    scored over the model's whole vocabulary, as tinylm eval and the harness's own
+    models do; the generated token stays among the tokenizer's ids, as the engine's."""
+    _, tok = tiny_model_and_tokenizer()
+    torch.manual_seed(1)
+    model = GPT(ModelConfig(vocab_size=tok.vocab_size + 20, n_layer=1, n_head=2, n_embd=32,
+                            context_length=32)).eval()
+    ids = tok.encode("The cat sat on")
+    with torch.no_grad():  # a padding id beats every real one after the prompt
+        best = int(_reference(model, ids)[-1].argmax())
+        model.lm_head.weight[tok.vocab_size] = 3 * model.lm_head.weight[best]
+    ref = _reference(model, ids)
+    assert int(ref[-1].argmax()) == tok.vocab_size
+    with live_server(model, tok) as (url, _):
+        c = _post(url + "/v1/completions", prompt=ids, echo=True, logprobs=1, max_tokens=1,
+                  temperature=0)["choices"][0]
+    assert c["logprobs"]["token_logprobs"][1:len(ids)] == pytest.approx(
+        [float(ref[t - 1, ids[t]]) for t in range(1, len(ids))], abs=1e-5)
+    truncated = torch.log_softmax(ref[-1].exp()[:tok.vocab_size].log(), -1)
+    assert c["logprobs"]["token_logprobs"][-1] == pytest.approx(float(truncated.max()),
+                                                                abs=1e-5)
+    assert c["logprobs"]["tokens"][-1] == tok.decode([int(truncated.argmax())])
 
 
 def test_max_tokens_zero_returns_only_the_prompt(served):
