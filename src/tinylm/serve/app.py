@@ -45,6 +45,7 @@ from tinylm.serve.responses import (
     check_prompt,
     collect,
     completion_logprobs,
+    score_prompts,
 )
 from tinylm.serve.schemas import (
     ChatRequest,
@@ -204,17 +205,25 @@ async def completions(server: Server, request: Request) -> Response:
     req = parse_completion(await _body(server, request), server.limits)
     _check_model(server, req.model)
     prompts = [_encode(server, p) for p in req.prompts]
+    scored = given = None  # echo + logprobs: each prompt's own tokens, scored
+    if req.echo and req.gen.logprobs is not None:
+        pairs = await asyncio.to_thread(score_prompts, server.model, prompts, req.gen.logprobs,
+                                        server.tokenizer.vocab_size, server.settings.threads)
+        scored = [tokens for tokens, _ in pairs]
+        if req.gen.max_tokens == 1 and req.gen.sampling.greedy and not req.gen.stream:
+            given = [nxt for _, nxt in pairs]  # lm-eval's request: its one token is known
     run = Run(server.engine, server.tokenizer, prompts, req.gen, _eos(server),
-              server.settings.timeout)
+              server.settings.timeout, given)
     echoes = [server.tokenizer.decode(p) if req.echo else "" for p in prompts]
     if req.gen.stream:
-        return _sse(_completion_chunks(server, run, req, echoes), run)
+        return _sse(_completion_chunks(server, run, req, echoes, scored), run)
     await _until_done(run, request)
     choices = []
     for c in run.choices:
         lp = None
         if req.gen.logprobs is not None:
-            lp = completion_logprobs(server.tokenizer, c.tokens, 0)
+            lead = scored[c.index // req.gen.n] if scored else []
+            lp = completion_logprobs(server.tokenizer, lead + c.tokens, 0)
         choices.append({"index": c.index, "text": echoes[c.index // req.gen.n] + c.stream.text,
                         "logprobs": lp, "finish_reason": c.finish_reason})
     return JSONResponse({"id": f"cmpl-{run.id}", "object": "text_completion",
@@ -223,13 +232,18 @@ async def completions(server: Server, request: Request) -> Response:
 
 
 async def _completion_chunks(server: Server, run: Run, req: CompletionRequest,
-                             echoes: list[str]) -> AsyncIterator[dict]:
+                             echoes: list[str], scored: list | None) -> AsyncIterator[dict]:
     head = {"id": f"cmpl-{run.id}", "object": "text_completion", "created": run.created,
             "model": server.settings.model_name}
-    if req.echo:
-        for c in run.choices:
-            yield dict(head, choices=[{"index": c.index, "text": echoes[c.index // req.gen.n],
-                                       "logprobs": None, "finish_reason": None}])
+    for c in run.choices:  # the echo first (with its scores); a choice with max_tokens 0 ends
+        if not (req.echo or c.done):
+            continue
+        lp = None
+        if scored:
+            lp = completion_logprobs(server.tokenizer, scored[c.index // req.gen.n], 0)
+            c.offset = sum(len(t) for t in lp["tokens"])
+        yield dict(head, choices=[{"index": c.index, "text": echoes[c.index // req.gen.n],
+                                   "logprobs": lp, "finish_reason": c.finish_reason}])
     async for u in run.updates():
         if not u.text and not u.finish_reason and req.gen.logprobs is None:
             continue

@@ -18,6 +18,9 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+import torch.nn.functional as F
+
 from tinylm.serve.engine import End, Engine, Request, Token
 from tinylm.serve.schemas import Generation, RequestError
 from tinylm.use.sampling import TextStream
@@ -94,7 +97,8 @@ class Run:
     """The choices of one API request in flight on ``engine``."""
 
     def __init__(self, engine: Engine, tokenizer: Any, prompts: Sequence[Sequence[int]],
-                 gen: Generation, stop_ids: Sequence[int], timeout: float) -> None:
+                 gen: Generation, stop_ids: Sequence[int], timeout: float,
+                 given: Sequence[Token] | None = None) -> None:
         self.id = uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.tokenizer, self.gen = tokenizer, gen
@@ -112,7 +116,21 @@ class Run:
                               self.stop_ids, gen.logprobs, tokenizer.vocab_size, deadline)
                 self.choices.append(Choice(i, len(ids), TextStream(tokenizer, gen.stop), req))
                 requests.append(req)
+        if gen.max_tokens == 0 or given is not None:
+            self._finish_here(given)
+            return
         engine.submit(requests)  # QueueFull propagates: nothing was queued
+
+    def _finish_here(self, given: Sequence[Token] | None) -> None:
+        """End every choice without the engine: at its prompt (max_tokens 0), or after
+        the one token ``given`` per prompt (max_tokens 1, greedy: already computed)."""
+        for c in self.choices:
+            c.request = None
+            if given is None:
+                c.finish_reason = "length"
+                continue
+            self._apply(c, given[c.index // self.gen.n])
+            self._apply(c, End("length"))
 
     def _emitter(self, i: int):
         def emit(event: Token | End) -> None:  # called from the engine thread
@@ -153,7 +171,8 @@ class Run:
         piece = c.stream.push(event.id)
         if c.stream.stopped:  # a stop string: the text is cut before it
             c.finish_reason = "stop"
-            c.request.cancel()
+            if c.request is not None:
+                c.request.cancel()
             c.request = None
             return Update(c, piece + c.stream.finish(), [event], "stop")
         return Update(c, piece, [event])
@@ -178,8 +197,46 @@ def _text(tokenizer: Any, i: int) -> str:
     return tokenizer.decode([i]) if i < tokenizer.vocab_size else ""
 
 
+def prompt_tokens(model: Any, ids: Sequence[int], k: int,
+                  vocab_size: int) -> tuple[list[Token], Token]:
+    """The prompt's own tokens scored as OpenAI's ``echo`` + ``logprobs`` does: token t's
+    log-probability under the model's next-token distribution after tokens < t (the
+    log_softmax of the logits over the model's whole vocabulary, as ``tinylm eval`` and
+    lm-evaluation-harness score), with the k likeliest there; the first token has none
+    (None, as OpenAI). One forward of the prompt alone, the reference model's forward.
+    Also the greedy next token, chosen and scored as the engine does (over the
+    tokenizer's ``vocab_size`` ids)."""
+    with torch.inference_mode():
+        logits = model(torch.tensor([list(ids)], dtype=torch.long))[0]  # (T, V)
+        logp = F.log_softmax(logits[:-1].float(), dim=-1)  # (T-1, V): tokens 1..T-1
+        chosen = logp.gather(1, torch.tensor(list(ids[1:]), dtype=torch.long)[:, None])
+        top_v, top_i = torch.topk(logp, min(k, logp.shape[-1])) if k > 0 else (None, None)
+        last = F.log_softmax(logits[-1, :vocab_size].float(), dim=-1)  # (vocab_size,)
+        last_top = torch.topk(last, min(k, last.shape[-1])) if k > 0 else None
+    out = [Token(int(ids[0]))]
+    for t, lp in enumerate(chosen[:, 0].tolist()):
+        top = () if top_v is None else tuple(zip(top_i[t].tolist(), top_v[t].tolist(),
+                                                 strict=True))
+        out.append(Token(int(ids[t + 1]), lp, top))
+    best = int(last.argmax())
+    top = () if last_top is None else tuple(zip(last_top.indices.tolist(),
+                                                last_top.values.tolist(), strict=True))
+    return out, Token(best, float(last[best]), top)
+
+
+def score_prompts(model: Any, prompts: Sequence[Sequence[int]], k: int, vocab_size: int,
+                  threads: int | None) -> list[tuple[list[Token], Token]]:
+    """:func:`prompt_tokens` of each prompt, on the calling thread with ``threads`` torch
+    threads (the server's --threads: torch's thread count is per thread, and a worker
+    thread left at the default oversubscribes a busy machine)."""
+    if threads is not None:
+        torch.set_num_threads(threads)
+    return [prompt_tokens(model, p, k, vocab_size) for p in prompts]
+
+
 def completion_logprobs(tokenizer: Any, tokens: Sequence[Token], offset: int) -> dict:
-    """Completions' logprobs object; ``offset`` is the text offset of the first token."""
+    """Completions' logprobs object; ``offset`` is the text offset of the first token.
+    A token without a log-probability (an echoed prompt's first) has null top_logprobs."""
     texts = [_text(tokenizer, t.id) for t in tokens]
     offsets = []
     for s in texts:
@@ -190,7 +247,7 @@ def completion_logprobs(tokenizer: Any, tokens: Sequence[Token], offset: int) ->
         top: dict[str, float] = {}
         for i, lp in t.top:
             top.setdefault(_text(tokenizer, i), lp)
-        tops.append(top)
+        tops.append(None if t.logprob is None else top)
     return {"tokens": texts, "token_logprobs": [t.logprob for t in tokens],
             "top_logprobs": tops, "text_offset": offsets}
 

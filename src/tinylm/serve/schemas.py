@@ -9,7 +9,7 @@ WebUI send extras); known fields must have the right type and range.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from tinylm.core.checks import is_int, is_number
@@ -49,7 +49,8 @@ class Limits:
 @dataclass(frozen=True)
 class Generation:
     """What to generate, shared by completions and chat. ``logprobs`` None = none;
-    k >= 0 = the chosen token's log-probability and the k most likely alternatives."""
+    k >= 0 = the chosen token's log-probability and the k most likely alternatives.
+    ``max_tokens`` 0 (completions only) generates nothing."""
 
     max_tokens: int
     sampling: SamplingConfig
@@ -65,7 +66,7 @@ class Generation:
 class CompletionRequest:
     model: str | None
     prompts: tuple[str | tuple[int, ...], ...]  # text, or token ids
-    echo: bool
+    echo: bool  # the prompt first in each choice's text (with logprobs: and its scores)
     gen: Generation
 
 
@@ -207,10 +208,13 @@ def parse_completion(body: dict[str, Any], limits: Limits) -> CompletionRequest:
     prompts = _prompts(body["prompt"], limits)
     logprobs = _int(body, "logprobs", None, 0, MAX_LOGPROBS)
     echo = _bool(body, "echo")
-    if echo and logprobs is not None:
-        raise RequestError("'echo' together with 'logprobs' is not supported (the prompt's "
-                           "log-probabilities are not computed); drop one", param="echo")
-    gen = _generation(body, limits, logprobs, default_max_tokens=16)
+    # max_tokens 0: nothing generated (with echo and logprobs: only the prompt's scores,
+    # what lm-evaluation-harness's loglikelihood asks of an OpenAI-style server)
+    nothing = is_int(body.get("max_tokens")) and body["max_tokens"] == 0
+    gen = _generation({k: v for k, v in body.items() if k != "max_tokens"} if nothing
+                      else body, limits, logprobs, default_max_tokens=16)
+    if nothing:
+        gen = replace(gen, max_tokens=0)
     if len(prompts) * gen.n > limits.max_n * limits.max_prompts:
         raise RequestError("too many choices (prompts x n); send fewer", param="n")
     return CompletionRequest(_model(body), prompts, echo, gen)
