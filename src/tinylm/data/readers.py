@@ -20,6 +20,7 @@ line or row, and skipped. Nothing here touches the network.
 from __future__ import annotations
 
 import codecs
+import functools
 import glob as globlib
 import io
 import json
@@ -30,7 +31,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from tinylm.core.display import display_name
 from tinylm.core.errors import DataError
+from tinylm.data.options import MAX_RECORD_BYTES
 
 Progress = Callable[[int], None]
 _JSONL = (".jsonl", ".ndjson")
@@ -38,11 +41,13 @@ _COMPRESSION = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
 _GLOB_CHARS = set("*?[")
 UNIT_BYTES = 8 << 20  # input bytes per unit that a worker reads on its own
 MIN_UNIT_BYTES = 1 << 20  # the smallest unit near the end of the input
+DISCARD_BYTES = 1 << 20  # the blocks in which a record over the cap is read and dropped
 
 
 def display_path(path: str | Path) -> str:
-    """A path as printable text: bytes that are not UTF-8 shown as ``\\xNN``."""
-    return os.fsencode(str(path)).decode("utf-8", errors="backslashreplace")
+    """A path as one printable line (:func:`tinylm.core.display.display_name`): bytes
+    that are not UTF-8 shown as ``\\xNN``, control characters and bidi marks escaped."""
+    return display_name(path)
 
 
 @dataclass(frozen=True)
@@ -352,10 +357,39 @@ def _fast_text(line: bytes, path: Sequence[str]) -> Any:
     return _SLOW if text is None else text
 
 
+def too_long(size: int, cap: int, exact: bool = True) -> str:
+    """The bad-record reason of a record of ``size`` bytes (``exact``: else at least
+    that many) over the cap of ``cap`` bytes: names the cap and the flag that raises it."""
+    more = "" if exact else "at least "
+    return (f"longer than the {cap:,}-byte record cap ({more}{size:,} bytes; raise the cap "
+            f"with --max-record-bytes)")
+
+
+def bounded_lines(f: IO[bytes], cap: int) -> Iterator[bytes | int]:
+    """The lines of ``f`` (line break included), each read in at most ``cap`` + 1 bytes:
+    a line of more than ``cap`` bytes before its break comes as its size in bytes
+    instead, read on in blocks of DISCARD_BYTES and dropped, so no line is ever held
+    whole in memory however long it is."""
+    for line in iter(functools.partial(f.readline, cap + 1), b""):
+        if len(line) <= cap or line.endswith(b"\n"):
+            yield line
+            continue
+        size = len(line)
+        del line
+        while block := f.readline(DISCARD_BYTES):
+            size += len(block)
+            if block.endswith(b"\n"):
+                break
+        yield size
+
+
 def _jsonl(src: Source, path: Sequence[str], errors: str, bad: BadRecords,
-           on_bytes: Progress | None) -> Iterator[str]:
+           on_bytes: Progress | None, cap: int = MAX_RECORD_BYTES) -> Iterator[str]:
     with _open(src, on_bytes) as f:
-        for lineno, line in enumerate(f, 1):
+        for lineno, line in enumerate(bounded_lines(f, cap), 1):
+            if isinstance(line, int):
+                bad.add(f"{src.name} line {lineno}", too_long(line, cap))
+                continue
             text = _fast_text(line, path)
             if text is _SLOW:
                 text = _record(line, f"{src.name} line {lineno}", path, errors, bad)
@@ -481,19 +515,22 @@ def _first_line(exc: BaseException) -> str:
 
 def iter_documents(sources: Sequence[Source], *, text_field: str = "text",
                    errors: str = "strict", chunk_bytes: int = 1 << 20,
-                   bad: BadRecords | None = None, on_bytes: Progress | None = None
+                   bad: BadRecords | None = None, on_bytes: Progress | None = None,
+                   max_record_bytes: int = MAX_RECORD_BYTES
                    ) -> Iterator[tuple[str, bool, int]]:
     """``(text, starts_document, source_index)`` for every document of every source.
 
     A text file is one document, yielded in chunks of about ``chunk_bytes`` (the first
-    flagged); every good record of a JSONL/Parquet/Arrow file is one document.
+    flagged); every good record of a JSONL/Parquet/Arrow file is one document. A JSONL
+    line over ``max_record_bytes`` is a bad record, read in bounded memory and dropped.
     """
     path = text_field.split(".")
     if not text_field or not all(path):
         raise DataError(f"--text-field must be a field name or a dotted path such as "
                         f"meta.text, got {text_field!r}")
     bad = bad if bad is not None else BadRecords()
-    readers = {"jsonl": _jsonl, "parquet": _parquet, "arrow": _arrow}
+    readers = {"jsonl": functools.partial(_jsonl, cap=max_record_bytes), "parquet": _parquet,
+               "arrow": _arrow}
     for k, src in enumerate(sources):
         if src.format == "text":
             first = True
@@ -643,8 +680,33 @@ class _LineLabel:
 
 
 
+def _unit_lines(src: Source, unit: Unit, cap: int) -> Iterator[bytes | int]:
+    """The lines of a JSONL unit as :func:`_lines` gives them (a line over ``cap``
+    bytes: its size). A unit of up to ``cap`` + UNIT_BYTES bytes is read at once and
+    split, the fast way; a longer one (it holds a line over the cap: units are cut at
+    the first line break after UNIT_BYTES) is read a line at a time."""
+    size = unit.stop - unit.start
+    with src.open_raw() as f:
+        f.seek(unit.start)
+        if size > cap + UNIT_BYTES:
+            done = 0
+            for line in bounded_lines(f, cap):
+                yield line
+                done += line if isinstance(line, int) else len(line)
+                if done >= size:
+                    return
+            return
+        data = f.read(size)
+    lines = data.split(b"\n")
+    if lines and not lines[-1]:
+        lines.pop()
+    for line in lines:
+        yield line if len(line) <= cap else len(line) + 1
+
+
 def iter_unit(sources: Sequence[Source], unit: Unit, *, text_field: str = "text",
-              errors: str = "strict", bad: BadRecords | None = None) -> Iterator[str]:
+              errors: str = "strict", bad: BadRecords | None = None,
+              max_record_bytes: int = MAX_RECORD_BYTES) -> Iterator[str]:
     """The documents of one unit (what :func:`iter_documents` yields for that part), read
     on the calling thread alone: a worker process is one core of a pool."""
     src, path = sources[unit.source], text_field.split(".")
@@ -653,14 +715,12 @@ def iter_unit(sources: Sequence[Source], unit: Unit, *, text_field: str = "text"
         yield from _parquet(src, path, errors, bad, None, range(unit.start, unit.stop),
                             unit.first or 0, threads=False)
         return
-    with src.open_raw() as f:
-        f.seek(unit.start)
-        data = f.read(unit.stop - unit.start)
-    lines = data.split(b"\n")
-    if lines and not lines[-1]:
-        lines.pop()
     numbers = _UnitLines(src, unit)
-    for i, line in enumerate(lines):
+    for i, line in enumerate(_unit_lines(src, unit, max_record_bytes)):
+        if isinstance(line, int):
+            label: Any = _LineLabel(numbers, i)  # formatted only where shown
+            bad.add(label, too_long(line, max_record_bytes))
+            continue
         text = _fast_text(line, path)
         if text is _SLOW:
             text = _record(line, _LineLabel(numbers, i), path, errors, bad)  # type: ignore[arg-type]
@@ -706,7 +766,8 @@ def counted_by_metadata(sources: Sequence[Source], text_field: str = "text") -> 
 
 
 def count_unit(sources: Sequence[Source], unit: Unit, *, text_field: str = "text",
-               errors: str = "strict", bad: BadRecords | None = None) -> int:
+               errors: str = "strict", bad: BadRecords | None = None,
+               max_record_bytes: int = MAX_RECORD_BYTES) -> int:
     """How many documents :func:`iter_unit` yields for ``unit`` (bad records counted into
     ``bad``). A Parquet unit whose metadata shows every row to be a document is counted
     from it alone, nothing decoded (pass 2 checks the count as it reads the texts)."""
@@ -716,9 +777,9 @@ def count_unit(sources: Sequence[Source], unit: Unit, *, text_field: str = "text
         if rows is not None:
             return rows
     return sum(1 for _ in iter_unit(sources, unit, text_field=text_field, errors=errors,
-                                    bad=bad))
+                                    bad=bad, max_record_bytes=max_record_bytes))
 
 
-__all__ = ["BadRecords", "Source", "Unit", "count_unit", "counted_by_metadata", "display_path",
-           "file_source", "iter_documents", "iter_unit", "iter_units", "resolve_inputs",
-           "units_apply"]
+__all__ = ["BadRecords", "Source", "Unit", "bounded_lines", "count_unit", "counted_by_metadata",
+           "display_path", "file_source", "iter_documents", "iter_unit", "iter_units",
+           "resolve_inputs", "too_long", "units_apply"]
