@@ -287,15 +287,16 @@ def load_chat_data(path: str | Path) -> ChatData:
     """Open a folder written by :func:`prepare_chat` (memory-mapped, read-only)."""
     data: PreparedData = load_prepared(path)
     if "chat" not in data.meta:
-        raise DataError(f"{path} holds prepared text without a loss mask, not chat data; "
-                        f"prepare it with tinylm prepare --chat FILE.jsonl --tokenizer MODEL")
+        raise DataError(f"{display_name(path)} holds prepared text without a loss mask, not "
+                        f"chat data; prepare it with tinylm prepare --chat FILE.jsonl "
+                        f"--tokenizer MODEL")
     masks = {}
     for split in ("train", "val"):
         mask_path = Path(path) / f"{split}.mask"
         n = len(getattr(data, split))
         if not mask_path.is_file() or mask_path.stat().st_size != n:
-            raise DataError(f"chat data folder {path} is incomplete ({split}.mask missing or "
-                            f"not {n:,} bytes); run tinylm prepare --chat again")
+            raise DataError(f"chat data folder {display_name(path)} is incomplete ({split}.mask "
+                            f"missing or not {n:,} bytes); run tinylm prepare --chat again")
         masks[split] = np.memmap(mask_path, dtype=np.uint8, mode="r", shape=(n,))
     return ChatData(data.dir, data.train, data.val, masks["train"], masks["val"], data.meta,
                     data.tokenizer)
