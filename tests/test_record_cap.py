@@ -258,3 +258,24 @@ def test_a_100_mb_chat_record_is_skipped_in_bounded_memory(tmp_path) -> None:
     code, peak, text = _prepare_in_subprocess([*args, "--skip-bad"])
     assert code == 0 and peak < RSS_BOUND_MB, text
     assert "skipped 1 bad record(s)" in text
+
+
+# --- damaged compressed files ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name, damage", [("cut.jsonl.gz", "cut"), ("crc.jsonl.gz", "flip"),
+                                          ("cut.txt.gz", "cut")])
+def test_a_damaged_gzip_file_is_one_line_not_a_traceback(tmp_path, capsys, name, damage) -> None:
+    import gzip
+
+    data = b"".join(_line(f"{t} {os.urandom(8).hex()}") for t in GOOD * 40)
+    packed = bytearray(gzip.compress(data))
+    if damage == "cut":
+        packed = packed[:len(packed) // 2]
+    else:
+        packed[len(packed) // 2] ^= 0xFF
+    (tmp_path / name).write_bytes(bytes(packed))
+    assert main(["prepare", "--input", str(tmp_path / name), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert f"{name} is not a complete gzip file (" in err and "cut short or damaged" in err

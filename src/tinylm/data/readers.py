@@ -538,12 +538,29 @@ def iter_documents(sources: Sequence[Source], *, text_field: str = "text",
     for k, src in enumerate(sources):
         if src.format == "text":
             first = True
-            for chunk in _text(src, errors, chunk_bytes, on_bytes):
+            for chunk in _damaged(src, _text(src, errors, chunk_bytes, on_bytes)):
                 yield chunk, first, k
                 first = False
         else:
-            for text in readers[src.format](src, path, errors, bad, on_bytes):
+            for text in _damaged(src, readers[src.format](src, path, errors, bad, on_bytes)):
                 yield text, True, k
+
+
+def _damaged(src: Source, texts: Iterator[str]) -> Iterator[str]:
+    """``texts``, read from a compressed ``src``: a file cut short or corrupt (gzip's
+    EOFError or BadGzipFile, zstandard's ZstdError) becomes one DataError line."""
+    if src.compression is None:
+        yield from texts
+        return
+    kinds: tuple[type[BaseException], ...] = (EOFError, OSError)
+    if src.compression == "zstd":
+        kinds += (_require("zstandard", "zstd-compressed JSONL").ZstdError,)
+    try:
+        yield from texts
+    except kinds as exc:
+        raise DataError(f"{src.name} is not a complete {src.compression} file "
+                        f"({_first_line(exc)}); it is cut short or damaged, so compress it "
+                        f"again or leave it out") from None
 
 
 # --- units: parts of a source that worker processes read on their own ---------------------
