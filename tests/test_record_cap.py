@@ -24,7 +24,8 @@ from tinylm.core.errors import DataError
 from tinylm.data import readers
 from tinylm.data.chat import read_records
 from tinylm.data.chatdata import longest_token, prepare_chat
-from tinylm.data.readers import BadRecords, bounded_lines, file_source, iter_documents, iter_unit
+from tinylm.data.lines import DISCARD_BYTES, bounded_lines
+from tinylm.data.readers import BadRecords, file_source, iter_documents, iter_unit
 from tinylm.data.tokenizers import BPETokenizer, CharTokenizer
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -53,9 +54,9 @@ def test_bounded_lines_give_long_lines_as_their_size_and_read_on() -> None:
         def readline(self, size: int = -1) -> bytes:
             reads.append(size)
             return super().readline(size)
-    long = b"z" * (3 * readers.DISCARD_BYTES + 5) + b"\nok\n"
-    assert list(bounded_lines(Spy(long), 100)) == [3 * readers.DISCARD_BYTES + 6, b"ok\n"]
-    assert max(reads) == readers.DISCARD_BYTES and -1 not in reads
+    long = b"z" * (3 * DISCARD_BYTES + 5) + b"\nok\n"
+    assert list(bounded_lines(Spy(long), 100)) == [3 * DISCARD_BYTES + 6, b"ok\n"]
+    assert max(reads) == DISCARD_BYTES and -1 not in reads
 
 
 @pytest.mark.parametrize("compress", [None, "gzip", "zstd"])

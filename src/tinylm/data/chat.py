@@ -43,8 +43,8 @@ from typing import Any
 
 from tinylm.core.display import display_name
 from tinylm.core.errors import DataError
+from tinylm.data.lines import bounded_lines, too_long
 from tinylm.data.options import MAX_RECORD_BYTES
-from tinylm.data.readers import bounded_lines, too_long
 from tinylm.data.templates import mark_special, render_template, split_marked
 from tinylm.data.tokenizers import END_OF_TURN, ROLE_TOKENS, Tokenizer
 

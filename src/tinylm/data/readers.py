@@ -14,7 +14,8 @@ Formats (by file name; compression by a trailing ``.gz`` / ``.zst``):
 may come in several chunks (a large text file), the first flagged. A record whose
 text field (``--text-field``, dotted for nested fields) is missing, null, not a
 string or not valid JSON is counted in a :class:`BadRecords` with the first file and
-line or row, and skipped. Nothing here touches the network.
+line or row, and skipped; so is a JSONL line over ``max_record_bytes`` (default 16 MiB),
+read in bounded memory (:mod:`tinylm.data.lines`). Nothing here touches the network.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from typing import IO, Any
 
 from tinylm.core.display import display_name
 from tinylm.core.errors import DataError
+from tinylm.data.lines import bounded_lines, discard_rest, too_long
 from tinylm.data.options import MAX_RECORD_BYTES
 
 Progress = Callable[[int], None]
@@ -41,7 +43,6 @@ _COMPRESSION = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
 _GLOB_CHARS = set("*?[")
 UNIT_BYTES = 8 << 20  # input bytes per unit that a worker reads on its own
 MIN_UNIT_BYTES = 1 << 20  # the smallest unit near the end of the input
-DISCARD_BYTES = 1 << 20  # the blocks in which a record over the cap is read and dropped
 
 
 def display_path(path: str | Path) -> str:
@@ -357,42 +358,12 @@ def _fast_text(line: bytes, path: Sequence[str]) -> Any:
     return _SLOW if text is None else text
 
 
-def too_long(size: int, cap: int, exact: bool = True) -> str:
-    """The bad-record reason of a record of ``size`` bytes (``exact``: else at least
-    that many) over the cap of ``cap`` bytes: names the cap and the flag that raises it."""
-    more = "" if exact else "at least "
-    return (f"longer than the {cap:,}-byte record cap ({more}{size:,} bytes; raise the cap "
-            f"with --max-record-bytes)")
-
-
-def bounded_lines(f: IO[bytes], cap: int) -> Iterator[bytes | int]:
-    """The lines of ``f`` (line break included), each read in at most ``cap`` + 1 bytes:
-    a line of more than ``cap`` bytes before its break comes as its size in bytes
-    instead, read on in blocks of DISCARD_BYTES and dropped, so no line is ever held
-    whole in memory however long it is."""
-    for line in iter(functools.partial(f.readline, cap + 1), b""):
-        if len(line) <= cap or line.endswith(b"\n"):
-            yield line
-        else:
-            yield _discard(f, len(line))
-
-
-def _discard(f: IO[bytes], size: int) -> int:
-    """Read the rest of a line whose first ``size`` bytes were read, in blocks of
-    DISCARD_BYTES, keeping none; the line's size."""
-    while block := f.readline(DISCARD_BYTES):
-        size += len(block)
-        if block.endswith(b"\n"):
-            break
-    return size
-
-
 def _jsonl(src: Source, path: Sequence[str], errors: str, bad: BadRecords,
            on_bytes: Progress | None, cap: int = MAX_RECORD_BYTES) -> Iterator[str]:
     with _open(src, on_bytes) as f:  # bounded_lines, inlined: the hot loop of pass 1
         for lineno, line in enumerate(iter(functools.partial(f.readline, cap + 1), b""), 1):
             if len(line) > cap and not line.endswith(b"\n"):
-                bad.add(f"{src.name} line {lineno}", too_long(_discard(f, len(line)), cap))
+                bad.add(f"{src.name} line {lineno}", too_long(discard_rest(f, len(line)), cap))
                 continue
             text = _fast_text(line, path)
             if text is _SLOW:
@@ -808,6 +779,6 @@ def count_unit(sources: Sequence[Source], unit: Unit, *, text_field: str = "text
                                     bad=bad, max_record_bytes=max_record_bytes))
 
 
-__all__ = ["BadRecords", "Source", "Unit", "bounded_lines", "count_unit", "counted_by_metadata",
-           "display_path", "file_source", "iter_documents", "iter_unit", "iter_units",
-           "resolve_inputs", "too_long", "units_apply"]
+__all__ = ["BadRecords", "Source", "Unit", "count_unit", "counted_by_metadata", "display_path",
+           "file_source", "iter_documents", "iter_unit", "iter_units", "resolve_inputs",
+           "units_apply"]
