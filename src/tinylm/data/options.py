@@ -69,8 +69,9 @@ class PrepareOptions:
                     (None: all of it)
     chunk_bytes     bytes read per step of a text file
     text_field      the records' text field; dotted for nested fields ("meta.text")
-    skip_bad        skip records whose text field is missing, null or not a string
-                    (counted in meta.json) instead of refusing the input
+    skip_bad        skip records whose text field is missing, null or not a string, or
+                    over max_record_bytes (counted in meta.json) instead of refusing the
+                    input
     max_record_bytes  a JSONL line (text or chat record) longer than this many bytes is
                     a bad record, never read whole into memory
     doc_separator   between documents: None = the tokenizer's end-of-text token (a line
@@ -93,9 +94,10 @@ class PrepareOptions:
         "text", "the records' text field in JSONL/Parquet/datasets inputs; dotted for nested "
         "fields, e.g. meta.text (default: text)", "--text-field", metavar="NAME")
     skip_bad: bool = _option(
-        False, "skip records whose text field is missing, null or not a string (counted and "
-        "reported) instead of refusing the input; with --chat: bad conversation records, "
-        "named by file and line", "--skip-bad", **_SWITCH)
+        False, "skip records whose text field is missing, null or not a string, or that are "
+        "longer than --max-record-bytes (counted and reported) instead of refusing the input; "
+        "with --chat: bad conversation records, named by file and line", "--skip-bad",
+        **_SWITCH)
     max_record_bytes: int = _option(
         MAX_RECORD_BYTES, "a JSONL line (a record, or a conversation with --chat) longer than "
         "N bytes is a bad record: read in bounded memory, then refused or, with --skip-bad, "
