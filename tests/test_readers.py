@@ -214,7 +214,8 @@ def test_cli_reads_jsonl_and_parquet(tmp_path, capsys) -> None:
                  str(tmp_path / "out")])
     assert code == 0
     out = capsys.readouterr().out
-    assert "from 5 + 1 documents, 30 duplicates removed" in out and "2 worker(s)" in out
+    assert "from 5 training documents and 1 validation document, 30 duplicates removed" in out
+    assert "2 worker(s)" in out
     d = load_prepared(tmp_path / "out")
     assert len(d.meta["shards"]["train"]) > 1 and "{" not in d.tokenizer.decode(d.train)
 

@@ -59,16 +59,22 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
     meta = data.meta
     mb = meta["input_bytes"] / 1e6
     docs = meta["documents"]
-    extra = "".join(f", {n:,} {what}" for what, n in (
-        ("duplicates removed", docs["duplicates_removed"]),
-        ("bad records skipped", docs["skipped_records"])) if n)
+    extra = "".join(f", {_count(n, what)}" for what, n in (
+        ("duplicate# removed", docs["duplicates_removed"]),
+        ("bad record# skipped", docs["skipped_records"])) if n)
     shards = sum(len(v) for v in meta["shards"].values())
     print(f"prepared {display_path(data.dir)}: {meta['train_tokens']:,} train + "
           f"{meta['val_tokens']:,} val tokens ({meta['dtype']}, {shards} shard(s)) from "
-          f"{docs['train']:,} + {docs['val']:,} documents{extra}, {data.tokenizer.kind} "
+          f"{_count(docs['train'], 'training document#')} and "
+          f"{_count(docs['val'], 'validation document#')}{extra}, {data.tokenizer.kind} "
           f"tokenizer with {data.vocab_size:,} tokens, from {meta['source']} ({mb:.2f} MB) in "
           f"{seconds:.1f} s ({mb / max(seconds, 1e-9):.1f} MB/s, {meta['workers']} worker(s))")
     return 0
+
+
+def _count(n: int, what: str) -> str:
+    """``n`` and ``what`` with its ``#`` made plural unless n is 1: "1 training document"."""
+    return f"{n:,} {what.replace('#', '' if n == 1 else 's')}"
 
 
 def _tokenizer_spec(spec):
@@ -85,14 +91,16 @@ def _tokenizer_spec(spec):
 
 def _cmd_prepare_chat(args: argparse.Namespace) -> int:
     from tinylm.data.chatdata import prepare_chat
+    from tinylm.data.readers import display_path
 
     data = prepare_chat(args.out, args.chat, tokenizer=args.tokenizer,
                         context_length=args.context_length, val_fraction=args.val_fraction,
-                        skip_bad=args.skip_bad, force=args.force)
+                        skip_bad=args.skip_bad, force=args.force,
+                        max_record_bytes=args.max_record_bytes)
     chat = data.meta["chat"]
     counted = int(data.train_mask.sum())
     skipped = f", skipped {chat['skipped']} bad record(s)" if chat["skipped"] else ""
-    print(f"prepared {data.dir}: {chat['conversations']['train']:,} train + "
+    print(f"prepared {display_path(data.dir)}: {chat['conversations']['train']:,} train + "
           f"{chat['conversations']['val']:,} val conversations in rows of "
           f"{chat['row_length']} tokens, {len(data.train):,} train tokens of which "
           f"{counted:,} count in the loss, {data.tokenizer.kind} tokenizer with "

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from tinylm.core.checks import check_fraction, check_int, check_positive, is_int
+from tinylm.core.display import display_name
 from tinylm.core.errors import ConfigError
 
 #: The largest integer any field of a config accepts (sizes are int32 in every kernel and
@@ -39,8 +40,9 @@ def _check_plausible(kind: str, data: dict[str, Any]) -> None:
             continue
         bound = min(limit, _PLAUSIBLE_MAX.get(name, limit)) if kind == "ModelConfig" else limit
         if abs(value) > bound:
-            raise ConfigError(f"{name} = {_short(value)} is not a plausible value (at most "
-                              f"{bound:,}); fix {name} in the config")
+            shown = display_name(str(name))
+            raise ConfigError(f"{shown} = {_short(value)} is not a plausible value (at most "
+                              f"{bound:,}); fix {shown} in the config")
 
 
 class _JSONMixin:
@@ -59,10 +61,11 @@ class _JSONMixin:
                               f"fields, got {type(data).__name__} {_short(data)}")
         _check_plausible(cls.__name__, data)
         known = {f.name for f in fields(cls)}  # type: ignore[arg-type]
-        unknown = sorted(set(data) - known)
+        unknown = sorted(display_name(str(k)) for k in set(data) - known)
         if unknown:
             raise ConfigError(
-                f"unknown {cls.__name__} field(s) {', '.join(unknown)}; "
+                f"unknown {cls.__name__} field(s) {', '.join(unknown[:8])}"
+                f"{f' and {len(unknown) - 8} more' if len(unknown) > 8 else ''}; "
                 f"known fields are {', '.join(sorted(known))}"
             )
         return cls(**data)

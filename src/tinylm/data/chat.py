@@ -41,7 +41,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tinylm.core.display import display_name
 from tinylm.core.errors import DataError
+from tinylm.data.lines import bounded_lines, too_long
+from tinylm.data.options import MAX_RECORD_BYTES
 from tinylm.data.templates import mark_special, render_template, split_marked
 from tinylm.data.tokenizers import END_OF_TURN, ROLE_TOKENS, Tokenizer
 
@@ -263,37 +266,49 @@ def chat_files(path: str | Path) -> list[Path]:
                        and not any(part.startswith(".") for part in p.relative_to(path).parts))
         if files:
             return files
-        raise DataError(f"folder {path} has no .jsonl files; pass conversation records "
-                        f"as JSON Lines")
-    raise DataError(f"chat data {path} does not exist; pass a .jsonl file or a folder of them")
+        raise DataError(f"folder {display_name(path)} has no .jsonl files; pass conversation "
+                        f"records as JSON Lines")
+    raise DataError(f"chat data {display_name(path)} does not exist; pass a .jsonl file or a "
+                    f"folder of them")
 
 
-def read_records(paths: Sequence[str | Path]
+def read_records(paths: Sequence[str | Path], max_record_bytes: int = MAX_RECORD_BYTES
                  ) -> Iterator[tuple[str, int, list[dict[str, str]] | BadRecord]]:
-    """(file, line, conversation or BadRecord) for every non-blank line of ``paths``."""
+    """(file, line, conversation or BadRecord) for every non-blank line of ``paths``; a
+    line over ``max_record_bytes`` bytes is a BadRecord, read in bounded memory and
+    dropped, never held whole."""
     for path in paths:
         for file in chat_files(path):
+            name = display_name(file)
             try:
-                handle = file.open(encoding="utf-8")
+                handle = file.open("rb")
             except OSError as exc:
-                raise DataError(f"cannot read {file}: {exc.strerror}") from exc
+                raise DataError(f"cannot read {name}: {exc.strerror}") from None
             with handle:
                 try:
-                    for n, line in enumerate(handle, 1):
-                        if line.strip():
-                            yield str(file), n, _parse_line(str(file), n, line)
-                except UnicodeDecodeError as exc:
-                    raise DataError(f"{file} is not UTF-8 text ({exc.reason}); save it as "
-                                    f"UTF-8") from exc
+                    for n, line in enumerate(bounded_lines(handle, max_record_bytes), 1):
+                        if isinstance(line, int):
+                            yield name, n, BadRecord(name, n, too_long(line, max_record_bytes))
+                        elif line.strip():
+                            yield name, n, _parse_line(name, n, line)
+                except OSError as exc:
+                    raise DataError(f"cannot read {name}: {exc.strerror or exc}") from None
 
 
-def _parse_line(file: str, n: int, line: str) -> list[dict[str, str]] | BadRecord:
+def _parse_line(file: str, n: int, raw: bytes) -> list[dict[str, str]] | BadRecord:
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{file} is not UTF-8 text ({exc.reason} on line {n}); save it as "
+                        f"UTF-8") from None
     try:
         return messages_of_record(json.loads(line))
     except json.JSONDecodeError as exc:
         return BadRecord(file, n, f"not valid JSON ({exc.msg} at column {exc.colno})")
     except RecursionError:
         return BadRecord(file, n, "JSON nested too deeply")
+    except ValueError as exc:  # an integer of 4,300+ digits
+        return BadRecord(file, n, f"not valid JSON ({str(exc).splitlines()[0]})")
     except DataError as exc:
         return BadRecord(file, n, str(exc))
 

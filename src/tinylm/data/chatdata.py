@@ -35,16 +35,21 @@ from typing import Any
 import numpy as np
 
 from tinylm.core.checks import check_int
+from tinylm.core.display import display_name
 from tinylm.core.errors import DataError
 from tinylm.data import instructions
 from tinylm.data.chat import BadRecord, read_records, render_with_mask
 from tinylm.data.format import FORMAT, PreparedData, dtype_for_vocab, load_prepared
+from tinylm.data.options import MAX_RECORD_BYTES
 from tinylm.data.templates import TOKENIZER_CONFIG_FILE, write_settings
 from tinylm.data.tokenizer_files import checkpoint_tokenizer_file, load_tokenizer
 from tinylm.data.tokenizers import STANDARD_SPECIALS, BPETokenizer, CharTokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
 
+#: a conversation of more characters is refused before it is tokenized when it cannot fit
+#: its row (:func:`_too_long`); shorter ones are tokenized and their tokens counted
+PRECHECK_CHARS = 1 << 16
 CHAT_FILES = ("tokenizer.json", "train.bin", "val.bin", "train.mask", "val.mask", "meta.json",
               TOKENIZER_CONFIG_FILE)
 
@@ -93,7 +98,7 @@ def chat_tokenizer(spec: str | Path | Tokenizer, texts: Sequence[str]) -> Tokeni
     return tok.with_special_tokens(STANDARD_SPECIALS)
 
 
-def _collect(inputs: Sequence[str | Path], skip_bad: bool
+def _collect(inputs: Sequence[str | Path], skip_bad: bool, max_record_bytes: int
              ) -> tuple[list[tuple[str, int, list[dict[str, str]]]], list[BadRecord]]:
     good, bad = [], []
     files = [p for p in inputs if not _is_builtin(p)]
@@ -101,7 +106,7 @@ def _collect(inputs: Sequence[str | Path], skip_bad: bool
         if _is_builtin(p):
             good += [(f"<built-in {instructions.NAME}>", i + 1, messages)
                      for i, messages in enumerate(instructions.conversations())]
-    for file, line, item in read_records(files):
+    for file, line, item in read_records(files, max_record_bytes):
         if isinstance(item, BadRecord):
             if not skip_bad:
                 raise DataError(f"{item}; fix the record or pass --skip-bad to skip bad ones")
@@ -115,11 +120,41 @@ def _is_builtin(path: str | Path) -> bool:
     return str(path) == instructions.NAME and not Path(path).exists()
 
 
+def longest_token(tok: Tokenizer) -> int:
+    """The most characters one token of ``tok`` stands for (at least 1): a text of n
+    characters is at least n / this many tokens. A char tokenizer's tokens are one
+    character each (a message's special-token spellings are encoded as text); for a
+    vocabulary of strings, the longest string (a byte-level token's characters are its
+    bytes, at least as many as the characters of the text it spells)."""
+    if isinstance(tok, CharTokenizer):
+        return 1
+    hf = getattr(tok, "hf", None)
+    vocab = hf.get_vocab() if hf is not None else {}
+    return max(map(len, vocab), default=1) or 1
+
+
+def _too_long(messages: list[dict[str, str]], row: int, per_token: int) -> str | None:
+    """Why a conversation cannot fit ``row`` tokens, told by its characters alone (before
+    it is tokenized: tokenizing takes memory and time in proportion to the text), or None
+    when only its tokens can tell (then the error gives the tokens). The bound leaves
+    room for a tokenizer's normalizer, 4 times the characters its longest token stands
+    for, and is at least PRECHECK_CHARS, which tokenize in no time."""
+    chars = sum(len(m["content"]) for m in messages)
+    if chars <= max(4 * per_token * row, PRECHECK_CHARS):
+        return None
+    return (f"conversation has {chars:,} characters, far more than context length + 1 = "
+            f"{row:,} tokens can hold (use a larger --context-length)")
+
+
 def _render_all(tok: Tokenizer, records: list, row: int, skip_bad: bool,
                 bad: list[BadRecord]) -> list[tuple[list[int], list[int]]]:
     rendered = []
+    per_token = longest_token(tok)
     for file, line, messages in records:
         try:
+            reason = _too_long(messages, row, per_token)
+            if reason is not None:
+                raise DataError(reason)
             ids, mask = render_with_mask(tok, messages)
             if len(ids) > row:
                 raise DataError(f"conversation has {len(ids):,} tokens, more than context "
@@ -158,38 +193,41 @@ def pack_rows(conversations: Sequence[tuple[list[int], list[int]]], row: int,
 
 def _check_out(out: Path, force: bool) -> None:
     if out.exists() and not out.is_dir():
-        raise DataError(f"output {out} is a file, not a folder; pass a folder path to --out")
+        raise DataError(f"output {display_name(out)} is a file, not a folder; pass a folder "
+                        f"path to --out")
     if out.is_dir():
         others = sorted(p.name for p in out.iterdir() if p.name not in CHAT_FILES)
         if others:
-            raise DataError(f"output folder {out} holds other files ({', '.join(others[:3])}); "
-                            f"choose an empty or new --out")
+            raise DataError(f"output folder {display_name(out)} holds other files "
+                            f"({', '.join(map(display_name, others[:3]))}); choose an empty or "
+                            f"new --out")
         if any(out.iterdir()) and not force:
-            raise DataError(f"output folder {out} already holds prepared data; pass --force "
-                            f"to replace it, or choose another --out")
+            raise DataError(f"output folder {display_name(out)} already holds prepared data; "
+                            f"pass --force to replace it, or choose another --out")
 
 
 def prepare_chat(out_dir: str | Path, inputs: Sequence[str | Path], *,
                  tokenizer: str | Path | Tokenizer, context_length: int = 256,
                  val_fraction: float = 0.1, skip_bad: bool = False, seed: int = 0,
-                 force: bool = False) -> ChatData:
+                 force: bool = False, max_record_bytes: int = MAX_RECORD_BYTES) -> ChatData:
     """Render the conversations of ``inputs`` (.jsonl files or folders) into ``out_dir``.
 
     Nothing in ``out_dir`` changes unless the whole run succeeds."""
     check_int("context length", context_length, error=DataError)
     if not 0 < val_fraction < 1:
         raise DataError(f"--val-fraction must be between 0 and 1, got {val_fraction!r}")
+    check_int("--max-record-bytes", max_record_bytes, error=DataError)
     out = Path(out_dir)
     _check_out(out, force)
-    records, bad = _collect(inputs, skip_bad)
+    records, bad = _collect(inputs, skip_bad, max_record_bytes)
     texts = [m["content"] for _, _, ms in records for m in ms]
     tok = chat_tokenizer(tokenizer, texts or [""])
     row = context_length + 1
     rendered = _render_all(tok, records, row, skip_bad, bad)
     if len(rendered) < 2:
         raise DataError(f"only {len(rendered)} usable conversation(s) in "
-                        f"{', '.join(map(str, inputs))}; fine-tuning needs at least 2 (one "
-                        f"for validation)")
+                        f"{', '.join(map(display_name, inputs))}; fine-tuning needs at least 2 "
+                        f"(one for validation)")
     order = list(range(len(rendered)))
     random.Random(seed).shuffle(order)
     n_val = min(len(order) - 1, max(1, round(len(order) * val_fraction)))
@@ -249,15 +287,16 @@ def load_chat_data(path: str | Path) -> ChatData:
     """Open a folder written by :func:`prepare_chat` (memory-mapped, read-only)."""
     data: PreparedData = load_prepared(path)
     if "chat" not in data.meta:
-        raise DataError(f"{path} holds prepared text without a loss mask, not chat data; "
-                        f"prepare it with tinylm prepare --chat FILE.jsonl --tokenizer MODEL")
+        raise DataError(f"{display_name(path)} holds prepared text without a loss mask, not "
+                        f"chat data; prepare it with tinylm prepare --chat FILE.jsonl "
+                        f"--tokenizer MODEL")
     masks = {}
     for split in ("train", "val"):
         mask_path = Path(path) / f"{split}.mask"
         n = len(getattr(data, split))
         if not mask_path.is_file() or mask_path.stat().st_size != n:
-            raise DataError(f"chat data folder {path} is incomplete ({split}.mask missing or "
-                            f"not {n:,} bytes); run tinylm prepare --chat again")
+            raise DataError(f"chat data folder {display_name(path)} is incomplete ({split}.mask "
+                            f"missing or not {n:,} bytes); run tinylm prepare --chat again")
         masks[split] = np.memmap(mask_path, dtype=np.uint8, mode="r", shape=(n,))
     return ChatData(data.dir, data.train, data.val, masks["train"], masks["val"], data.meta,
                     data.tokenizer)

@@ -24,6 +24,7 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
+from tinylm.core.display import display_name
 from tinylm.core.errors import DataError
 
 NAME = "python-qa"
@@ -138,7 +139,7 @@ def write_jsonl(path: str | Path, max_answer_chars: int = 240) -> Path:
             for messages in conversations(max_answer_chars):
                 f.write(json.dumps({"messages": messages}, ensure_ascii=False) + "\n")
     except OSError as exc:
-        raise DataError(f"cannot write {path}: {exc.strerror}") from exc
+        raise DataError(f"cannot write {display_name(path)}: {exc.strerror}") from exc
     return path
 
 

@@ -19,6 +19,10 @@ if TYPE_CHECKING:
 
 CHUNK_BYTES = 1 << 20  # bytes read per step of a text file
 SHARD_TOKENS = 100_000_000  # default --shard-tokens
+#: default --max-record-bytes: a JSONL line (a record) longer than this is a bad record,
+#: read in bounded memory and dropped; real records (a book, a long web page) are far
+#: smaller, and a line this long takes ~20x its size to parse and tokenize.
+MAX_RECORD_BYTES = 16 << 20
 
 
 def mb_or_all(value: str) -> float | None:
@@ -65,8 +69,11 @@ class PrepareOptions:
                     (None: all of it)
     chunk_bytes     bytes read per step of a text file
     text_field      the records' text field; dotted for nested fields ("meta.text")
-    skip_bad        skip records whose text field is missing, null or not a string
-                    (counted in meta.json) instead of refusing the input
+    skip_bad        skip records whose text field is missing, null or not a string, or
+                    over max_record_bytes (counted in meta.json) instead of refusing the
+                    input
+    max_record_bytes  a JSONL line (text or chat record) longer than this many bytes is
+                    a bad record, never read whole into memory
     doc_separator   between documents: None = the tokenizer's end-of-text token (a line
                     break if it has none), "" = nothing, a special token, or any text
     dedup           drop exact duplicate documents (by hash; memory grows ~100 B per doc)
@@ -87,9 +94,15 @@ class PrepareOptions:
         "text", "the records' text field in JSONL/Parquet/datasets inputs; dotted for nested "
         "fields, e.g. meta.text (default: text)", "--text-field", metavar="NAME")
     skip_bad: bool = _option(
-        False, "skip records whose text field is missing, null or not a string (counted and "
-        "reported) instead of refusing the input; with --chat: bad conversation records, "
-        "named by file and line", "--skip-bad", **_SWITCH)
+        False, "skip records whose text field is missing, null or not a string, or that are "
+        "longer than --max-record-bytes (counted and reported) instead of refusing the input; "
+        "with --chat: bad conversation records, named by file and line", "--skip-bad",
+        **_SWITCH)
+    max_record_bytes: int = _option(
+        MAX_RECORD_BYTES, "a JSONL line (a record, or a conversation with --chat) longer than "
+        "N bytes is a bad record: read in bounded memory, then refused or, with --skip-bad, "
+        f"skipped and counted (default: {MAX_RECORD_BYTES:,} = 16 MiB)", "--max-record-bytes",
+        type=int, metavar="N")
     val_fraction: float = _option(
         0.1, "fraction of the documents held out for validation, whole and spread evenly; a "
         "single document splits by tokens (default: 0.1)", "--val-fraction", type=float,
@@ -167,4 +180,4 @@ class PrepareOptions:
         return cls(**{name: getattr(args, name) for name, _, _ in cls.flags()})
 
 
-__all__ = ["CHUNK_BYTES", "SHARD_TOKENS", "PrepareOptions", "mb_or_all"]
+__all__ = ["CHUNK_BYTES", "MAX_RECORD_BYTES", "SHARD_TOKENS", "PrepareOptions", "mb_or_all"]

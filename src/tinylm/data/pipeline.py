@@ -188,7 +188,8 @@ def _task_stream(o: PrepareOptions, sources: Sequence[Source], val_source: Seque
     doc = rank = -1
     open_doc = False
     for text, start, k in iter_documents(sources, text_field=o.text_field, errors=o.errors,
-                                         chunk_bytes=o.chunk_bytes, on_bytes=bar):
+                                         chunk_bytes=o.chunk_bytes, on_bytes=bar,
+                                         max_record_bytes=o.max_record_bytes):
         if start:
             if open_doc:
                 tasks.end()
@@ -288,7 +289,7 @@ def _encode(plan: Plan, sources: Sequence[Source], val_source: Sequence[bool], s
         encoder = make_encoder(tok, sep, dtype, o.allow_special, scan.fast)
         if scan.units is not None:  # the workers read too
             job = UnitJob(list(sources), o.text_field, o.errors, route, list(val_source),
-                          encoder)
+                          encoder, o.max_record_bytes)
             results = mapped(workers, encode_unit,
                              _unit_items(scan, route, val_source, docs, bar), job,
                              side=() if scan.digests else digest_tasks(sources),

@@ -18,7 +18,7 @@ from typing import Any
 
 from tinylm.core.errors import DataError
 from tinylm.data.corpora import corpus_names
-from tinylm.data.options import SHARD_TOKENS, PrepareOptions
+from tinylm.data.options import MAX_RECORD_BYTES, SHARD_TOKENS, PrepareOptions
 from tinylm.data.readers import display_path
 from tinylm.data.tokenizer_files import load_tokenizer
 from tinylm.data.tokenizers import Tokenizer, standard_special_tokens
@@ -66,6 +66,10 @@ def make_plan(out_dir: str | Path, inputs: Sequence[str | Path] | None,
         "shard_tokens": opts.shard_tokens,
         "val_files": _describe(opts.val_files) if opts.val_files else None,
         **({"allow_special": True} if opts.allow_special else {}),
+        # another cap skips other records; the default is left out, so folders prepared
+        # before the cap existed still match
+        **({"max_record_bytes": opts.max_record_bytes}
+           if opts.max_record_bytes != MAX_RECORD_BYTES else {}),
     }
     return Plan(Path(out_dir), inputs, opts, tok_spec, given, settings)
 
@@ -100,6 +104,8 @@ def _check(o: PrepareOptions, inputs: list[str | Path], tok_spec: str) -> None:
                         f"{o.val_fraction!r}; the default is 0.1")
     _positive_int(o.context_length, "context length", "the default is 256")
     _positive_int(o.shard_tokens, "--shard-tokens", f"the default is {SHARD_TOKENS:,}")
+    _positive_int(o.max_record_bytes, "--max-record-bytes",
+                  f"the default is {MAX_RECORD_BYTES:,}")
     if o.workers is not None:
         _positive_int(o.workers, "--workers", "omit it to use every core")
     if o.unknown not in ("error", "replace"):

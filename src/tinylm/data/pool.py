@@ -24,6 +24,7 @@ import numpy as np
 
 from tinylm.core.config import default_threads
 from tinylm.data.encoding import Encoder, Route, Tasks, encode_pieces
+from tinylm.data.options import MAX_RECORD_BYTES
 from tinylm.data.readers import BadRecords, Source, Unit, count_unit, iter_unit
 from tinylm.data.shards import ShardWriter, write_all
 from tinylm.data.tokenizers import CharTokenizer
@@ -49,6 +50,7 @@ class UnitJob(NamedTuple):
     route: Route | None = None  # pass 2
     val_source: list[bool] | None = None
     enc: Encoder | None = None
+    max_record_bytes: int = MAX_RECORD_BYTES
 
 
 _WORKER: Encoder | UnitJob | None = None
@@ -139,7 +141,7 @@ def scan_unit(unit: Unit) -> tuple[int, BadRecords]:
     assert isinstance(job, UnitJob)
     bad = BadRecords()
     docs = count_unit(job.sources, unit, text_field=job.text_field, errors=job.errors,
-                      bad=bad)
+                      bad=bad, max_record_bytes=job.max_record_bytes)
     return docs, bad
 
 
@@ -163,7 +165,8 @@ def encode_unit(item: tuple[Unit, int, tuple[bool, bool]]) -> Part:
     def flush() -> None:
         for part, ids in zip(out, encode_pieces(job.enc, *tasks.take()), strict=True):
             part.append(ids)
-    for text in iter_unit(job.sources, unit, text_field=job.text_field, errors=job.errors):
+    for text in iter_unit(job.sources, unit, text_field=job.text_field, errors=job.errors,
+                          max_record_bytes=job.max_record_bytes):
         docs += 1
         chars += len(text)
         split = job.route.split_of(rank, val)

@@ -14,12 +14,14 @@ Formats (by file name; compression by a trailing ``.gz`` / ``.zst``):
 may come in several chunks (a large text file), the first flagged. A record whose
 text field (``--text-field``, dotted for nested fields) is missing, null, not a
 string or not valid JSON is counted in a :class:`BadRecords` with the first file and
-line or row, and skipped. Nothing here touches the network.
+line or row, and skipped; so is a JSONL line over ``max_record_bytes`` (default 16 MiB),
+read in bounded memory (:mod:`tinylm.data.lines`). Nothing here touches the network.
 """
 
 from __future__ import annotations
 
 import codecs
+import functools
 import glob as globlib
 import io
 import json
@@ -30,7 +32,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from tinylm.core.display import display_name
 from tinylm.core.errors import DataError
+from tinylm.data.lines import bounded_lines, discard_rest, too_long
+from tinylm.data.options import MAX_RECORD_BYTES
 
 Progress = Callable[[int], None]
 _JSONL = (".jsonl", ".ndjson")
@@ -41,8 +46,9 @@ MIN_UNIT_BYTES = 1 << 20  # the smallest unit near the end of the input
 
 
 def display_path(path: str | Path) -> str:
-    """A path as printable text: bytes that are not UTF-8 shown as ``\\xNN``."""
-    return os.fsencode(str(path)).decode("utf-8", errors="backslashreplace")
+    """A path as one printable line (:func:`tinylm.core.display.display_name`): bytes
+    that are not UTF-8 shown as ``\\xNN``, control characters and bidi marks escaped."""
+    return display_name(path)
 
 
 @dataclass(frozen=True)
@@ -353,9 +359,12 @@ def _fast_text(line: bytes, path: Sequence[str]) -> Any:
 
 
 def _jsonl(src: Source, path: Sequence[str], errors: str, bad: BadRecords,
-           on_bytes: Progress | None) -> Iterator[str]:
-    with _open(src, on_bytes) as f:
-        for lineno, line in enumerate(f, 1):
+           on_bytes: Progress | None, cap: int = MAX_RECORD_BYTES) -> Iterator[str]:
+    with _open(src, on_bytes) as f:  # bounded_lines, inlined: the hot loop of pass 1
+        for lineno, line in enumerate(iter(functools.partial(f.readline, cap + 1), b""), 1):
+            if len(line) > cap and not line.endswith(b"\n"):
+                bad.add(f"{src.name} line {lineno}", too_long(discard_rest(f, len(line)), cap))
+                continue
             text = _fast_text(line, path)
             if text is _SLOW:
                 text = _record(line, f"{src.name} line {lineno}", path, errors, bad)
@@ -481,28 +490,48 @@ def _first_line(exc: BaseException) -> str:
 
 def iter_documents(sources: Sequence[Source], *, text_field: str = "text",
                    errors: str = "strict", chunk_bytes: int = 1 << 20,
-                   bad: BadRecords | None = None, on_bytes: Progress | None = None
+                   bad: BadRecords | None = None, on_bytes: Progress | None = None,
+                   max_record_bytes: int = MAX_RECORD_BYTES
                    ) -> Iterator[tuple[str, bool, int]]:
     """``(text, starts_document, source_index)`` for every document of every source.
 
     A text file is one document, yielded in chunks of about ``chunk_bytes`` (the first
-    flagged); every good record of a JSONL/Parquet/Arrow file is one document.
+    flagged); every good record of a JSONL/Parquet/Arrow file is one document. A JSONL
+    line over ``max_record_bytes`` is a bad record, read in bounded memory and dropped.
     """
     path = text_field.split(".")
     if not text_field or not all(path):
         raise DataError(f"--text-field must be a field name or a dotted path such as "
                         f"meta.text, got {text_field!r}")
     bad = bad if bad is not None else BadRecords()
-    readers = {"jsonl": _jsonl, "parquet": _parquet, "arrow": _arrow}
+    readers = {"jsonl": functools.partial(_jsonl, cap=max_record_bytes), "parquet": _parquet,
+               "arrow": _arrow}
     for k, src in enumerate(sources):
         if src.format == "text":
             first = True
-            for chunk in _text(src, errors, chunk_bytes, on_bytes):
+            for chunk in _damaged(src, _text(src, errors, chunk_bytes, on_bytes)):
                 yield chunk, first, k
                 first = False
         else:
-            for text in readers[src.format](src, path, errors, bad, on_bytes):
+            for text in _damaged(src, readers[src.format](src, path, errors, bad, on_bytes)):
                 yield text, True, k
+
+
+def _damaged(src: Source, texts: Iterator[str]) -> Iterator[str]:
+    """``texts``, read from a compressed ``src``: a file cut short or corrupt (gzip's
+    EOFError or BadGzipFile, zstandard's ZstdError) becomes one DataError line."""
+    if src.compression is None:
+        yield from texts
+        return
+    kinds: tuple[type[BaseException], ...] = (EOFError, OSError)
+    if src.compression == "zstd":
+        kinds += (_require("zstandard", "zstd-compressed JSONL").ZstdError,)
+    try:
+        yield from texts
+    except kinds as exc:
+        raise DataError(f"{src.name} is not a complete {src.compression} file "
+                        f"({_first_line(exc)}); it is cut short or damaged, so compress it "
+                        f"again or leave it out") from None
 
 
 # --- units: parts of a source that worker processes read on their own ---------------------
@@ -643,8 +672,40 @@ class _LineLabel:
 
 
 
+def _long_unit_lines(src: Source, unit: Unit, cap: int) -> Iterator[bytes | int]:
+    """:func:`bounded_lines` of a unit, up to its end (a line break: no line crosses it)."""
+    size, done = unit.stop - unit.start, 0
+    with src.open_raw() as f:
+        f.seek(unit.start)
+        for line in bounded_lines(f, cap):
+            yield line
+            done += line if isinstance(line, int) else len(line)
+            if done >= size:
+                return
+
+
+def _unit_lines(src: Source, unit: Unit, cap: int) -> Iterator[bytes | int]:
+    """The lines of a JSONL unit as :func:`_lines` gives them (a line over ``cap``
+    bytes: its size). A unit of up to ``cap`` + UNIT_BYTES bytes is read at once and
+    split, the fast way; a longer one (it holds a line over the cap: units are cut at
+    the first line break after UNIT_BYTES) is read a line at a time."""
+    size = unit.stop - unit.start
+    if size > cap + UNIT_BYTES:
+        return _long_unit_lines(src, unit, cap)
+    with src.open_raw() as f:
+        f.seek(unit.start)
+        data = f.read(size)
+    lines = data.split(b"\n")
+    if lines and not lines[-1]:
+        lines.pop()
+    if lines and max(map(len, lines)) > cap:
+        return iter([line if len(line) <= cap else len(line) + 1 for line in lines])
+    return iter(lines)
+
+
 def iter_unit(sources: Sequence[Source], unit: Unit, *, text_field: str = "text",
-              errors: str = "strict", bad: BadRecords | None = None) -> Iterator[str]:
+              errors: str = "strict", bad: BadRecords | None = None,
+              max_record_bytes: int = MAX_RECORD_BYTES) -> Iterator[str]:
     """The documents of one unit (what :func:`iter_documents` yields for that part), read
     on the calling thread alone: a worker process is one core of a pool."""
     src, path = sources[unit.source], text_field.split(".")
@@ -653,14 +714,12 @@ def iter_unit(sources: Sequence[Source], unit: Unit, *, text_field: str = "text"
         yield from _parquet(src, path, errors, bad, None, range(unit.start, unit.stop),
                             unit.first or 0, threads=False)
         return
-    with src.open_raw() as f:
-        f.seek(unit.start)
-        data = f.read(unit.stop - unit.start)
-    lines = data.split(b"\n")
-    if lines and not lines[-1]:
-        lines.pop()
     numbers = _UnitLines(src, unit)
-    for i, line in enumerate(lines):
+    for i, line in enumerate(_unit_lines(src, unit, max_record_bytes)):
+        if isinstance(line, int):
+            label: Any = _LineLabel(numbers, i)  # formatted only where shown
+            bad.add(label, too_long(line, max_record_bytes))
+            continue
         text = _fast_text(line, path)
         if text is _SLOW:
             text = _record(line, _LineLabel(numbers, i), path, errors, bad)  # type: ignore[arg-type]
@@ -706,7 +765,8 @@ def counted_by_metadata(sources: Sequence[Source], text_field: str = "text") -> 
 
 
 def count_unit(sources: Sequence[Source], unit: Unit, *, text_field: str = "text",
-               errors: str = "strict", bad: BadRecords | None = None) -> int:
+               errors: str = "strict", bad: BadRecords | None = None,
+               max_record_bytes: int = MAX_RECORD_BYTES) -> int:
     """How many documents :func:`iter_unit` yields for ``unit`` (bad records counted into
     ``bad``). A Parquet unit whose metadata shows every row to be a document is counted
     from it alone, nothing decoded (pass 2 checks the count as it reads the texts)."""
@@ -716,7 +776,7 @@ def count_unit(sources: Sequence[Source], unit: Unit, *, text_field: str = "text
         if rows is not None:
             return rows
     return sum(1 for _ in iter_unit(sources, unit, text_field=text_field, errors=errors,
-                                    bad=bad))
+                                    bad=bad, max_record_bytes=max_record_bytes))
 
 
 __all__ = ["BadRecords", "Source", "Unit", "count_unit", "counted_by_metadata", "display_path",

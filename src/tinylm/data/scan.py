@@ -128,7 +128,8 @@ def _documents_pass(o: PrepareOptions, sources: Sequence[Source], scan: Scan, ba
 
     for text, start, _ in iter_documents(sources, text_field=o.text_field, errors=o.errors,
                                          chunk_bytes=o.chunk_bytes, bad=scan.bad,
-                                         on_bytes=on_bytes):
+                                         on_bytes=on_bytes,
+                                         max_record_bytes=o.max_record_bytes):
         if start:
             end_document()
             scan.documents += 1
@@ -151,7 +152,7 @@ def scan_units(plan: Plan, sources: Sequence[Source], scan: Scan, workers: int,
     read."""
     assert scan.units is not None
     o = plan.opts
-    job = UnitJob(list(sources), o.text_field, o.errors)
+    job = UnitJob(list(sources), o.text_field, o.errors, max_record_bytes=o.max_record_bytes)
     units = scan.units
     scan.stamps = [s.stamp() for s in sources]
 

@@ -34,6 +34,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from tinylm.core.display import display_name
 from tinylm.core.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -159,11 +160,12 @@ def _read_text(path: Path) -> str | None:
         return None
     try:
         if path.stat().st_size > _MAX_CONFIG_BYTES:
-            raise DataError(f"{path} is over {_MAX_CONFIG_BYTES >> 20} MiB; it is not a "
-                            f"tokenizer config")
+            raise DataError(f"{display_name(path)} is over {_MAX_CONFIG_BYTES >> 20} MiB; it "
+                            f"is not a tokenizer config")
         return path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
-        raise DataError(f"cannot read {path}: {exc}; restore or remove it") from exc
+        raise DataError(f"cannot read {display_name(path)}: {_one_line(exc)}; restore or "
+                        f"remove it") from exc
 
 
 def _read_object(path: Path) -> dict[str, Any]:
@@ -173,10 +175,10 @@ def _read_object(path: Path) -> dict[str, Any]:
     try:
         d = json.loads(text)
     except (ValueError, RecursionError) as exc:
-        raise DataError(f"{path} is not valid JSON ({_one_line(exc)}); restore or remove "
-                        f"it") from None
+        raise DataError(f"{display_name(path)} is not valid JSON ({_one_line(exc)}); "
+                        f"restore or remove it") from None
     if not isinstance(d, dict):
-        raise DataError(f"{path} is not a JSON object; restore or remove it")
+        raise DataError(f"{display_name(path)} is not a JSON object; restore or remove it")
     return d
 
 
@@ -194,7 +196,7 @@ def read_settings(folder: str | Path,
     try:
         settings = TokenizerSettings.from_hf(d, _read_text(folder / CHAT_TEMPLATE_FILE))
     except DataError as exc:
-        raise DataError(f"{folder}: {exc}") from None
+        raise DataError(f"{display_name(folder)}: {exc}") from None
     for role in ("bos_token", "eos_token", "pad_token", "unk_token"):
         token = getattr(settings, role)
         if token_to_id is not None and token is not None and token_to_id(token) is None:

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from tinylm.core.display import display_name
 from tinylm.core.errors import DataError
 from tinylm.data.templates import read_settings
 from tinylm.data.tokenizers import (
@@ -19,6 +20,42 @@ from tinylm.data.tokenizers import (
     _first_line,
     _require_hf_tokenizers,
 )
+
+#: The largest tokenizer file read (tokenizer.json, or vocab.json + merges.txt together):
+#: real ones are far smaller (GPT-2's 1.4 MB, Llama 3's 9 MB, Gemma 3's 262k tokens 33 MB),
+#: and loading one takes about 3x its size in memory. config.json's cap is 16 MiB.
+MAX_TOKENIZER_BYTES = 64 << 20
+
+
+def _too_big(path: Path, size: int) -> DataError:
+    return DataError(f"tokenizer file {display_name(path)} is {size:,} bytes, more than the "
+                     f"{MAX_TOKENIZER_BYTES:,} (64 MiB) tinylm reads from a tokenizer file; it "
+                     f"is not a tokenizer, pass another file")
+
+
+def _check_size(*paths: Path) -> None:
+    """Refuse tokenizer files over MAX_TOKENIZER_BYTES together, before reading them."""
+    try:
+        size = sum(p.stat().st_size for p in paths)
+    except OSError as exc:
+        raise DataError(f"cannot read tokenizer file {display_name(paths[0])}: "
+                        f"{exc.strerror or exc}") from None
+    if size > MAX_TOKENIZER_BYTES:
+        raise _too_big(paths[0], size)
+
+
+def _read_text(path: Path) -> str:
+    """A tokenizer file's text, read no further than the cap (a file that grows meanwhile)."""
+    _check_size(path)
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_TOKENIZER_BYTES + 1)
+        if len(data) > MAX_TOKENIZER_BYTES:
+            raise _too_big(path, len(data))
+        return data.decode("utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DataError(f"cannot read tokenizer file {display_name(path)}: "
+                        f"{_first_line(exc)}") from None
 
 
 def _kind_of(doc: dict[str, Any]) -> str:
@@ -39,8 +76,9 @@ def _kind_of(doc: dict[str, Any]) -> str:
 
 
 def _bad_file(path: Path, what: str) -> DataError:
-    return DataError(f"tokenizer file {path} is malformed: {what}; re-run tinylm prepare "
-                     f"or pass a tokenizer.json written by tinylm or Hugging Face tokenizers")
+    return DataError(f"tokenizer file {display_name(path)} is malformed: {what}; re-run tinylm "
+                     f"prepare or pass a tokenizer.json written by tinylm or Hugging Face "
+                     f"tokenizers")
 
 
 def _char_from_hf(doc: dict[str, Any], path: Path) -> CharTokenizer:
@@ -67,8 +105,8 @@ def _char_from_hf(doc: dict[str, Any], path: Path) -> CharTokenizer:
                               f"and not in added_tokens")
     tok = CharTokenizer(chars, unknown=unknown, special_tokens=specials)
     if tok._stoi != vocab:
-        raise DataError(f"char tokenizer {path} has ids that are not in code-point order; "
-                        f"it was not written by tinylm, re-run tinylm prepare")
+        raise DataError(f"char tokenizer {display_name(path)} has ids that are not in code-point "
+                        f"order; it was not written by tinylm, re-run tinylm prepare")
     return tok
 
 
@@ -79,16 +117,19 @@ def tokenizer_from_json(text: str, path: str | Path = "<string>") -> Tokenizer:
     exception from the JSON parser, this module or the Rust ``tokenizers`` library.
     """
     path = Path(path)
+    size = len(text.encode("utf-8", "surrogatepass"))
+    if size > MAX_TOKENIZER_BYTES:
+        raise _too_big(path, size)
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise DataError(f"tokenizer file {path} is not valid JSON ({exc.msg} at line "
+        raise DataError(f"tokenizer file {display_name(path)} is not valid JSON ({exc.msg} at line "
                         f"{exc.lineno}); re-run tinylm prepare or pass another file") from exc
     except RecursionError as exc:
         raise _bad_file(path, "JSON nested too deeply") from exc
     if not isinstance(doc, dict) or "model" not in doc:
-        raise DataError(f"{path} is not a Hugging Face tokenizer.json (no 'model' entry); "
-                        f"pass a tokenizer.json or a folder with vocab.json and merges.txt")
+        raise DataError(f"{display_name(path)} is not a Hugging Face tokenizer.json (no 'model' "
+                        f"entry); pass a tokenizer.json or a folder with vocab.json and merges.txt")
     if not isinstance(doc["model"], dict):
         raise _bad_file(path, "'model' is not an object")
     kind = _kind_of(doc)
@@ -101,8 +142,8 @@ def tokenizer_from_json(text: str, path: str | Path = "<string>") -> Tokenizer:
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as exc:  # pyo3 panics are BaseExceptions
-        raise DataError(f"cannot load tokenizer {path}: {_first_line(exc)}; re-run tinylm "
-                        f"prepare, or it may need a newer 'tokenizers' package") from exc
+        raise DataError(f"cannot load tokenizer {display_name(path)}: {_first_line(exc)}; re-run "
+                        f"tinylm prepare, or it may need a newer 'tokenizers' package") from exc
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
@@ -126,20 +167,19 @@ def _load_vocabulary(path: str | Path) -> Tokenizer:
         if (path / "tokenizer.json").is_file():
             path = path / "tokenizer.json"
         elif (path / "vocab.json").is_file() and (path / "merges.txt").is_file():
+            _check_size(path / "vocab.json", path / "merges.txt")
             return BPETokenizer.from_gpt2_files(path / "vocab.json", path / "merges.txt")
         else:
-            raise DataError(f"no tokenizer in folder {path}: expected tokenizer.json or "
-                            f"vocab.json + merges.txt; pass a tokenizer file or prepared folder")
+            raise DataError(f"no tokenizer in folder {display_name(path)}: expected tokenizer.json "
+                            f"or vocab.json + merges.txt; pass a tokenizer file or prepared folder")
     elif not path.exists():
-        raise DataError(f"tokenizer {path} does not exist; pass a tokenizer.json or a folder "
-                        f"with tokenizer.json or vocab.json + merges.txt (never downloaded)")
+        raise DataError(f"tokenizer {display_name(path)} does not exist; pass a tokenizer.json or "
+                        f"a folder with tokenizer.json or vocab.json + merges.txt (never "
+                        f"downloaded)")
     if path.name == "vocab.json" and (path.parent / "merges.txt").is_file():
+        _check_size(path, path.parent / "merges.txt")
         return BPETokenizer.from_gpt2_files(path, path.parent / "merges.txt")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise DataError(f"cannot read tokenizer file {path}: {_first_line(exc)}") from exc
-    return tokenizer_from_json(text, path)
+    return tokenizer_from_json(_read_text(path), path)
 
 
 def checkpoint_tokenizer_file(folder: str | Path) -> Path | None:

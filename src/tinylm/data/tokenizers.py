@@ -48,6 +48,7 @@ from typing import Any
 
 import numpy as np
 
+from tinylm.core.display import display_name
 from tinylm.core.errors import DataError
 from tinylm.data.templates import TokenizerSettings, end_of_turn_tokens
 
@@ -528,9 +529,9 @@ class BPETokenizer(Tokenizer):
         try:
             model = tk.models.BPE.from_file(str(vocab), str(merges))
         except Exception as exc:
-            raise DataError(f"cannot read GPT-2 tokenizer files {vocab} and {merges}: "
-                            f"{_first_line(exc)}; check they are vocab.json and merges.txt "
-                            f"from the same tokenizer") from exc
+            raise DataError(f"cannot read GPT-2 tokenizer files {display_name(vocab)} and "
+                            f"{display_name(merges)}: {_first_line(exc)}; check they are "
+                            f"vocab.json and merges.txt from the same tokenizer") from exc
         tok = tk.Tokenizer(model)
         tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = tk.decoders.ByteLevel()

@@ -1,10 +1,14 @@
 """Reading JSON a user may have damaged or planted: size and nesting bounded, errors typed.
 
-Every JSON file tinylm reads (a checkpoint's config.json, a data folder's meta.json, a
-tokenizer.json) goes through :func:`read_json` or :func:`parse_json`, so that a huge
-file, a 100,000-deep ``[[[[...`` or invalid UTF-8 ends in one :class:`TinyLMError` line
-instead of a ``MemoryError`` or ``RecursionError``. A leaf module: it imports only
-:mod:`tinylm.core.errors`, so every other module may use it.
+The JSON files of the io room and those after it (a checkpoint's config.json, capped at
+16 MiB by :mod:`tinylm.io.checkpoint`) go through :func:`read_json` or
+:func:`parse_json`, so that a huge file, a 100,000-deep ``[[[[...`` or invalid UTF-8 ends
+in one :class:`TinyLMError` line instead of a ``MemoryError`` or ``RecursionError``. The
+data room, to the left of io, bounds its own: a tokenizer.json at 64 MiB
+(:data:`tinylm.data.tokenizer_files.MAX_TOKENIZER_BYTES`), a prepared folder's meta.json
+and a tokenizer_config.json at 16 MiB, a JSONL record at ``--max-record-bytes``. A leaf
+module: it imports only :mod:`tinylm.core.errors`, so every module of io and after may
+use it.
 """
 
 from __future__ import annotations
