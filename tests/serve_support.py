@@ -15,6 +15,7 @@ from tinylm.core.config import ModelConfig
 from tinylm.core.model import GPT
 from tinylm.data.tokenizers import BPETokenizer
 from tinylm.serve.app import Server, Settings, create_app
+from tinylm.serve.protocol import uvicorn_config
 
 TEXT = ("The cat sat on the mat. A dog ran in the park. Café au lait, naïve façade, "
         "日本語のテキスト. Numbers 0123456789 and more words: attention is all you need. ")
@@ -65,7 +66,7 @@ def serve_app(server: Server):
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    config = uvicorn.Config(create_app(server), log_level="warning", lifespan="on")
+    config = uvicorn_config(create_app(server), log_level="warning")
     uv = uvicorn.Server(config)
     thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()

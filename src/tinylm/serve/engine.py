@@ -44,6 +44,18 @@ class QueueFull(Exception):
         self.retry_after = retry_after
 
 
+class NeverFits(Exception):
+    """A request of more sequences than the batch and the queue can ever hold."""
+
+    def __init__(self, count: int, capacity: int) -> None:
+        super().__init__(f"{count} sequences can never fit a batch and queue of {capacity}")
+        self.count, self.capacity = count, capacity
+
+
+NON_FINITE = ("the logits are not finite (inf or nan): the model's weights overflow float32 "
+              "in the forward pass on this prompt")
+
+
 @dataclass(frozen=True)
 class Token:
     """One generated token: its id, log-probability, and the top alternatives
@@ -57,7 +69,7 @@ class Token:
 @dataclass(frozen=True)
 class End:
     """The request is over: reason is "stop" (end-of-text), "length" (max_tokens or
-    the deadline), "cancelled" or "error" (with a message)."""
+    the deadline), "cancelled" or "error" (with a message: non-finite logits, or a bug)."""
 
     reason: str
     message: str = ""
@@ -149,7 +161,10 @@ class Engine:
         self.stop()
 
     def submit(self, requests: Sequence[Request]) -> None:
-        """Queue requests (all or none); QueueFull when they do not fit."""
+        """Queue requests (all or none); QueueFull when they do not fit now, NeverFits
+        when they never can (more than max_batch + max_queue)."""
+        if len(requests) > self.max_batch + self.max_queue:
+            raise NeverFits(len(requests), self.max_batch + self.max_queue)
         with self._cv:
             free_rows = self.max_batch - len(self.rows)
             if len(self.pending) + len(requests) > self.max_queue + free_rows:
@@ -269,10 +284,14 @@ class Engine:
 
     def _take(self, row: _Row, logits: Tensor, first: bool = False,
               greedy_id: int | None = None) -> End | None:
-        """Choose row's next token from logits (1, V) and emit it; its End if it ended."""
+        """Choose row's next token from logits (1, V) and emit it; its End if it ended
+        (an error End, and no token, when the logits are not all finite)."""
         req = row.req
         if req.vocab_size is not None:
             logits = logits[:, :req.vocab_size]
+        if not bool(torch.isfinite(logits).all()):
+            log.warning("a request ended: %s", NON_FINITE)
+            return End("error", NON_FINITE)
         if req.sampling.greedy:
             token = greedy_id if greedy_id is not None and greedy_id < logits.shape[-1] \
                 else int(logits.argmax(-1))
