@@ -463,10 +463,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-explore-tokens", type=_positive, default=256, metavar="N",
                    help="the longest prompt /v1/explore and /v1/explain take; longer is a 413 "
                         "(default: 256)")
-    p.add_argument("--explore-memory", type=_positive, default=1024, metavar="MB",
+    p.add_argument("--explore-memory", type=_positive, default=2048, metavar="MB",
                    help="MiB all explore and explain requests may use at once, by their "
                         "estimate; more wait in the queue, a request estimated over it is a "
-                        "413 (default: 1024)")
+                        "413 (default: 2048)")
     p.add_argument("--max-connections", type=_positive, default=128, metavar="N",
                    help="open connections; more are closed at once (default: 128)")
     p.add_argument("--threads", type=_positive, default=None, metavar="N",

@@ -27,6 +27,7 @@ from tinylm.serve.schemas import RequestError
 MIB = 1 << 20
 FLOAT = 4  # bytes of a float32
 PY_FLOAT = 48  # a float in a Python list and its JSON text, bytes
+OVERHEAD = 16 * MIB  # a request's fixed part: the trace's small tensors, the interpreter
 
 
 def _sizes(cfg: Any) -> tuple[int, int, int, int]:
@@ -35,12 +36,14 @@ def _sizes(cfg: Any) -> tuple[int, int, int, int]:
 
 def explore_bytes(cfg: Any, tokens: int) -> int:
     """An upper bound of the memory one ``/v1/explore`` of ``tokens`` tokens uses: a
-    layer's ablation logits (heads + 2 keys, × C × V), with their softmax and top-k
-    copies; every layer's traced maps (L × H × C², a few each); the residual-stream
-    tensors of the trace (L × C × E, a few dozen each); the logit lens (C × V a stage)."""
+    layer's ablation logits (heads + 2 keys, × C × V) with their softmax, top-k and JSON
+    copies (six in all; 4.7 to 5.9 measured on models of 2 to 4 layers), every layer's
+    traced maps (L × H × C², a few each), the trace's residual-stream tensors (L × C × E,
+    a few dozen each) and the logit lens (C × V a stage)."""
     L, H, V, E = _sizes(cfg)
     C = tokens
-    return FLOAT * (3 * (H + 2) * C * V + 4 * C * V + 8 * L * H * C * C + 64 * L * C * E)
+    return OVERHEAD + FLOAT * (6 * (H + 2) * C * V + 4 * C * V + 8 * L * H * C * C
+                               + 64 * L * C * E)
 
 
 def explain_bytes(cfg: Any, tokens: int) -> int:
@@ -49,7 +52,8 @@ def explain_bytes(cfg: Any, tokens: int) -> int:
     JSON answer."""
     L, H, V, E = _sizes(cfg)
     C = tokens
-    return FLOAT * (4 * C * V + 4 * L * H * C * C + 32 * L * C * E) + PY_FLOAT * L * H * C * C
+    return OVERHEAD + FLOAT * (4 * C * V + 4 * L * H * C * C + 32 * L * C * E) \
+        + PY_FLOAT * L * H * C * C
 
 
 def check_explore_size(route: str, tokens: int, cost: int, *, max_tokens: int,

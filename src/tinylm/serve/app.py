@@ -94,7 +94,7 @@ class Settings:
     port: int | None = None  # the port bound (None: a Host may name any port)
     allowed_hosts: tuple[str, ...] = ()  # more Host names; "*" turns the check off
     max_explore_tokens: int = 256  # prompt tokens of /v1/explore and /v1/explain
-    explore_memory: int = 1024 * MIB  # bytes all explore/explain requests may use at once
+    explore_memory: int = 2048 * MIB  # bytes all explore/explain requests may use at once
 
 
 class Server:

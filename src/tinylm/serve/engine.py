@@ -52,8 +52,8 @@ class NeverFits(Exception):
         self.count, self.capacity = count, capacity
 
 
-NON_FINITE = ("the logits are not finite (inf or nan): the model's weights overflow float32 "
-              "in the forward pass on this prompt")
+NON_FINITE = ("non-finite logits (inf or nan): the model's weights overflow float32 in the "
+              "forward pass on this prompt")
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,9 @@ uvicorn times out idle keep-alive connections (``timeout_keep_alive``) and caps 
 head's size (``h11_max_incomplete_event_size``), but a client that sends a head slowly,
 a byte at a time, is never timed out, and connections are not capped, only the requests
 in flight (``limit_concurrency``). :class:`LimitedH11Protocol` adds both: a connection
-whose request head is not complete ``HEADER_TIMEOUT`` seconds after it opened (or after
-its previous response) is closed, and a connection beyond ``max_connections`` is closed
+with no request in progress ``HEADER_TIMEOUT`` seconds after it opened (or after its
+previous response) is closed: its head is incomplete, or the body of a request already
+answered (a 408) is still trickling in; and a connection beyond ``max_connections`` is closed
 at once. The body has its own time limit in the app (``BODY_TIMEOUT``, a 408).
 """
 
@@ -14,7 +15,6 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -47,9 +47,12 @@ class LimitedH11Protocol(H11Protocol):
         self._head_timer = self.loop.call_later(self.header_timeout, self._head_timeout)
 
     def _head_timeout(self) -> None:
+        """No request is in progress: the next head is incomplete (a slow client), or the
+        last request's body is still coming after its answer (a 408)."""
         self._head_timer = None
-        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-            self.transport.close()  # the head is still incomplete: a slow client
+        busy = self.cycle is not None and not self.cycle.response_complete
+        if not busy and not self.transport.is_closing():
+            self.transport.close()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
