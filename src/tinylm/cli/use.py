@@ -454,7 +454,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-batch", type=_positive, default=16, metavar="N",
                    help="requests decoded together in one step (default: 16)")
     p.add_argument("--max-queue", type=_positive, default=64, metavar="N",
-                   help="requests waiting beyond the batch; more get 429 (default: 64)")
+                   help="requests waiting beyond the batch (explore/explain: in a queue of "
+                        "their own); more get 429 (default: 64)")
     p.add_argument("--max-tokens", type=_positive, default=256, metavar="N",
                    help="the largest max_tokens a request may ask for (default: 256)")
     p.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
