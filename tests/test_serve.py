@@ -235,6 +235,8 @@ def test_api_key_and_rate_limit_and_timeout():
             with pytest.raises(openai.RateLimitError) as e:
                 good.completions.create(model=MODEL, prompt="The", max_tokens=2)
             assert int(e.value.response.headers["retry-after"]) >= 1
+            assert "--max-batch 1" in e.value.body["message"]
+            assert "--max-queue 0" in e.value.body["message"]
     with live_server(model, tok, model_name=MODEL, timeout=1e-4) as (url, _):
         c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
         r = c.completions.create(model=MODEL, prompt="The", max_tokens=64, temperature=0)

@@ -86,7 +86,7 @@ def test_peak_memory_is_bounded_under_30_explores_and_30_completions(tmp_path):
     assert len(ok) + len(busy) == 30 and len(ok) >= 9  # 1 running + 8 queued, at least
     assert all(r.json() == warm.json() for r in ok)
     assert busy and all(int(r.headers["retry-after"]) >= 1 for r in busy)
-    assert all("--max-queue" in r.json()["error"]["message"] or "capacity"
+    assert all("--explore-memory" in r.json()["error"]["message"] and "--max-queue 8"
                in r.json()["error"]["message"] for r in busy)
     grown = (rss.peak - base) / MIB
     # one explore's worth (its estimate, an upper bound) and the completions' small change;
@@ -138,6 +138,9 @@ def test_a_busy_explorer_is_a_429_with_retry_after_and_a_wait_ends_at_the_timeou
                 waited = time.monotonic() - t0
                 assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
                 assert r.json()["error"]["code"] == "queue_full"
+                msg = r.json()["error"]["message"]
+                assert "--explore-memory" in msg and f"--max-queue {queue}" in msg
+                assert ("--timeout" in msg) == bool(queue)
                 assert (waited >= timeout) if queue else True
                 release.set()
                 assert held.result().status_code == 200

@@ -117,7 +117,7 @@ class WorkQueue:
 
     async def _wait(self, cost: int, deadline: float) -> None:
         if len(self.waiting) >= self.max_waiting:
-            raise QueueFull(self.retry_after())
+            raise QueueFull(self.retry_after(), self._why(f"{len(self.waiting)} wait"))
         future = asyncio.get_running_loop().create_future()
         entry = (cost, future)
         self.waiting.append(entry)
@@ -132,8 +132,14 @@ class WorkQueue:
             future.cancel()
             self._wake()
             if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
-                raise QueueFull(self.retry_after()) from None
+                raise QueueFull(self.retry_after(),
+                                self._why("this one waited its whole --timeout")) from None
             raise
+
+    def _why(self, waiting: str) -> str:
+        return (f": explore and explain requests use {self.used // MIB} of {self.budget // MIB}"
+                f" MiB (--explore-memory), {self.running} running, and {waiting} (--max-queue "
+                f"{self.max_waiting})")
 
     def _wake(self) -> None:
         """Admit waiting requests in order while the first one fits (its cost reserved

@@ -37,10 +37,11 @@ log = logging.getLogger(__name__)
 
 
 class QueueFull(Exception):
-    """The engine's queue is full; ``retry_after`` is a hint in seconds."""
+    """The engine's queue is full; ``retry_after`` is a hint in seconds; ``why`` names
+    the limit that was reached."""
 
-    def __init__(self, retry_after: int) -> None:
-        super().__init__(f"the server is at capacity; retry after {retry_after} s")
+    def __init__(self, retry_after: int, why: str = "") -> None:
+        super().__init__(f"the server is at capacity{why}; retry after {retry_after} s")
         self.retry_after = retry_after
 
 
@@ -169,7 +170,10 @@ class Engine:
             free_rows = self.max_batch - len(self.rows)
             if len(self.pending) + len(requests) > self.max_queue + free_rows:
                 self.metrics.rejected += len(requests)
-                raise QueueFull(self._retry_after())
+                raise QueueFull(self._retry_after(),
+                                f": {len(self.rows)} sequences decode (--max-batch "
+                                f"{self.max_batch}) and {len(self.pending)} wait (--max-queue "
+                                f"{self.max_queue}), raised by those flags")
             self.pending.extend(requests)
             self.metrics.queue_depth = len(self.pending)
             self._cv.notify()
