@@ -133,6 +133,10 @@ def test_a_busy_explorer_is_a_429_with_retry_after_and_a_wait_ends_at_the_timeou
                 held = pool.submit(httpx.post, url + "/v1/explore", json={"prompt": "The"},
                                    timeout=60)
                 assert started.wait(30)
+                text = httpx.get(url + "/metrics").text
+                assert "tinylm_explore_running 1" in text and "tinylm_explore_waiting 0" in text
+                assert f"tinylm_explore_memory_bytes {srv.explorer.used}" in text
+                assert srv.explorer.used == explore_bytes(model.config, 1)
                 t0 = time.monotonic()
                 r = httpx.post(url + "/v1/explain", json={"prompt": "The cat"}, timeout=60)
                 waited = time.monotonic() - t0

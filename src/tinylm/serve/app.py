@@ -527,6 +527,9 @@ async def metrics(request: Request) -> Response:
         _authorize(server, request)
     except RequestError as exc:
         return error_response(exc)
+    if server.explorer is not None:
+        q = server.explorer
+        server.metrics.explore = (q.running, len(q.waiting), q.used)
     return PlainTextResponse(server.metrics.render(),
                              media_type="text/plain; version=0.0.4; charset=utf-8")
 
