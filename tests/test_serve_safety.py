@@ -78,6 +78,9 @@ def test_allowed_hosts_and_the_bound_port():
     with serve_app(server) as url:
         assert httpx.get(url + "/health", headers={"Host": "localhost:8123"}).status_code == 200
         assert httpx.get(url + "/health", headers={"Host": "localhost:9"}).status_code == 421
+    from tinylm.serve.guard import host_names
+    assert host_names("::1", ["Box.LAN:8000", "[fe80::1]", " "]) == {
+        "127.0.0.1", "localhost", "::1", "box.lan", "fe80::1"}
     server = Server(Settings(allowed_hosts=("*",), threads=1))
     server.load(model, tok)
     with serve_app(server) as url:

@@ -462,7 +462,7 @@ def _explain_answer(server: Server, ids: list[int], top_k: int) -> Response:
 async def explain_route(server: Server, request: Request) -> Response:
     req = parse_explain(await _body(server, request))
     _check_model(server, req.model)
-    ids = server.tokenizer.encode(req.prompt)
+    ids = await asyncio.to_thread(server.tokenizer.encode, req.prompt)  # up to 1 MiB
     check_prompt(ids, server.limits.context_length, server.model.config.vocab_size)
     cost = explain_bytes(server.model.config, len(ids))
     return await _explorer_run(server, "/v1/explain", ids, cost, _explain_answer, server,
@@ -489,7 +489,7 @@ async def explore_route(server: Server, request: Request) -> Response:
     body = await _body(server, request)
     req = parse_explain(body)
     _check_model(server, req.model)
-    ids = server.tokenizer.encode(req.prompt)
+    ids = await asyncio.to_thread(server.tokenizer.encode, req.prompt)  # off the loop
     check_prompt(ids, server.limits.context_length, server.model.config.vocab_size)
     cost = explore_bytes(server.model.config, len(ids))
     return await _explorer_run(server, "/v1/explore", ids, cost, _explore_answer, server,

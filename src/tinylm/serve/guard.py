@@ -24,12 +24,13 @@ ASGIApp = Callable[[Scope, Callable, Callable], Awaitable[None]]
 
 def host_names(host: str, allowed: Iterable[str] = ()) -> frozenset[str]:
     """The names a server bound to ``host`` answers to: loopback, ``host`` itself (unless
-    a wildcard address) and ``allowed`` (lower case, IPv6 without brackets)."""
+    a wildcard address) and ``allowed`` (lower case, IPv6 without brackets, a port given
+    with a name dropped: the port checked is the one bound)."""
     names = set(LOOPBACK_NAMES)
     if host not in WILDCARD_BINDS:
         names.add(host)
     names.update(a.strip() for a in allowed if a.strip())
-    return frozenset(n.lower().strip("[]") for n in names)
+    return frozenset("*" if n == "*" else split_host(n)[0] for n in names)
 
 
 def split_host(value: str) -> tuple[str, str | None]:
