@@ -141,6 +141,7 @@ def test_slow_heads_slow_bodies_and_too_many_connections(monkeypatch):
                 answer += s.recv(4096)
             assert answer.startswith(b"HTTP/1.1 408") and b"body_timeout" in answer
             assert _closed_within(s, 5)  # then the connection is dropped too
+        time.sleep(0.3)  # the server has seen the two above close
         held = [socket.create_connection(("127.0.0.1", port)) for _ in range(4)]
         try:
             extra = socket.create_connection(("127.0.0.1", port))
