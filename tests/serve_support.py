@@ -3,10 +3,14 @@ live uvicorn server on 127.0.0.1 in a background thread."""
 
 from __future__ import annotations
 
+import json
 import socket
+import subprocess
+import sys
 import threading
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +19,7 @@ from tinylm.core.config import ModelConfig
 from tinylm.core.model import GPT
 from tinylm.data.tokenizers import BPETokenizer
 from tinylm.serve.app import Server, Settings, create_app
+from tinylm.serve.protocol import uvicorn_config
 
 TEXT = ("The cat sat on the mat. A dog ran in the park. Café au lait, naïve façade, "
         "日本語のテキスト. Numbers 0123456789 and more words: attention is all you need. ")
@@ -58,14 +63,16 @@ def live_server(model=None, tokenizer=None, **settings):
 
 
 @contextmanager
-def serve_app(server: Server):
-    """The base URL of uvicorn serving ``server``'s app in a thread; stopped on exit."""
+def serve_app(server: Server, max_connections: int = 128):
+    """The base URL of uvicorn serving ``server``'s app in a thread (with `tinylm
+    serve`'s uvicorn limits); stopped on exit."""
     import uvicorn
 
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    config = uvicorn.Config(create_app(server), log_level="warning", lifespan="on")
+    config = uvicorn_config(create_app(server), log_level="warning",
+                            max_connections=max_connections)
     uv = uvicorn.Server(config)
     thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
@@ -81,3 +88,32 @@ def serve_app(server: Server):
         thread.join(10)
         sock.close()
         server.stop()
+
+
+@contextmanager
+def proc_server(spec: dict, log: Path):
+    """(base URL, Popen) of tests/serve_proc.py serving a tiny model in its own process
+    (``spec``: see there), its stderr written to ``log``; healthy on entry, stopped on
+    exit."""
+    import httpx
+
+    with open(log, "wb") as err:
+        proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("serve_proc.py")),
+                                 json.dumps(spec)], stdout=subprocess.PIPE, stderr=err)
+        try:
+            line = proc.stdout.readline().decode()
+            assert line.startswith("port "), log.read_text()
+            url, deadline = f"http://127.0.0.1:{int(line.split()[1])}", time.monotonic() + 60
+            while True:
+                assert proc.poll() is None, log.read_text()
+                assert time.monotonic() < deadline, "the server did not become healthy"
+                try:
+                    if httpx.get(url + "/health").status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.05)
+            yield url, proc
+        finally:
+            proc.terminate()
+            proc.wait(30)

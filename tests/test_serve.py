@@ -156,16 +156,17 @@ def test_bad_values_are_bad_request_errors(client, kw, param):
 
 def test_malformed_requests_get_openai_shaped_4xx(served):
     url = served[0]
+    js = {"Content-Type": "application/json"}
     cases = [
-        (httpx.post(url + "/v1/completions", content=b"{not json"), 400),
-        (httpx.post(url + "/v1/completions", content=b"[1, 2]"), 400),
+        (httpx.post(url + "/v1/completions", content=b"{not json", headers=js), 400),
+        (httpx.post(url + "/v1/completions", content=b"[1, 2]", headers=js), 400),
         (httpx.post(url + "/v1/completions", json={"prompt": 3}), 400),
         (httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": "9"}), 400),
         (httpx.post(url + "/v1/completions", json={"prompt": "x", "temperature": None,
                                                    "seed": 1.5}), 400),
         (httpx.post(url + "/v1/completions", json={"prompt": "x", "model": "gpt-4"}), 404),
         (httpx.post(url + "/v1/chat/completions", json={"messages": "hi"}), 400),
-        (httpx.post(url + "/v1/completions", content=b"x" * (2 << 20)), 413),
+        (httpx.post(url + "/v1/completions", content=b"x" * (2 << 20), headers=js), 413),
         (httpx.post(url + "/v1/explain", json={"prompt": ""}), 400),
         (httpx.get(url + "/v1/nowhere"), 404),
         (httpx.get(url + "/v1/completions"), 405),
@@ -234,6 +235,8 @@ def test_api_key_and_rate_limit_and_timeout():
             with pytest.raises(openai.RateLimitError) as e:
                 good.completions.create(model=MODEL, prompt="The", max_tokens=2)
             assert int(e.value.response.headers["retry-after"]) >= 1
+            assert "--max-batch 1" in e.value.body["message"]
+            assert "--max-queue 0" in e.value.body["message"]
     with live_server(model, tok, model_name=MODEL, timeout=1e-4) as (url, _):
         c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
         r = c.completions.create(model=MODEL, prompt="The", max_tokens=64, temperature=0)
@@ -253,7 +256,7 @@ def test_health_is_503_while_the_model_loads():
         return model, tok
     with serve_app(Server(Settings(model_name=MODEL, threads=1), slow_loader)) as url:
         r = httpx.get(url + "/health")
-        assert r.status_code == 503 and r.json()["status"] == "loading"
+        assert r.status_code == 503 and r.json() == {"status": "not ok"}
         r = httpx.post(url + "/v1/completions", json={"prompt": "The"})
         assert r.status_code == 503 and r.json()["error"]["code"] == "model_not_ready"
         release.set()
@@ -405,7 +408,8 @@ def test_no_body_gets_a_server_error(served, route, body):
 
 
 def test_deeply_nested_json_is_a_400(served):
-    r = httpx.post(served[0] + "/v1/completions", content=b"[" * 100_000 + b"]" * 100_000)
+    r = httpx.post(served[0] + "/v1/completions", content=b"[" * 100_000 + b"]" * 100_000,
+                   headers={"Content-Type": "application/json"})
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
 
 

@@ -409,24 +409,41 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "serve", help="an OpenAI-compatible HTTP server (continuous batching) and a web page",
         description="Serve a checkpoint over HTTP: POST /v1/completions, /v1/chat/completions "
-                    "(models with a chat template), /v1/explain; GET /v1/models, /health, "
+                    "(models with a chat template), /v1/explain, /v1/explore; GET /v1/models, "
+                    "/health, "
                     "/metrics; the playground and explorer page at /. Concurrent requests "
                     "decode together in one batched step. Needs the [serve] extra.")
     p.add_argument("--model", required=True, metavar="DIR", help="checkpoint folder")
     p.add_argument("--host", default="127.0.0.1",
-                   help="address to bind (default: %(default)s; any other needs an API key)")
+                   help="address to bind (default: %(default)s; any other needs an API key of "
+                        "16 or more characters)")
     p.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
     p.add_argument("--api-key", default=None, metavar="KEY",
                    help="require 'Authorization: Bearer KEY' (default: $TINYLM_API_KEY; "
                         "none on 127.0.0.1)")
+    p.add_argument("--allowed-hosts", default="", metavar="NAMES",
+                   help="more names clients may send in the Host header, comma-separated "
+                        "('*': any); the loopback names and --host are always allowed, others "
+                        "get 421 (default: none)")
     p.add_argument("--max-batch", type=_positive, default=16, metavar="N",
                    help="requests decoded together in one step (default: %(default)s)")
     p.add_argument("--max-queue", type=_positive, default=64, metavar="N",
-                   help="requests waiting beyond the batch; more get 429 (default: %(default)s)")
+                   help="requests waiting beyond the batch (explore/explain: in a queue of "
+                        "their own); more get 429 (default: %(default)s)")
     p.add_argument("--max-tokens", type=_positive, default=256, metavar="N",
                    help="the largest max_tokens a request may ask for (default: %(default)s)")
     p.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
-                   help="per-request time limit; generation ends there (default: %(default)g)")
+                   help="per-request time limit; generation ends there, an explore or explain "
+                        "still waiting gets 429 (default: %(default)g)")
+    p.add_argument("--max-explore-tokens", type=_positive, default=256, metavar="N",
+                   help="the longest prompt /v1/explore and /v1/explain take; longer is a 413 "
+                        "(default: %(default)s)")
+    p.add_argument("--explore-memory", type=_positive, default=2048, metavar="MB",
+                   help="MiB all explore and explain requests may use at once, by their "
+                        "estimate; more wait in the queue, a request estimated over it is a "
+                        "413 (default: %(default)s)")
+    p.add_argument("--max-connections", type=_positive, default=128, metavar="N",
+                   help="open connections; more are closed at once (default: %(default)s)")
     p.add_argument("--threads", type=_positive, default=None, metavar="N",
                    help="torch threads of the decoding loop (default: torch's own choice)")
     p.add_argument("--model-name", default=None, metavar="NAME",
@@ -442,7 +459,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if not args.timeout > 0:
         raise ConfigError(f"--timeout must be > 0 seconds, got {args.timeout}")
     kwargs = {} if args.model_name is None else {"model_name": args.model_name}
+    allowed = tuple(h.strip() for h in args.allowed_hosts.split(",") if h.strip())
     serve(args.model, host=args.host, port=args.port, api_key=args.api_key,
           max_batch=args.max_batch, max_queue=args.max_queue, max_tokens=args.max_tokens,
-          timeout=args.timeout, threads=args.threads, **kwargs)
+          timeout=args.timeout, threads=args.threads, allowed_hosts=allowed,
+          max_explore_tokens=args.max_explore_tokens,
+          explore_memory=args.explore_memory << 20, max_connections=args.max_connections,
+          **kwargs)
     return 0

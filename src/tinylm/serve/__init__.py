@@ -5,6 +5,9 @@
 - :mod:`tinylm.serve.responses`  engine events -> OpenAI response bodies and chunks
 - :mod:`tinylm.serve.app`        the Starlette routes; ``page.html`` is the web page
 - :mod:`tinylm.serve.metrics`    Prometheus counters
+- :mod:`tinylm.serve.admission`  the explorer's memory budget and queue
+- :mod:`tinylm.serve.guard`      the Host check (DNS rebinding)
+- :mod:`tinylm.serve.protocol`   uvicorn with header, body and idle timeouts, a connection cap
 
 Starlette and uvicorn come with the ``[serve]`` extra (``pip install 'tinylm[serve]'``).
 """
@@ -20,6 +23,7 @@ from tinylm.io.checkpoint_files import TOKENIZER_FILE
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 API_KEY_ENV = "TINYLM_API_KEY"
+MIN_KEY_CHARS = 16  # an API key on a non-loopback address
 
 __all__ = ["API_KEY_ENV", "LOOPBACK", "default_model_name", "make_server", "serve"]
 
@@ -46,34 +50,56 @@ def default_model_name(model_dir: str | os.PathLike, folder: Path) -> str:
     return folder.resolve().name
 
 
+def check_api_key(host: str, api_key: str | None) -> None:
+    """A blank key is refused; a host other than loopback needs a key of at least
+    MIN_KEY_CHARS characters."""
+    if api_key is not None and not api_key.strip():
+        raise ConfigError(f"the API key is blank; pass --api-key KEY (or set {API_KEY_ENV}) "
+                          f"with a key of at least {MIN_KEY_CHARS} characters")
+    if host in LOOPBACK:
+        return
+    if not api_key:
+        raise ConfigError(f"serving on {host} (not 127.0.0.1) needs an API key: pass "
+                          f"--api-key KEY or set {API_KEY_ENV}")
+    if len(api_key) < MIN_KEY_CHARS:
+        raise ConfigError(f"the API key is {len(api_key)} characters; serving on {host} (not "
+                          f"127.0.0.1) needs one of at least {MIN_KEY_CHARS} (e.g. python -c "
+                          f"'import secrets; print(secrets.token_urlsafe())')")
+
+
 def make_server(model_dir: str | os.PathLike, *, host: str = "127.0.0.1",
                 api_key: str | None = None, **settings):
     """A not-yet-loaded :class:`~tinylm.serve.app.Server` for a checkpoint folder, after
     the checks that can fail fast: the folder and its tokenizer exist, and a host other
-    than loopback has an API key (``api_key`` or ``$TINYLM_API_KEY``)."""
+    than loopback has an API key of at least 16 characters (``api_key`` or
+    ``$TINYLM_API_KEY``)."""
     _require_serve_extra()
     from tinylm.serve.app import Server, Settings
 
-    api_key = api_key or os.environ.get(API_KEY_ENV) or None
-    if host not in LOOPBACK and not api_key:
-        raise ConfigError(f"serving on {host} (not 127.0.0.1) needs an API key: pass "
-                          f"--api-key KEY or set {API_KEY_ENV}")
+    if api_key is None:
+        api_key = os.environ.get(API_KEY_ENV) or None
+    check_api_key(host, api_key)
     folder = resolve_checkpoint_dir(model_dir)
     read_config(folder)
     if not (folder / TOKENIZER_FILE).is_file():
         raise CheckpointError(f"{folder} has no {TOKENIZER_FILE}; the server needs the "
                               f"model's tokenizer to turn text into tokens")
     settings.setdefault("model_name", default_model_name(model_dir, folder))
-    return Server(Settings(api_key=api_key, **settings), lambda: load_checkpoint(folder))
+    return Server(Settings(api_key=api_key, host=host, **settings),
+                  lambda: load_checkpoint(folder))
 
 
 def serve(model_dir: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 8000,
-          api_key: str | None = None, **settings) -> None:
+          api_key: str | None = None, max_connections: int = 128, **settings) -> None:
     """Run the server until interrupted (the model loads in the background; ``/health``
     answers 503 until it is ready). ``settings`` are :class:`~tinylm.serve.app.Settings`
-    fields (max_batch, max_queue, max_tokens, timeout, ...)."""
+    fields (max_batch, max_queue, max_tokens, timeout, allowed_hosts, ...);
+    ``max_connections`` caps open connections (:mod:`tinylm.serve.protocol`)."""
     uvicorn = _require_serve_extra()
     from tinylm.serve.app import create_app  # Starlette: the optional [serve] extra
+    from tinylm.serve.protocol import uvicorn_config
 
-    server = make_server(model_dir, host=host, api_key=api_key, **settings)
-    uvicorn.run(create_app(server), host=host, port=port, log_level="info")
+    server = make_server(model_dir, host=host, api_key=api_key, port=port, **settings)
+    config = uvicorn_config(create_app(server), host=host, port=port,
+                            max_connections=max_connections)
+    uvicorn.Server(config).run()

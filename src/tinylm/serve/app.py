@@ -5,8 +5,12 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/expl
 explorer page in live mode at ``/explorer``,
 ``GET /v1/models``, ``GET /health`` (503 while the model loads), ``GET /metrics``
 (Prometheus text) and the web page at ``/``. With an API key every ``/v1`` route and
-``/metrics`` need ``Authorization: Bearer KEY`` (compared in constant time). Every
-client error is a 4xx in OpenAI's shape ``{"error": {message, type, param, code}}``.
+``/metrics`` need ``Authorization: Bearer KEY`` (compared in constant time, as UTF-8
+bytes). Every client error is a 4xx in OpenAI's shape ``{"error": {message, type, param,
+code}}``. Only requests whose ``Host`` names this server are answered
+(:mod:`tinylm.serve.guard`), POST bodies must be ``application/json`` (else 415) and arrive
+within ``BODY_TIMEOUT`` (else 408); explore and explain requests are admitted within a
+memory budget (:mod:`tinylm.serve.admission`).
 """
 
 from __future__ import annotations
@@ -23,13 +27,15 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
+import torch
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import (
     HTMLResponse,
     JSONResponse,
     PlainTextResponse,
+    RedirectResponse,
     Response,
     StreamingResponse,
 )
@@ -37,7 +43,15 @@ from starlette.routing import Route
 
 from tinylm.core.errors import TinyLMError
 from tinylm.data.chat import render_chat, stop_ids
-from tinylm.serve.engine import Engine, QueueFull
+from tinylm.serve.admission import (
+    MIB,
+    WorkQueue,
+    check_explore_size,
+    explain_bytes,
+    explore_bytes,
+)
+from tinylm.serve.engine import Engine, NeverFits, QueueFull
+from tinylm.serve.guard import HostGuard, host_names
 from tinylm.serve.metrics import Metrics
 from tinylm.serve.responses import (
     Run,
@@ -62,6 +76,8 @@ from tinylm.use.inspection import explain
 
 log = logging.getLogger(__name__)
 
+BODY_TIMEOUT = 10.0  # seconds for a request body to arrive
+
 
 @dataclass(frozen=True)
 class Settings:
@@ -75,6 +91,11 @@ class Settings:
     max_body_bytes: int = 1 << 20
     timeout: float = 60.0  # seconds per request
     threads: int | None = None  # torch threads of the decoding loop (None: torch's default)
+    host: str = "127.0.0.1"  # the address bound: a name the Host check accepts
+    port: int | None = None  # the port bound (None: a Host may name any port)
+    allowed_hosts: tuple[str, ...] = ()  # more Host names; "*" turns the check off
+    max_explore_tokens: int = 256  # prompt tokens of /v1/explore and /v1/explain
+    explore_memory: int = 2048 * MIB  # bytes all explore/explain requests may use at once
 
 
 class Server:
@@ -85,7 +106,7 @@ class Server:
         self.settings = settings
         self.loader = loader
         self.metrics = Metrics()
-        self.model = self.tokenizer = self.engine = self.limits = None
+        self.model = self.tokenizer = self.engine = self.limits = self.explorer = None
         self.load_error: str | None = None
 
     @property
@@ -99,6 +120,8 @@ class Server:
         self.model, self.tokenizer = model, tokenizer
         self.engine = Engine(model, max_batch=s.max_batch, max_queue=s.max_queue,
                              threads=s.threads, metrics=self.metrics).start()
+        self.explorer = WorkQueue(s.explore_memory, max_running=s.max_batch,
+                                  max_waiting=s.max_queue)
 
     def load_in_background(self) -> None:
         def run() -> None:
@@ -121,13 +144,18 @@ def error_response(exc: RequestError, headers: dict[str, str] | None = None) -> 
     return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
 
+def _key_matches(key: str, request: Request) -> bool:
+    """Whether the request's ``Authorization: Bearer KEY`` is ``key``, compared in
+    constant time as UTF-8 bytes (the header's raw bytes: a key outside Latin-1 too)."""
+    given = [v for k, v in request.scope["headers"] if k == b"authorization"]
+    raw = given[0].strip() if len(given) == 1 else b""
+    token = raw[7:].strip() if raw[:7].lower() == b"bearer " else b""
+    return hmac.compare_digest(token, key.encode("utf-8"))
+
+
 def _authorize(server: Server, request: Request) -> None:
     key = server.settings.api_key
-    if key is None:
-        return
-    given = request.headers.get("authorization", "")
-    token = given[7:] if given[:7].lower() == "bearer " else ""
-    if not hmac.compare_digest(token.encode("utf-8", "replace"), key.encode("utf-8")):
+    if key is not None and not _key_matches(key, request):
         raise RequestError("invalid or missing API key; send 'Authorization: Bearer KEY'",
                            status=401, code="invalid_api_key")
 
@@ -139,19 +167,47 @@ def _require_ready(server: Server) -> None:
                            code="model_not_ready")
 
 
+class Cancelled(Exception):
+    """The client went away before its request was read (a cancelled request)."""
+
+
+def _check_json(request: Request) -> None:
+    """415 unless the body is declared ``application/json`` (a cross-site form or
+    ``text/plain`` POST from a web page is refused before anything runs)."""
+    declared = request.headers.get("content-type", "")
+    if declared.split(";")[0].strip().lower() != "application/json":
+        raise RequestError(f"the request body must be JSON sent with 'Content-Type: "
+                           f"application/json', got {declared[:60]!r}", status=415,
+                           code="unsupported_media_type")
+
+
 async def _body(server: Server, request: Request) -> dict[str, Any]:
+    _check_json(request)
     limit = server.settings.max_body_bytes
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise RequestError(f"the request body is {declared} bytes, more than the limit of "
                            f"{limit}; send a shorter prompt", status=413)
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise RequestError(f"the request body is more than the limit of {limit} bytes; "
-                               f"send a shorter prompt", status=413)
-        chunks.append(chunk)
+    stream = request.stream()
+    deadline = time.monotonic() + BODY_TIMEOUT
+    try:
+        while True:
+            try:
+                chunk = await asyncio.wait_for(stream.__anext__(),
+                                               max(deadline - time.monotonic(), 0.0))
+            except StopAsyncIteration:
+                break
+            size += len(chunk)
+            if size > limit:
+                raise RequestError(f"the request body is more than the limit of {limit} "
+                                   f"bytes; send a shorter prompt", status=413)
+            chunks.append(chunk)
+    except (TimeoutError, asyncio.TimeoutError):
+        raise RequestError(f"the request body did not arrive within {BODY_TIMEOUT:g} s; "
+                           f"send it at once", status=408, code="body_timeout") from None
+    except ClientDisconnect:
+        raise Cancelled from None
     return parse_json(b"".join(chunks))
 
 
@@ -177,11 +233,26 @@ def _endpoint(name: str, handler: Callable) -> Callable:
             response = error_response(
                 RequestError(str(exc), status=429, type="rate_limit_error",
                              code="queue_full"), {"Retry-After": str(exc.retry_after)})
+        except NeverFits as exc:
+            response = error_response(_never_fits(server, exc))
         except TinyLMError as exc:  # e.g. a prompt the tokenizer cannot encode
             response = error_response(RequestError(str(exc)))
+        except Cancelled:
+            log.info("the client left while sending its request to %s; cancelled",
+                     request.url.path)
+            server.metrics.cancelled += 1
+            response = Response(status_code=499)  # not delivered: nobody is listening
         server.metrics.request(name, response.status_code)
         return response
     return wrapped
+
+
+def _never_fits(server: Server, exc: NeverFits) -> RequestError:
+    s = server.settings
+    return RequestError(f"this request asks for {exc.count} sequences (prompts x n) but the "
+                        f"server holds at most {exc.capacity} at once (--max-batch "
+                        f"{s.max_batch} + --max-queue {s.max_queue}); send fewer prompts or "
+                        f"a smaller n", param="n", code="too_many_choices")
 
 
 # --- generation routes ----------------------------------------------------------------------
@@ -310,7 +381,8 @@ async def _chat_chunks(server: Server, run: Run, req: ChatRequest) -> AsyncItera
 
 
 async def _until_done(run: Run, request: Request) -> None:
-    """Collect the run; a client that disconnects meanwhile cancels it."""
+    """Collect the run; a client that disconnects meanwhile cancels it. A request the
+    engine failed (non-finite logits, or a bug logged there) is a 500 naming the model."""
     async def watch() -> None:
         while (await request.receive())["type"] != "http.disconnect":
             pass
@@ -318,8 +390,10 @@ async def _until_done(run: Run, request: Request) -> None:
     watcher = asyncio.create_task(watch())
     try:
         await collect(run)
-    except RuntimeError as exc:  # the engine failed this request (a bug, logged there)
-        raise RequestError(str(exc), status=500, type="server_error") from exc
+    except RuntimeError as exc:  # the engine failed this request
+        name = request.app.state.server.settings.model_name
+        raise RequestError(f"model '{name}': {exc}", status=500, type="server_error",
+                           code="model_error") from exc
     finally:
         watcher.cancel()
 
@@ -344,17 +418,81 @@ def _sse(chunks: AsyncIterator[dict], run: Run) -> StreamingResponse:
 # --- the other routes -----------------------------------------------------------------------
 
 
+class NonFinite(Exception):
+    """The model's outputs for a prompt are inf or nan (weights that overflow float32)."""
+
+
+def _non_finite(server: Server) -> RequestError:
+    name = server.settings.model_name
+    log.error("model '%s' produced non-finite values (inf or nan) for a request", name)
+    return RequestError(f"model '{name}' produced non-finite values (inf or nan) for this "
+                        f"prompt: its weights overflow float32 in the forward pass",
+                        status=500, type="server_error", code="non_finite_logits")
+
+
+def _json_of(server: Server, data: Any) -> JSONResponse:
+    """The JSON answer, rendered in the worker thread (the event loop stays free)."""
+    try:
+        return JSONResponse(data)
+    except ValueError as exc:  # "Out of range float values are not JSON compliant"
+        raise NonFinite from exc
+
+
+def _finite_forward(server: Server, ids: list[int]) -> None:
+    """One forward of the prompt; NonFinite if its logits are not all finite (before
+    the explorer's costlier passes run on them)."""
+    import torch
+
+    with torch.inference_mode():
+        logits = server.model(torch.tensor([ids], dtype=torch.long))
+    if not bool(torch.isfinite(logits).all()):
+        raise NonFinite
+
+
+async def _explorer_run(server: Server, route: str, ids: list[int], cost: int,
+                        fn: Callable[..., Response], *args: Any) -> Response:
+    """``fn(*args)`` through the explorer's admission: a 413 when the request is more
+    than the server ever runs, a 429 while the budget is taken for --timeout."""
+    s = server.settings
+    check_explore_size(route, len(ids), cost, max_tokens=s.max_explore_tokens,
+                       budget=s.explore_memory)
+    try:
+        return await server.explorer.run(cost, time.monotonic() + s.timeout, fn, *args)
+    except NonFinite:
+        raise _non_finite(server) from None
+
+
+def _explain_answer(server: Server, ids: list[int], top_k: int) -> Response:
+    ex = explain(server.model, server.tokenizer, ids, top_k=top_k)
+    if not (bool(torch.isfinite(ex.probs).all()) and bool(torch.isfinite(ex.attention).all())):
+        raise NonFinite
+    attention = [[[[round(p, 4) for p in row] for row in head] for head in layer]
+                 for layer in ex.attention.tolist()]  # (L, H, C, C)
+    return _json_of(server, {"object": "explanation", "model": server.settings.model_name,
+                             "tokens": list(ex.tokens), "ids": list(ex.ids),
+                             "rows": ex.to_json(), "attention": attention})
+
+
 async def explain_route(server: Server, request: Request) -> Response:
     req = parse_explain(await _body(server, request))
     _check_model(server, req.model)
-    ids = server.tokenizer.encode(req.prompt)
+    ids = await asyncio.to_thread(server.tokenizer.encode, req.prompt)  # up to 1 MiB
     check_prompt(ids, server.limits.context_length, server.model.config.vocab_size)
-    ex = await asyncio.to_thread(explain, server.model, server.tokenizer, ids, top_k=req.top_k)
-    attention = [[[[round(p, 4) for p in row] for row in head] for head in layer]
-                 for layer in ex.attention.tolist()]  # (L, H, C, C)
-    return JSONResponse({"object": "explanation", "model": server.settings.model_name,
-                         "tokens": list(ex.tokens), "ids": list(ex.ids), "rows": ex.to_json(),
-                         "attention": attention})
+    cost = explain_bytes(server.model.config, len(ids))
+    return await _explorer_run(server, "/v1/explain", ids, cost, _explain_answer, server,
+                               ids, req.top_k)
+
+
+def _explore_answer(server: Server, ids: list[int], prompt: str, body: dict,
+                    top_k: int) -> Response:
+    _finite_forward(server, ids)
+    if "layers" in body:
+        data = explorer_layers(server.model, server.tokenizer, prompt, body["layers"],
+                               top_k=top_k)
+    else:
+        data = explorer_data(server.model, server.tokenizer, prompt, top_k=top_k,
+                             layer=body.get("layer", 0), head=body.get("head", 0))
+    return _json_of(server, data)
 
 
 async def explore_route(server: Server, request: Request) -> Response:
@@ -365,16 +503,11 @@ async def explore_route(server: Server, request: Request) -> Response:
     body = await _body(server, request)
     req = parse_explain(body)
     _check_model(server, req.model)
-    ids = server.tokenizer.encode(req.prompt)
+    ids = await asyncio.to_thread(server.tokenizer.encode, req.prompt)  # off the loop
     check_prompt(ids, server.limits.context_length, server.model.config.vocab_size)
-    if "layers" in body:
-        data = await asyncio.to_thread(explorer_layers, server.model, server.tokenizer,
-                                       req.prompt, body["layers"], top_k=req.top_k)
-    else:
-        data = await asyncio.to_thread(explorer_data, server.model, server.tokenizer,
-                                       req.prompt, top_k=req.top_k,
-                                       layer=body.get("layer", 0), head=body.get("head", 0))
-    return JSONResponse(data)
+    cost = explore_bytes(server.model.config, len(ids))
+    return await _explorer_run(server, "/v1/explore", ids, cost, _explore_answer, server,
+                               ids, req.prompt, body, req.top_k)
 
 
 async def explorer_page(request: Request) -> Response:
@@ -389,11 +522,17 @@ async def models(server: Server, request: Request) -> Response:
 
 
 async def health(request: Request) -> Response:
+    """200 ``{"status": "ok"}`` when ready, else 503 ``{"status": "not ok"}``; only a
+    request with the server's API key also learns why (loading, or the load error)."""
     server: Server = request.app.state.server
     if server.ready:
         return JSONResponse({"status": "ok"})
-    return JSONResponse({"status": "error" if server.load_error else "loading",
-                         "message": server.load_error}, status_code=503)
+    body: dict[str, Any] = {"status": "not ok"}
+    key = server.settings.api_key
+    if key is not None and _key_matches(key, request):
+        body.update(state="error" if server.load_error else "loading",
+                    message=server.load_error)
+    return JSONResponse(body, status_code=503)
 
 
 async def metrics(request: Request) -> Response:
@@ -402,6 +541,9 @@ async def metrics(request: Request) -> Response:
         _authorize(server, request)
     except RequestError as exc:
         return error_response(exc)
+    if server.explorer is not None:
+        q = server.explorer
+        server.metrics.explore = (q.running, len(q.waiting), q.used)
     return PlainTextResponse(server.metrics.render(),
                              media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -412,6 +554,10 @@ async def page(request: Request) -> Response:
 
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:
+    path = request.url.path
+    if exc.status_code == 404 and path.endswith("/") and path.rstrip("/") in ROUTE_PATHS:
+        query = request.url.query  # a relative redirect: no Host-derived absolute URL
+        return RedirectResponse(path.rstrip("/") + (f"?{query}" if query else ""), 307)
     code = "not_found" if exc.status_code == 404 else None
     return error_response(RequestError(f"{request.method} {request.url.path}: {exc.detail}",
                                        status=exc.status_code, code=code))
@@ -423,10 +569,14 @@ async def _server_error(request: Request, exc: Exception) -> Response:
                                        status=500, type="server_error"))
 
 
-def create_app(server: Server) -> Starlette:
-    """The ASGI app for ``server``; a server with a loader loads in the background at
-    startup (``/health`` answers 503 until it is ready) and every app stops its engine
-    at shutdown."""
+ROUTE_PATHS = frozenset({"/explorer", "/health", "/metrics", "/v1/models", "/v1/completions",
+                         "/v1/chat/completions", "/v1/explain", "/v1/explore"})
+
+
+def create_app(server: Server) -> HostGuard:
+    """The ASGI app for ``server`` behind the Host check; a server with a loader loads in
+    the background at startup (``/health`` answers 503 until it is ready) and every app
+    stops its engine at shutdown. ``.app`` is the Starlette app."""
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         if server.loader is not None and not server.ready:
             server.load_in_background()
@@ -444,8 +594,12 @@ def create_app(server: Server) -> Starlette:
         Route("/v1/explain", _endpoint("explain", explain_route), methods=["POST"]),
         Route("/v1/explore", _endpoint("explore", explore_route), methods=["POST"]),
     ]
+    assert {r.path for r in routes} - {"/"} == ROUTE_PATHS
     app = Starlette(routes=routes, lifespan=asynccontextmanager(lifespan),
                     exception_handlers={HTTPException: _http_error, Exception: _server_error})
+    app.router.redirect_slashes = False  # Starlette's redirect is absolute, from Host
     app.state.server = server
     app.state.started = time.time()
-    return app
+    s = server.settings
+    return HostGuard(app, host_names(s.host, s.allowed_hosts), s.port,
+                     on_refused=lambda status: server.metrics.request("host", status))

@@ -37,11 +37,24 @@ log = logging.getLogger(__name__)
 
 
 class QueueFull(Exception):
-    """The engine's queue is full; ``retry_after`` is a hint in seconds."""
+    """The engine's queue is full; ``retry_after`` is a hint in seconds; ``why`` names
+    the limit that was reached."""
 
-    def __init__(self, retry_after: int) -> None:
-        super().__init__(f"the server is at capacity; retry after {retry_after} s")
+    def __init__(self, retry_after: int, why: str = "") -> None:
+        super().__init__(f"the server is at capacity{why}; retry after {retry_after} s")
         self.retry_after = retry_after
+
+
+class NeverFits(Exception):
+    """A request of more sequences than the batch and the queue can ever hold."""
+
+    def __init__(self, count: int, capacity: int) -> None:
+        super().__init__(f"{count} sequences can never fit a batch and queue of {capacity}")
+        self.count, self.capacity = count, capacity
+
+
+NON_FINITE = ("non-finite logits (inf or nan): the model's weights overflow float32 in the "
+              "forward pass on this prompt")
 
 
 @dataclass(frozen=True)
@@ -57,7 +70,7 @@ class Token:
 @dataclass(frozen=True)
 class End:
     """The request is over: reason is "stop" (end-of-text), "length" (max_tokens or
-    the deadline), "cancelled" or "error" (with a message)."""
+    the deadline), "cancelled" or "error" (with a message: non-finite logits, or a bug)."""
 
     reason: str
     message: str = ""
@@ -149,12 +162,18 @@ class Engine:
         self.stop()
 
     def submit(self, requests: Sequence[Request]) -> None:
-        """Queue requests (all or none); QueueFull when they do not fit."""
+        """Queue requests (all or none); QueueFull when they do not fit now, NeverFits
+        when they never can (more than max_batch + max_queue)."""
+        if len(requests) > self.max_batch + self.max_queue:
+            raise NeverFits(len(requests), self.max_batch + self.max_queue)
         with self._cv:
             free_rows = self.max_batch - len(self.rows)
             if len(self.pending) + len(requests) > self.max_queue + free_rows:
                 self.metrics.rejected += len(requests)
-                raise QueueFull(self._retry_after())
+                raise QueueFull(self._retry_after(),
+                                f": {len(self.rows)} sequences decode (--max-batch "
+                                f"{self.max_batch}) and {len(self.pending)} wait (--max-queue "
+                                f"{self.max_queue}), raised by those flags")
             self.pending.extend(requests)
             self.metrics.queue_depth = len(self.pending)
             self._cv.notify()
@@ -269,10 +288,14 @@ class Engine:
 
     def _take(self, row: _Row, logits: Tensor, first: bool = False,
               greedy_id: int | None = None) -> End | None:
-        """Choose row's next token from logits (1, V) and emit it; its End if it ended."""
+        """Choose row's next token from logits (1, V) and emit it; its End if it ended
+        (an error End, and no token, when the logits are not all finite)."""
         req = row.req
         if req.vocab_size is not None:
             logits = logits[:, :req.vocab_size]
+        if not bool(torch.isfinite(logits).all()):
+            log.warning("a request ended: %s", NON_FINITE)
+            return End("error", NON_FINITE)
         if req.sampling.greedy:
             token = greedy_id if greedy_id is not None and greedy_id < logits.shape[-1] \
                 else int(logits.argmax(-1))

@@ -23,6 +23,8 @@ class Metrics:
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self.rejected = 0
+        self.cancelled = 0  # clients that left before their request was read
+        self.explore = (0, 0, 0)  # explore/explain requests running, waiting, bytes reserved
         self.queue_depth = 0
         self.batch_size = 0
         self.ttft_buckets = [0] * len(TTFT_BUCKETS)
@@ -75,7 +77,15 @@ class Metrics:
              self.completion_tokens),
             ("rejected_total", "counter", "Requests refused because the queue was full.",
              self.rejected),
+            ("cancelled_total", "counter",
+             "Requests cancelled: the client left while sending the body.", self.cancelled),
             ("queue_depth", "gauge", "Requests waiting for a batch row.", self.queue_depth),
+            ("explore_running", "gauge", "Explore and explain requests running.",
+             self.explore[0]),
+            ("explore_waiting", "gauge", "Explore and explain requests waiting for memory.",
+             self.explore[1]),
+            ("explore_memory_bytes", "gauge",
+             "Estimated memory of the explore and explain requests running.", self.explore[2]),
             ("batch_size", "gauge", "Rows in the last decoding step.", self.batch_size),
             ("tokens_per_second", "gauge", "Generated tokens per second, last 10 s.",
              round(self.tokens_per_second(), 3)),
