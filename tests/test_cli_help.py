@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -136,6 +137,8 @@ def agrees(shown: str, value: object, values: dict[str, object] | None = None) -
     rest explains it), literally or as a formula of the other settings in ``values``."""
     want = ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
     for head in (shown, *(shown.split(sep)[0] for sep in ("; ", ", ", " = "))):
+        if re.fullmatch(r"\d{1,3}(,\d{3})+", head):  # 16,777,216: thousands separators
+            head = head.replace(",", "")
         if head == want:
             return True
         if not isinstance(value, bool) and isinstance(value, (int, float)) and _literal(head):

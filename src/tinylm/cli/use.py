@@ -421,7 +421,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key", default=None, metavar="KEY",
                    help="require 'Authorization: Bearer KEY' (default: $TINYLM_API_KEY; "
                         "none on 127.0.0.1)")
-    p.add_argument("--allowed-hosts", default="", metavar="NAMES",
+    p.add_argument("--allowed-hosts", default=None, metavar="NAMES",
                    help="more names clients may send in the Host header, comma-separated "
                         "('*': any); the loopback names and --host are always allowed, others "
                         "get 421 (default: none)")
@@ -459,7 +459,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if not args.timeout > 0:
         raise ConfigError(f"--timeout must be > 0 seconds, got {args.timeout}")
     kwargs = {} if args.model_name is None else {"model_name": args.model_name}
-    allowed = tuple(h.strip() for h in args.allowed_hosts.split(",") if h.strip())
+    allowed = tuple(h.strip() for h in (args.allowed_hosts or "").split(",") if h.strip())
     serve(args.model, host=args.host, port=args.port, api_key=args.api_key,
           max_batch=args.max_batch, max_queue=args.max_queue, max_tokens=args.max_tokens,
           timeout=args.timeout, threads=args.threads, allowed_hosts=allowed,

@@ -22,3 +22,9 @@ class DataError(TinyLMError):
 
 class CheckpointError(TinyLMError):
     """A checkpoint folder is missing, incomplete, corrupt or mismatched."""
+
+
+class NonFiniteError(CheckpointError):
+    """A model's outputs are NaN or infinite at run time (weights that overflow float32 or
+    were loaded with --allow-nonfinite): the model's fault, not the request's (a server
+    answers 500)."""

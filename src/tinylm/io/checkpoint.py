@@ -38,7 +38,7 @@ from safetensors.torch import load_file
 from torch import Tensor
 
 from tinylm.core.config import ModelConfig, check_model_fits
-from tinylm.core.errors import CheckpointError, ConfigError, TinyLMError
+from tinylm.core.errors import CheckpointError, ConfigError, NonFiniteError, TinyLMError
 from tinylm.core.model import GPT
 from tinylm.io.checkpoint_files import (
     CONFIG_FILE,
@@ -260,7 +260,7 @@ def nonfinite_allowed(model: torch.nn.Module) -> bool:
     return _ORIGINS.get(unwrap_model(model), (None, False))[1]
 
 
-def nonfinite_error(model: torch.nn.Module, what: str) -> CheckpointError:
+def nonfinite_error(model: torch.nn.Module, what: str) -> NonFiniteError:
     """The one-line error for NaN or infinite values found at run time in ``what`` (e.g.
     "the next-token logits") of ``model``: finite weights can still overflow float32 in
     the forward pass (every weight 3e38 passes the load-time check). It names the
@@ -269,7 +269,7 @@ def nonfinite_error(model: torch.nn.Module, what: str) -> CheckpointError:
     name = f"the model of {where}" if where else "the model"
     cause = ("its weights were loaded with --allow-nonfinite, so they may hold NaN or inf"
              if allowed else "its weights are finite but overflow float32 in the forward pass")
-    return CheckpointError(
+    return NonFiniteError(
         f"{name} gives NaN or infinite values in {what} ({cause}); training diverged or the "
         f"file is damaged: use an earlier checkpoint (e.g. the run's best/) or retrain")
 

@@ -41,7 +41,7 @@ from starlette.responses import (
 )
 from starlette.routing import Route
 
-from tinylm.core.errors import TinyLMError
+from tinylm.core.errors import NonFiniteError, TinyLMError
 from tinylm.data.chat import render_chat, stop_ids
 from tinylm.serve.admission import (
     MIB,
@@ -458,7 +458,7 @@ async def _explorer_run(server: Server, route: str, ids: list[int], cost: int,
                        budget=s.explore_memory)
     try:
         return await server.explorer.run(cost, time.monotonic() + s.timeout, fn, *args)
-    except NonFinite:
+    except (NonFinite, NonFiniteError):  # the serve check, or explain/explore's own
         raise _non_finite(server) from None
 
 
