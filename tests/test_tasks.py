@@ -338,3 +338,40 @@ def test_builtin_tasks_score_a_model(model, tok) -> None:
         result = evaluate_task(model, tok, load_task(spec), limit=4, num_fewshot=1)
         assert result["n"] == 4 and 0 <= result["acc"] <= 1
         assert result["kind"] == builtin_task(spec).kind
+
+
+def test_an_hf_built_llama_scores_as_its_own_logits_say(tok, tmp_path) -> None:
+    """The oracle is transformers' own forward of a tiny Llama: the harness's rules on
+    its logits give the same log-likelihoods and accuracies as tinylm on its import."""
+    transformers = pytest.importorskip("transformers")
+    from tinylm.io.hf import from_hf
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=48,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        max_position_embeddings=48, tie_word_embeddings=False, rms_norm_eps=1e-6,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(20.0)
+    ours = from_hf(hf).eval()
+
+    class HFLogits(torch.nn.Module):  # the reference reads logits from transformers
+        config = ours.config
+
+        def forward(self, ids):
+            return hf(input_ids=ids).logits
+
+    records = mc_records(16, seed=5)
+    path = tmp_path / "hfmc.jsonl"
+    write_jsonl(path, records)
+    expected = ref_multiple_choice(HFLogits(), tok, records)
+    result = evaluate_task(ours, tok, load_task(str(path)), batch_size=5)
+    for key in ("acc", "acc_norm", "acc_bytes"):
+        assert result[key] == expected[key], key
+    requests = [encode_pair(tok, r["context"], " " + r["choices"][0]) for r in records]
+    for (ll, _), r in zip(loglikelihoods(ours, requests), requests, strict=True):
+        assert ll == pytest.approx(ref_loglikelihood(HFLogits(), *r)[0], abs=1e-4)

@@ -33,7 +33,7 @@ def test_hellaswag_as_the_harness_preprocesses_it(tmp_path) -> None:
     assert a.continuations[3] == " starts pulling up roofing on a roof." and a.answer == 3
     assert a.choice_texts == tuple(record["endings"])
     assert b.contexts == ("Home and Garden: How to clean a grill.. Heat it up.",)
-    assert b.choice_texts[0] == " Scrub it well." and b.answer == 0  # as the harness: no strip after
+    assert b.choice_texts[0] == " Scrub it well." and b.answer == 0  # no strip after, as theirs
 
 
 def test_arc_in_both_layouts(tmp_path) -> None:
@@ -107,7 +107,8 @@ def test_local_formats(tmp_path) -> None:
         {"context": "The sky is", "choices": ["blue", "green"], "answer": 0, "id": "x1"}]))
     assert mc.kind == "multiple_choice" and mc.items[0].continuations == (" blue", " green")
     assert mc.items[0].id == "x1" and mc.items[0].shot == "The sky is blue"
-    cloze = load_task(write(tmp_path / "cl.jsonl", [{"context": "Paris is in", "target": " France"}]))
+    cloze = load_task(write(tmp_path / "cl.jsonl",
+                            [{"context": "Paris is in", "target": " France"}]))
     assert cloze.kind == "cloze" and cloze.items[0].pairs("") == [("Paris is in", " France")]
     gen = load_task(write(tmp_path / "gen.jsonl", [
         {"context": "2 + 2 =", "answer": 4, "stop": ["\n"]}]))

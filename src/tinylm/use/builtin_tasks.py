@@ -4,14 +4,14 @@
     builtin:count         cloze: "Count: 14, 15, 16, 17," -> " 18"
     builtin:brackets      multiple choice: which bracket closes "Close the bracket: ( [ ] {" ->
                           ")" "]" "}" ">" (the innermost open one)
-    builtin:add-digits    generate: "Question: What is 7 + 5?\\nAnswer:" -> "12" (the last
+    builtin:add-digits    generate: "Question: What is 17 + 25?\\nAnswer:" -> "42" (the last
                           number of the greedy answer, up to a new line)
     builtin:add-words     multiple choice: "Question: What is three plus four?\\nAnswer:"
                           -> four number words up to twenty, " seven" among them
 
 Each task has ITEMS scored items and its own train split of TRAIN_ITEMS (another seed,
-none with the context of a scored item) that few-shot examples come from. The same seed gives the same items on every machine
-(``random.Random`` seeded with an integer).
+none with the context of a scored item) that few-shot examples come from. The same seed
+gives the same items on every machine (``random.Random`` seeded with an integer).
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def _brackets(rnd: random.Random) -> Item:
 
 
 def _add_digits(rnd: random.Random) -> Item:
-    a, b = rnd.randint(1, 20), rnd.randint(1, 20)
+    a, b = rnd.randint(10, 49), rnd.randint(10, 49)  # two digits each: one length, one batch
     context = f"Question: What is {a} + {b}?\nAnswer:"
     return Item((context,), (), str(a + b), shot=f"{context} {a + b}")
 

@@ -25,10 +25,11 @@ A suite is a TOML file (docs/evaluate.md)::
 from __future__ import annotations
 
 import os
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 from tinylm.core.checks import is_int
 from tinylm.core.errors import ConfigError, DataError

@@ -183,7 +183,7 @@ def loglikelihoods(model: nn.Module, requests: Sequence[tuple[list[int], list[in
     base = unwrap_model(model)
     C = base.config.context_length
     device = next(base.parameters()).device
-    for ctx, cont in requests:
+    for _, cont in requests:
         if not cont:
             raise DataError("a continuation encodes to no tokens; every choice and target "
                             "needs some text")
@@ -322,8 +322,9 @@ def _choice_metrics(items: Sequence[Item], scores: list[list[float]]) -> dict[st
     acc, norm, by_bytes = [], [], []
     for it, lls in zip(items, scores, strict=True):
         ll = np.array(lls)
-        chars = np.array([float(len(t)) for t in it.choice_texts])
-        nbytes = np.array([float(len(t.encode("utf-8"))) for t in it.choice_texts])
+        texts = it.choice_texts or it.continuations  # an Item made without choice texts
+        chars = np.array([float(len(t)) for t in texts])
+        nbytes = np.array([float(len(t.encode("utf-8"))) for t in texts])
         acc.append(float(np.argmax(ll) == it.answer))
         norm.append(float(np.argmax(ll / chars) == it.answer))
         by_bytes.append(float(np.argmax(ll / nbytes) == it.answer))
