@@ -375,3 +375,13 @@ def test_an_hf_built_llama_scores_as_its_own_logits_say(tok, tmp_path) -> None:
     requests = [encode_pair(tok, r["context"], " " + r["choices"][0]) for r in records]
     for (ll, _), r in zip(loglikelihoods(ours, requests), requests, strict=True):
         assert ll == pytest.approx(ref_loglikelihood(HFLogits(), *r)[0], abs=1e-4)
+
+
+def test_progress_reports_items_done(model, tok) -> None:
+    calls = []
+    for spec in ("builtin:brackets", "builtin:add-digits"):
+        calls.clear()
+        evaluate_task(model, tok, load_task(spec), limit=5, batch_size=2,
+                      progress=lambda done, total: calls.append((done, total)))
+        assert calls[-1] == (5, 5) and all(t == 5 for _, t in calls)
+        assert [d for d, _ in calls] == sorted(d for d, _ in calls)

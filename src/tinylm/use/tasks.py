@@ -227,7 +227,8 @@ def _score_batch(base: nn.Module, batch: Sequence[tuple[list[int], list[int]]], 
     if max(max(inp) for inp in inputs) >= V or max(targets) >= V:
         raise DataError(f"a token id is outside the model's vocabulary of {V}; the tokenizer "
                         f"and the model do not match")
-    h = base.hidden_states(x.to(device))[torch.tensor(rows), torch.tensor(cols)]  # (N, E)
+    h = base.hidden_states(x.to(device))  # (b, T, E)
+    h = h[torch.tensor(rows, device=device), torch.tensor(cols, device=device)]  # (N, E)
     logits = base.lm_head(h).float()  # (N, V): only the continuation positions
     tgt = torch.tensor(targets, device=logits.device)
     logp = F.log_softmax(logits, dim=-1).gather(1, tgt[:, None])[:, 0].double()  # (N,)
