@@ -311,7 +311,6 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--suite", metavar="FILE.toml",
                      help="several tasks, each centred on its random baseline, and their "
                      "mean (a CORE-style score)")
-    _add_task_flags(p)
     p.add_argument("--model", required=True, metavar="DIR", help="a checkpoint or run folder")
     p.add_argument("--split", choices=("val", "train"), default="val",
                    help="which split of --data (default: val)")
@@ -322,6 +321,7 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
                    help="windows (with --task: requests) per forward pass (default: 16)")
     p.add_argument("--max-windows", type=_count, metavar="N",
                    help="stop after N windows: a quick estimate instead of the exact value")
+    _add_task_flags(p)
     _device_flag(p)
     p.add_argument("--json", action="store_true",
                    help="print one JSON object: loss, perplexity, bits_per_byte, tokens "
