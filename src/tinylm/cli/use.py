@@ -264,15 +264,27 @@ def _cmd_chat(args: argparse.Namespace) -> int:
 def _add_eval(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "eval",
-        help="mean loss, perplexity and bits per byte over a split or a text file",
+        help="loss, perplexity and bits per byte over a split or a text file; task "
+        "accuracy (--task, --suite)",
         description="Score every next-token target of a prepared split (--data) or a text "
         "file (--text) exactly once: non-overlapping windows of the model's context "
         "length, or sliding windows with --stride. Bits per byte divide the total loss "
-        "in bits by the UTF-8 size of the text, so they compare across tokenizers.",
+        "in bits by the UTF-8 size of the text, so they compare across tokenizers. "
+        "With --task or --suite: task accuracy, scored as lm-evaluation-harness scores "
+        "it (multiple choice: acc, acc_norm, acc_bytes; cloze; generative exact match); "
+        "see docs/evaluate.md.",
     )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--data", metavar="DIR", help="a folder written by 'tinylm prepare'")
     src.add_argument("--text", metavar="FILE", help="a UTF-8 text file")
+    src.add_argument("--task", action="append", metavar="NAME|FILE",
+                     help="a task: builtin:copy, builtin:count, builtin:brackets, "
+                     "builtin:add-digits, builtin:add-words, or a JSONL file (tinylm's "
+                     "formats, HellaSwag, ARC, PIQA, Winogrande, BoolQ, LAMBADA, GSM8K); "
+                     "repeatable")
+    src.add_argument("--suite", metavar="FILE.toml",
+                     help="several tasks, each centred on its random baseline, and their "
+                     "mean (a CORE-style score)")
     p.add_argument("--model", required=True, metavar="DIR", help="a checkpoint or run folder")
     p.add_argument("--split", choices=("val", "train"), default="val",
                    help="which split of --data (default: %(default)s)")
@@ -280,19 +292,41 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
                    help="sliding-window step, 1..C; each scored token then sees at least "
                    "C - N tokens of context (default: C, non-overlapping windows)")
     p.add_argument("--batch-size", type=_count, default=16, metavar="B",
-                   help="windows per forward pass (default: %(default)s)")
+                   help="windows (with --task: requests) per forward pass (default: %(default)s)")
     p.add_argument("--max-windows", type=_count, metavar="N",
                    help="stop after N windows: a quick estimate instead of the exact value")
+    _add_task_flags(p)
     _device_flag(p)
     p.add_argument("--json", action="store_true",
-                   help="print one JSON object: loss, perplexity, bits_per_byte, tokens")
+                   help="print one JSON object: loss, perplexity, bits_per_byte, tokens "
+                   "(with --task/--suite: {\"tasks\": {name: {kind, n, acc, ...}}, ...})")
     _allow_nonfinite_flag(p)
     p.set_defaults(func=_cmd_eval)
+
+
+def _add_task_flags(p: argparse.ArgumentParser) -> None:
+    """eval's flags for --task and --suite."""
+    p.add_argument("--task-format", metavar="FORMAT",
+                   help="the format of --task's file: mc, cloze, generate, hellaswag, arc, "
+                   "piqa, winogrande, boolq, lambada, gsm8k (default: found from its fields)")
+    p.add_argument("--limit", type=_count, metavar="N", help="score only the first N items")
+    p.add_argument("--num-fewshot", type=int, default=0, metavar="K",
+                   help="K examples from the task's own train/dev split before each item "
+                   "(default: 0)")
+    p.add_argument("--fewshot-file", metavar="FILE",
+                   help="the split few-shot examples come from (default: a built-in task's "
+                   "own; for a file, its items after --limit)")
+    p.add_argument("--seed", type=int, metavar="S",
+                   help="seed of the few-shot draw (default: 1234, as the harness)")
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
     import json
 
+    if args.task or args.suite:
+        from tinylm.cli.evaluate import cmd_eval_tasks
+
+        return cmd_eval_tasks(args)
     from tinylm.core.config import resolve_device
     from tinylm.io.checkpoint import load_model, load_tokenizer_of, require_tokenizer_of
     from tinylm.use.evaluation import evaluate_split, evaluate_text
