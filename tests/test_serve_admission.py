@@ -52,6 +52,30 @@ class Sampler:
         self._thread.join()
 
 
+class Gauges:
+    """The largest values /metrics showed of the explorer's gauges, polled while it runs."""
+
+    def __init__(self, url: str) -> None:
+        self.url, self.peak, self._stop = url, {}, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for line in httpx.get(self.url + "/metrics", timeout=30).text.splitlines():
+                name, _, value = line.partition(" ")
+                if name in ("tinylm_explore_running", "tinylm_explore_memory_bytes"):
+                    self.peak[name] = max(self.peak.get(name, 0.0), float(value))
+            time.sleep(0.01)
+
+    def __enter__(self) -> Gauges:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def _flood(url: str, n: int) -> list[httpx.Response]:
     """n explore and n completion requests at once, from 2n threads."""
     def explore(_):
@@ -67,9 +91,8 @@ def _flood(url: str, n: int) -> list[httpx.Response]:
 
 
 def test_peak_memory_is_bounded_under_30_explores_and_30_completions(tmp_path):
-    budget = 160 * MIB
     cost = explore_bytes(ModelConfig(context_length=64, **BIG), 40)
-    assert budget // 2 < cost <= budget  # one explore at a time fits, two do not
+    budget = cost * 3 // 2  # one explore at a time fits, two do not
     spec = {"model": BIG, "settings": {"explore_memory": budget, "max_batch": 32,
                                        "max_queue": 8, "max_tokens": 16}}
     with proc_server(spec, tmp_path / "log") as (url, proc):
@@ -77,7 +100,7 @@ def test_peak_memory_is_bounded_under_30_explores_and_30_completions(tmp_path):
                           timeout=60)  # the allocator's first growth is not the request's
         assert warm.status_code == 200
         base = psutil.Process(proc.pid).memory_info().rss
-        with Sampler(proc.pid) as rss:
+        with Sampler(proc.pid) as rss, Gauges(url) as gauges:
             answers = _flood(url, 30)
         explores, completions = answers[0::2], answers[1::2]
     assert all(r.status_code == 200 for r in completions)  # the engine was not starved
@@ -88,10 +111,15 @@ def test_peak_memory_is_bounded_under_30_explores_and_30_completions(tmp_path):
     assert busy and all(int(r.headers["retry-after"]) >= 1 for r in busy)
     assert all("--explore-memory" in r.json()["error"]["message"] and "--max-queue 8"
                in r.json()["error"]["message"] for r in busy)
+    # the admission itself: never two explores at once, never more reserved than the budget
+    assert gauges.peak["tinylm_explore_running"] == 1, gauges.peak
+    assert 0 < gauges.peak["tinylm_explore_memory_bytes"] <= budget, gauges.peak
     grown = (rss.peak - base) / MIB
-    # one explore's worth (its estimate, an upper bound) and the completions' small change;
-    # without the budget, six threads run explores at once, over 300 MiB on this model
-    assert grown < budget / MIB + 40, f"the server grew by {grown:.0f} MiB"
+    # one explore's worth (its estimate, an upper bound) and the completions' small change
+    # (+64 MiB: RSS also holds what the worker threads' malloc arenas keep after a request;
+    # 79-135 MiB measured over five runs against this 106 MiB budget, 147-171 MiB with the
+    # budget lifted: the explorer's passes are bounded by themselves, tests/test_explore_memory)
+    assert grown < budget / MIB + 64, f"the server grew by {grown:.0f} MiB"
 
 
 def test_explore_and_explain_too_big_ever_are_413_naming_the_flag():

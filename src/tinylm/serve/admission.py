@@ -2,15 +2,16 @@
 decided before any work starts, and a queue bounded like the engine's.
 
 A completion's memory is bounded by the engine (``--max-batch`` rows of one KV cache,
-allocated once). An explorer request is not: its ablation logits grow with layers ×
-heads × prompt tokens × vocabulary. So each one gets an estimate, :func:`explore_bytes`
-or :func:`explain_bytes` (an upper bound of the float32 tensors and the JSON the route
-builds), and :class:`WorkQueue` runs requests only while the estimates of those running
-add up to at most the budget (``--explore-memory``), at most ``max_running`` at once;
-others wait, at most ``max_waiting`` of them (``--max-queue``), each until its deadline
-(``--timeout``). A request larger than the whole budget, or than ``--max-explore-tokens``,
-can never run: a 413 that names the flag raising the limit. A full queue or a wait past
-the deadline is a 429 with ``Retry-After``.
+allocated once). An explorer request is not: it grows with layers × heads × prompt
+tokens (and its passes with the vocabulary). So each one gets an estimate,
+:func:`explore_bytes` or :func:`explain_bytes` (the explorer's own upper bound, from
+:mod:`tinylm.use.explorer`, plus a fixed overhead), and :class:`WorkQueue` runs requests
+only while the estimates of those running add up to at most the budget
+(``--explore-memory``), at most ``max_running`` at once; others wait, at most
+``max_waiting`` of them (``--max-queue``), each until its deadline (``--timeout``). A
+request larger than the whole budget, or than ``--max-explore-tokens``, can never run: a
+413 that names the flag raising the limit. A full queue or a wait past the deadline is a
+429 with ``Retry-After``.
 """
 
 from __future__ import annotations
@@ -22,38 +23,25 @@ from collections.abc import Callable
 from typing import Any
 
 from tinylm.serve.engine import QueueFull
+from tinylm.use.explorer import explain_cost, explore_cost
 from tinylm.serve.schemas import RequestError
 
 MIB = 1 << 20
-FLOAT = 4  # bytes of a float32
-PY_FLOAT = 48  # a float in a Python list and its JSON text, bytes
 OVERHEAD = 16 * MIB  # a request's fixed part: the trace's small tensors, the interpreter
 
 
-def _sizes(cfg: Any) -> tuple[int, int, int, int]:
-    return cfg.n_layer, cfg.n_head, cfg.vocab_size, cfg.n_embd
+def explore_bytes(cfg: Any, tokens: int, *, top_k: int = 5, layers: int | None = None) -> int:
+    """The memory one ``/v1/explore`` of ``tokens`` tokens may use: the explorer's own
+    estimate (:func:`tinylm.use.explorer.explore_cost`, the one home of what its passes
+    keep; ``layers``: a request for that many layers' step-by-step part) plus a fixed
+    overhead."""
+    return OVERHEAD + explore_cost(cfg, tokens, top_k=top_k, layers=layers).bytes
 
 
-def explore_bytes(cfg: Any, tokens: int) -> int:
-    """An upper bound of the memory one ``/v1/explore`` of ``tokens`` tokens uses: a
-    layer's ablation logits (heads + 2 keys, × C × V) with their softmax, top-k and JSON
-    copies (six in all; 4.7 to 5.9 measured on models of 2 to 4 layers), every layer's
-    traced maps (L × H × C², a few each), the trace's residual-stream tensors (L × C × E,
-    a few dozen each) and the logit lens (C × V a stage)."""
-    L, H, V, E = _sizes(cfg)
-    C = tokens
-    return OVERHEAD + FLOAT * (6 * (H + 2) * C * V + 4 * C * V + 8 * L * H * C * C
-                               + 64 * L * C * E)
-
-
-def explain_bytes(cfg: Any, tokens: int) -> int:
-    """An upper bound of the memory one ``/v1/explain`` uses: the logits and their softmax
-    (C × V, a few copies), the maps (L × H × C²) and the same maps as Python floats in the
-    JSON answer."""
-    L, H, V, E = _sizes(cfg)
-    C = tokens
-    return OVERHEAD + FLOAT * (4 * C * V + 4 * L * H * C * C + 32 * L * C * E) \
-        + PY_FLOAT * L * H * C * C
+def explain_bytes(cfg: Any, tokens: int, *, top_k: int = 5) -> int:
+    """The memory one ``/v1/explain`` may use (:func:`tinylm.use.explorer.explain_cost`
+    plus the fixed overhead)."""
+    return OVERHEAD + explain_cost(cfg, tokens, top_k=top_k).bytes
 
 
 def check_explore_size(route: str, tokens: int, cost: int, *, max_tokens: int,

@@ -478,7 +478,7 @@ async def explain_route(server: Server, request: Request) -> Response:
     _check_model(server, req.model)
     ids = await asyncio.to_thread(server.tokenizer.encode, req.prompt)  # up to 1 MiB
     check_prompt(ids, server.limits.context_length, server.model.config.vocab_size)
-    cost = explain_bytes(server.model.config, len(ids))
+    cost = explain_bytes(server.model.config, len(ids), top_k=req.top_k)
     return await _explorer_run(server, "/v1/explain", ids, cost, _explain_answer, server,
                                ids, req.top_k)
 
@@ -505,7 +505,9 @@ async def explore_route(server: Server, request: Request) -> Response:
     _check_model(server, req.model)
     ids = await asyncio.to_thread(server.tokenizer.encode, req.prompt)  # off the loop
     check_prompt(ids, server.limits.context_length, server.model.config.vocab_size)
-    cost = explore_bytes(server.model.config, len(ids))
+    layers = body.get("layers")
+    cost = explore_bytes(server.model.config, len(ids), top_k=req.top_k,
+                         layers=len(layers) if isinstance(layers, list) else None)
     return await _explorer_run(server, "/v1/explore", ids, cost, _explore_answer, server,
                                ids, req.prompt, body, req.top_k)
 
