@@ -23,8 +23,8 @@ from collections.abc import Callable
 from typing import Any
 
 from tinylm.serve.engine import QueueFull
-from tinylm.use.explorer import explain_cost, explore_cost
 from tinylm.serve.schemas import RequestError
+from tinylm.use.explorer import explain_cost, explore_cost
 
 MIB = 1 << 20
 OVERHEAD = 16 * MIB  # a request's fixed part: the trace's small tensors, the interpreter
