@@ -181,6 +181,7 @@ def test_malformed_requests_get_openai_shaped_4xx(served):
 def test_models_health_metrics(served, client):
     url = served[0]
     assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(url + "/v1/models").json()["data"][0]["chat"] is False  # no template
     client.completions.create(model=MODEL, prompt="The", max_tokens=2)
     assert httpx.get(url + "/health").json() == {"status": "ok"}
     text = httpx.get(url + "/metrics").text
@@ -373,6 +374,7 @@ def test_chat_completions_use_the_models_chat_template():
         assert r.choices[0].message.content == want
         assert r.choices[0].finish_reason == ("stop" if cut < len(out) else "length")
         assert r.usage.prompt_tokens == len(ids)
+        assert httpx.get(url + "/v1/models").json()["data"][0]["chat"] is True
         assert len(r.choices[0].logprobs.content) == r.usage.completion_tokens
         assert all(len(e.top_logprobs) == 2 for e in r.choices[0].logprobs.content)
         chunks = list(c.chat.completions.create(model=MODEL, messages=messages,

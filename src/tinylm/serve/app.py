@@ -518,9 +518,13 @@ async def explorer_page(request: Request) -> Response:
 
 
 async def models(server: Server, request: Request) -> Response:
+    """The one model; ``chat`` (an extension) says whether /v1/chat/completions can render
+    its messages (the web page opens in Chat mode then)."""
+    chats = getattr(server.tokenizer, "chat_template", None) is not None
     return JSONResponse({"object": "list", "data": [
         {"id": server.settings.model_name, "object": "model", "created": 0,
-         "owned_by": "tinylm", "context_length": server.limits.context_length}]})
+         "owned_by": "tinylm", "context_length": server.limits.context_length,
+         "chat": chats}]})
 
 
 async def health(request: Request) -> Response:
