@@ -112,6 +112,9 @@ def _write_inputs(work: Path) -> None:
              for i in range(60)]
     (work / "convs.jsonl").write_text("".join(json.dumps(c) + "\n" for c in convs))
     _write_docs_inputs(work, paragraphs)
+    shutil.copy(ROOT / "tests/data/commonsense20.jsonl", work / "items.jsonl")
+    (work / "core.toml").write_text('limit = 10\n[[task]]\ntask = "builtin:copy"\n'
+                                    '[[task]]\ntask = "items.jsonl"\n')
     (work / "run.toml").write_text("[model]\nn_layer = 1\nn_head = 2\nn_embd = 32\n"
                                    "[train]\nmax_steps = 4\nbatch_size = 4\n")
 
