@@ -65,12 +65,22 @@ def readme_blocks(text: str, language: str) -> list[str]:
     return re.findall(rf"^```{language}\n(.*?)^```", text, flags=re.S | re.M)
 
 
+def _substituted(line: str) -> str:
+    """``$(python -c '...')`` replaced by its output, as the shell would (with this
+    interpreter as ``python``)."""
+    def run(match: re.Match) -> str:
+        argv = shlex.split(match.group(1))
+        argv[0] = sys.executable if argv[0] == "python" else argv[0]
+        return subprocess.run(argv, capture_output=True, text=True, check=True).stdout.strip()
+    return re.sub(r"\$\((.*?)\)(?=\s|$)", run, line)
+
+
 def bash_commands(text: str) -> list[list[str]]:
     """Each command of each bash block as argv (continuation lines joined, comments cut)."""
     commands = []
     for block in readme_blocks(text, "bash"):
         for line in block.replace("\\\n", " ").splitlines():
-            argv = shlex.split(line, comments=True)
+            argv = shlex.split(_substituted(line), comments=True)
             if argv:
                 commands.append(argv)
     return commands
