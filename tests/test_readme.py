@@ -123,6 +123,11 @@ def _write_inputs(work: Path) -> None:
     (work / "convs.jsonl").write_text("".join(json.dumps(c) + "\n" for c in convs))
     _write_docs_inputs(work, paragraphs)
     shutil.copy(ROOT / "tests/data/commonsense20.jsonl", work / "items.jsonl")
+    items = [json.loads(line) for line in (work / "items.jsonl").read_text().splitlines()]
+    (work / "hellaswag_val.jsonl").write_text("".join(json.dumps(  # HellaSwag's own fields
+        {"ind": i, "activity_label": "Everyday facts", "ctx_a": it["context"], "ctx_b": "",
+         "endings": it["choices"], "label": str(it["answer"])}) + "\n"
+        for i, it in enumerate(items)))
     (work / "core.toml").write_text('limit = 10\n[[task]]\ntask = "builtin:copy"\n'
                                     '[[task]]\ntask = "items.jsonl"\n')
     (work / "run.toml").write_text("[model]\nn_layer = 1\nn_head = 2\nn_embd = 32\n"
@@ -181,6 +186,7 @@ def work(tmp_path_factory, smollm2_gguf) -> Path:
     work = tmp_path_factory.mktemp("readme")
     _write_inputs(work)
     (work / "SmolLM2-135M-Instruct.Q4_1.gguf").symlink_to(smollm2_gguf)
+    (work / "x.gguf").symlink_to(smollm2_gguf)  # the guides' any-GGUF-file example
     _run(work, ["prepare", "--corpus", "python-docs", "--tokenizer", "bpe", "--vocab-size", "1024",
                 "--out", "data/python-docs-bpe"])
     _run(work, ["prepare", "--out", "data/py-char"])

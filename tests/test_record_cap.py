@@ -175,11 +175,13 @@ def test_longest_token_bounds_the_tokens_of_any_text() -> None:
 # --- memory: subprocesses ------------------------------------------------------------------------
 
 _RUN = """
-import resource, sys
+import re, resource, sys
 from tinylm.cli import main
 code = main(sys.argv[1:])
-peak = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
-           resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
+# VmHWM, not RUSAGE_SELF: Linux carries ru_maxrss across exec, so a child forked from a
+# test run of a few GB would report the parent's size
+own = int(re.search(r"VmHWM:\\s+(\\d+)", open("/proc/self/status").read()).group(1))
+peak = max(own, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
 print(f"exit={code} peak_kb={peak}")
 """
 
