@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 
 from tinylm import __version__
 from tinylm.cli.prepare import _add_prepare
+from tinylm.cli.rl import _add_rl
 from tinylm.cli.training import (
     _add_export_checkpoint,
     _add_finetune,
@@ -72,6 +73,7 @@ COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_train,
     _add_finetune,
     _add_merge,
+    _add_rl,
     _add_chat,
     _add_plot,
     _add_sample,
