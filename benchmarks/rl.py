@@ -36,14 +36,14 @@ def main() -> None:
     ap.add_argument("--task", default="builtin:arith")
     ap.add_argument("--minutes", type=float, default=5.0)
     ap.add_argument("--out", default=None)
-    ap.add_argument("--lr", type=float, default=2e-4)
+    ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     out = Path(args.out or tempfile.mkdtemp(prefix="rl-bench-")) / "run"
     shutil.rmtree(out, ignore_errors=True)
-    cfg = RLConfig(group_size=8, prompts_per_step=4, max_new_tokens=24, lora_rank=8,
+    cfg = RLConfig(group_size=8, prompts_per_step=2, max_new_tokens=20, lora_rank=8,
                    lr=args.lr, max_steps=10_000, time_budget=args.minutes * 60,
-                   eval_every=10_000, save_every=10, pass_k=4, seed=0, n_held_out=40,
+                   eval_every=10_000, save_every=5, pass_k=4, seed=0, n_held_out=30,
                    advantage="mean")
     res = rl(args.model, args.task, out, config=cfg, progress=False)
     steps = [r for r in read_metrics(out) if "reward_mean" in r]

@@ -56,7 +56,10 @@ TINY_MODEL = ["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--context-le
 SHORT_RUN = ["--max-steps", "4", "--eval-every", "2", "--save-every", "2", "--eval-windows", "2",
              "--warmup-steps", "1", "--batch-size", "4"]
 APPENDED = {"train": TINY_MODEL + SHORT_RUN, "finetune": SHORT_RUN,
-            "sample": ["--max-new-tokens", "12"]}
+            "sample": ["--max-new-tokens", "12"],
+            "rl": ["--max-steps", "2", "--group-size", "2", "--prompts-per-step", "1",
+                   "--max-new-tokens", "4", "--n-held-out", "2", "--pass-k", "2",
+                   "--eval-every", "1", "--save-every", "1"]}
 #: What `tinylm train ...` stands for in the README's lines that elide the data and out.
 ELLIPSIS = {"train": ["--data", "data/py", "--out", "runs/py"], "sample": ["--prompt", "The"]}
 

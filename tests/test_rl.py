@@ -167,3 +167,78 @@ def test_bad_settings_are_one_line_errors(bad):
     with pytest.raises(ConfigError) as exc:
         RLConfig(**bad)
     assert "\n" not in str(exc.value)
+
+
+def _jsonl_task(tmp_path):
+    import json
+    path = tmp_path / "task.jsonl"
+    words = ["cat", "dog", "sun", "map", "pen", "box", "hat", "cup", "bed", "car", "egg",
+             "fox"]
+    path.write_text("".join(json.dumps({"prompt": w, "answer": w[::-1]}) + "\n"
+                            for w in words))
+    return str(path)
+
+
+RESUME = dict(group_size=4, prompts_per_step=2, max_new_tokens=4, lr=1e-2, max_steps=8,
+              eval_every=4, save_every=3, pass_k=2, seed=3, n_train=8, n_held_out=4,
+              updates_per_batch=2, kl_coef=0.05, lora_rank=2)
+
+
+def _adapters(run):
+    from safetensors.torch import load_file
+    return load_file(str(run / "latest" / "model.safetensors"))
+
+
+def _steps_log(run):
+    from tinylm.training.runlog import read_metrics
+    drop = ("elapsed", "samples_per_s", "generate_s", "update_s")
+    return [{k: v for k, v in r.items() if k not in drop} for r in read_metrics(run)]
+
+
+def test_kill_and_resume_is_bitwise_exact(tmp_path):
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    path, _ = _tiny_model(tmp_path)
+    task = _jsonl_task(tmp_path)
+    ref = rl(path, task, tmp_path / "ref", config=RLConfig(**RESUME), progress=False)
+    assert ref.steps == 8
+    script = (
+        "import json, os, signal, sys\n"
+        "from tinylm.training.rl import RLConfig, rl\n"
+        "def on_step(step):\n"
+        "    if step == 5:\n"
+        "        os.kill(os.getpid(), signal.SIGKILL)\n"
+        "rl(sys.argv[1], sys.argv[2], sys.argv[3], config=RLConfig(**json.loads(sys.argv[4])),"
+        " progress=False, on_step=on_step)\n")
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run([sys.executable, "-c", script, str(path), task, str(out),
+                           json.dumps(RESUME)], capture_output=True, text=True, timeout=120,
+                          env=env)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    from tinylm.io.checkpoint import load_train_state
+    assert load_train_state(out / "latest")[1]["step"] == 3
+    from tinylm.core.errors import CheckpointError
+    with pytest.raises(CheckpointError, match="--resume"):
+        rl(path, task, out, config=RLConfig(**RESUME), progress=False)
+    got = rl(path, task, out, config=RLConfig(**RESUME), resume=True, progress=False)
+    assert got.steps == 8 and got.resumed_from == 3
+    a, b = _adapters(tmp_path / "ref"), _adapters(out)
+    assert a.keys() == b.keys() and len(a) > 0
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    assert _steps_log(out) == _steps_log(tmp_path / "ref")
+
+
+def test_cli_bad_flags_exit_2(tmp_path, capsys):
+    from tinylm.cli import main
+    path, _ = _tiny_model(tmp_path)
+    for argv in (["--advantage", "median"], ["--kl-coef", "-1"], ["--group-size", "1"]):
+        code = main(["rl", "--model", str(path), "--task", "builtin:arith", "--out",
+                     str(tmp_path / "o"), *argv])
+        assert code == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "error" in err

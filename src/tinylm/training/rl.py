@@ -330,6 +330,7 @@ class _Loop:
     best: float
     elapsed0: float
     before: dict[str, float]
+    on_step: Any = None
 
 
 def _evaluate(run: _Loop, k: int | None = None) -> dict[str, float]:
@@ -359,6 +360,8 @@ def _steps(run: _Loop, signal: StopSignal, t0: float) -> str:
         record = rl_step(run.policy, run.task, cfg, run.step)
         run.step += 1
         run.bar.step()
+        if run.on_step is not None:
+            run.on_step(run.step)
         if run.step % cfg.eval_every == 0 and run.step < cfg.max_steps:
             record.update(_evaluate(run))
             run.bar.message(f"step {run.step}: held-out pass@1 {record['heldout_pass1']:.3f}"
@@ -373,14 +376,14 @@ def _steps(run: _Loop, signal: StopSignal, t0: float) -> str:
 
 
 def _run(model_dir: Any, task: Any, cfg: RLConfig, out: Path, resuming: bool,
-         progress: bool | None) -> RLResult:
+         progress: bool | None, on_step: Any) -> RLResult:
     policy = build_policy(model_dir, cfg, out / RUN_LATEST if resuming else None)
     meta = _restore(policy, out) if resuming else {}
     step = int(meta.get("step", 0))
     metrics = MetricsLog(out, True, step if resuming else None)
     run = _Loop(policy, task, cfg, out, metrics, Progress(True, progress), step,
                 float(meta.get("best_pass1", -1.0)), float(meta.get("elapsed", 0.0)),
-                dict(meta.get("before") or {}))
+                dict(meta.get("before") or {}), on_step)
     t0 = time.perf_counter()
     signal = StopSignal()
     with signal.installed(), contextlib.closing(metrics), contextlib.closing(run.bar):
@@ -408,10 +411,11 @@ def _fmt(scores: dict[str, float]) -> str:
 
 def rl(model_dir: str | os.PathLike, task: Any, out_dir: str | os.PathLike, *,
        config: RLConfig | None = None, resume: bool | str | None = False,
-       progress: bool | None = None) -> RLResult:
+       progress: bool | None = None, on_step: Any = None) -> RLResult:
     """Train ``model_dir`` with RL on ``task`` (a spec for
     :func:`tinylm.use.rewards.load_rl_task`, or a task object) into ``out_dir``.
-    ``resume``: as :func:`tinylm.train` (False, True, "auto")."""
+    ``resume``: as :func:`tinylm.train` (False, True, "auto"). ``on_step(step)`` runs
+    after every step."""
     cfg = config or RLConfig()
     out = Path(out_dir)
     task = load_task(task, cfg)
@@ -427,7 +431,7 @@ def rl(model_dir: str | os.PathLike, task: Any, out_dir: str | os.PathLike, *,
             return RLResult(out, int(found.step or 0), "finished", meta.get("before", {}),
                             {}, float(meta.get("best_pass1", 0.0)),
                             float(meta.get("elapsed", 0.0)), found.step)
-        return _run(model_dir, task, cfg, out, found.resuming, progress)
+        return _run(model_dir, task, cfg, out, found.resuming, progress, on_step)
     finally:
         lock.release()
 
