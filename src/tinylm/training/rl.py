@@ -368,11 +368,23 @@ def _steps(run: _Loop, signal: StopSignal, t0: float) -> str:
                             f" (greedy), train reward {record['reward_mean']:.3f}")
         record["elapsed"] = run.elapsed0 + time.perf_counter() - t0
         run.metrics.write(record)
-        run.bar.report(run.step, cfg.max_steps, record["loss"], cfg.learning_rate,
-                       record["samples_per_s"], 0.0)
+        _report(run.bar, record, cfg.max_steps)
         if run.step % cfg.save_every == 0:
             _save(run.policy, run.out, run.step, _meta(run, t0, None))
     return "max_steps"
+
+
+def _report(bar: Progress, record: dict[str, Any], total: int) -> None:
+    """The bar's postfix on a terminal, else one log line per step."""
+    if bar.bar is not None:
+        bar.bar.set_postfix(reward=f"{record['reward_mean']:.3f}",
+                            len=f"{record['response_length']:.1f}",
+                            samples_s=f"{record['samples_per_s']:.2f}", refresh=False)
+    elif bar.enabled:
+        log.info("step %d/%d | reward %.3f | length %.1f | kl %.4f | entropy %.3f | "
+                 "%.2f samples/s", record["step"], total, record["reward_mean"],
+                 record["response_length"], record["kl"], record["entropy"],
+                 record["samples_per_s"])
 
 
 def _run(model_dir: Any, task: Any, cfg: RLConfig, out: Path, resuming: bool,
