@@ -73,8 +73,14 @@ def main() -> None:
         f"- samples per second (generation + update): {samples / max(gen + upd, 1e-9):.2f}",
         f"- share of step time: generation {gen / max(gen + upd, 1e-9):.0%}, "
         f"update {upd / max(gen + upd, 1e-9):.0%}",
-        f"- wall time of the RL steps: {gen + upd:.0f} s (time budget "
-        f"{args.minutes * 60:.0f} s; held-out evaluation before and after not counted)"])
+        f"- wall time of the RL steps: {gen + upd:.0f} s (the time budget of "
+        f"{args.minutes * 60:.0f} s counts the whole call, the first held-out evaluation "
+        f"included; the evaluation after it is extra)", "",
+        f"Read with care: with at most {cfg.max_new_tokens} new tokens most of SmolLM2's "
+        f"first answers are cut off before the number (a smoke run with 24 tokens scored "
+        f"0.275 greedy pass@1 before any step), so much of the gain is the model learning "
+        f"to give the answer early and briefly, which the reward pays for; the mean token "
+        f"entropy of the samples fell from about 1.5 to 0.1 nats over the run (metrics.jsonl)."])
     print(body)
     print(json.dumps({"before": res.before, "after": res.after, "steps": len(steps)}))
     if not args.no_write:
