@@ -22,7 +22,8 @@
 Rewards. A built-in or file task's reward is 1.0 when the completion is right and 0.0
 otherwise; ``format_reward`` (default 0, off) gives that much instead of 0 to a built-in
 task's completion whose answer could be read but is wrong (a file task has no such
-notion). :meth:`RLTask.correct` (what pass@k counts) is always the task's own check.
+notion: asking for one there is a ConfigError). :meth:`RLTask.correct` (what pass@k
+counts) is always the task's own check, whatever the reward.
 
 ``reward="module:function"`` replaces the reward with a user's own function
 ``f(prompt: str, completion: str, record: dict) -> float``. This is code the user chose
