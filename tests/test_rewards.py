@@ -65,7 +65,7 @@ def test_last_number_is_read_in_several_phrasings(spec: str) -> None:
         a = r.answer
         wrong = str(int(a) + 1)
         for right in (a, f"The answer is {a}.", f"{wrong}? No: {a}", f"**{a}**\n",
-                      f"It is {a}.0 exactly", f"Answer: {a}"):
+                      f"It is {a}.0 exactly", f"Answer: {a}", f"0{a}"):
             assert task.reward(r, right) == 1.0 and task.correct(r, right), right
         for bad in (wrong, f"The answer is {a}.5", f"{a} or maybe {wrong}", "I do not know",
                     ""):
