@@ -22,7 +22,8 @@
 Rewards. A built-in or file task's reward is 1.0 when the completion is right and 0.0
 otherwise; ``format_reward`` (default 0, off) gives that much instead of 0 to a built-in
 task's completion whose answer could be read but is wrong (a file task has no such
-notion). :meth:`RLTask.correct` (what pass@k counts) is always the task's own check.
+notion: asking for one there is a ConfigError). :meth:`RLTask.correct` (what pass@k
+counts) is always the task's own check, whatever the reward.
 
 ``reward="module:function"`` replaces the reward with a user's own function
 ``f(prompt: str, completion: str, record: dict) -> float``. This is code the user chose
@@ -56,8 +57,8 @@ from tinylm.use.rl_builtins import RL_BUILTIN_PREFIX, RL_BUILTIN_TASKS, RL_BUILT
 from tinylm.use.task_files import read_jsonl
 
 MATCHES = ("exact", "regex")
-#: How many draws a built-in may take per record asked before it is judged too small.
-_DRAWS_PER_RECORD = 200
+#: Draws in a row that bring no new record before a built-in is judged too small.
+_MISSES = 10_000
 
 
 @dataclass(frozen=True)
@@ -143,12 +144,13 @@ def _draw(make: Callable[[random.Random], tuple[str, str, dict]], rnd: random.Ra
     ``distinct``); a ConfigError when the task has too few prompts for that."""
     out: list[Record] = []
     seen = set(skip)
-    for _ in range(_DRAWS_PER_RECORD * n + 1000):
-        if len(out) == n:
-            return out
+    misses = 0
+    while len(out) < n and misses < _MISSES:
         prompt, answer, data = make(rnd)
         if prompt in seen:
+            misses += 1
             continue
+        misses = 0
         if distinct:
             seen.add(prompt)
         out.append(Record(prompt, answer, {"prompt": prompt, "answer": answer, **data}))
