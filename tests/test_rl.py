@@ -15,7 +15,8 @@ from tinylm.core.model import GPT
 from tinylm.data.tokenizers import STANDARD_SPECIALS, CharTokenizer
 from tinylm.io.checkpoint_files import save_checkpoint
 from tinylm.training.grpo import group_advantages, policy_loss, token_logprobs
-from tinylm.training.rl import RLConfig, pass_at_k, rl
+from tinylm.training.rl import RLConfig, rl
+from tinylm.use.rewards import pass_at_k
 from tinylm.training.rollout import Sample, pack
 
 

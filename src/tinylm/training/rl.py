@@ -17,7 +17,7 @@ excepted). The learning rate is constant (RL recipes rarely decay it over so few
 
 Evaluation on the held-out prompts: pass@1 is *greedy* (temperature 0, one answer per
 prompt: is it correct); pass@k draws k samples at the run's temperature per prompt and
-uses the unbiased estimator (:func:`tinylm.use.rewards.pass_at_k_of`).
+uses the unbiased estimator (:func:`tinylm.use.rewards.pass_at_k`).
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ from tinylm.training.rollout import pack, prompt_ids, sample
 from tinylm.training.runfolder import find_run, prepare_out, resume_mode
 from tinylm.training.runlog import MetricsLog, Progress, StopSignal
 from tinylm.training.rlplot import plot_rl
+from tinylm.use.rewards import pass_at_k
 
 log = logging.getLogger(__name__)
 
@@ -236,11 +237,6 @@ def _update(policy: Policy, batch: Any, adv: torch.Tensor, cfg: RLConfig) -> dic
         first["clip_fraction"] = parts.clip_fraction.item()  # the last update's
     policy.optimizer.zero_grad(set_to_none=True)
     return first
-
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """The unbiased pass@k of ``c`` correct among ``n`` samples: 1 - C(n-c, k) / C(n, k)."""
-    return 1.0 if n - c < k else 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
 def held_out(policy: Policy, task: Any, cfg: RLConfig, k: int | None = None
