@@ -23,7 +23,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import write_section  # noqa: E402
-
 from tinylm.training.rl import RLConfig, rl  # noqa: E402
 from tinylm.training.runlog import read_metrics  # noqa: E402
 

@@ -16,8 +16,8 @@ from tinylm.data.tokenizers import STANDARD_SPECIALS, CharTokenizer
 from tinylm.io.checkpoint_files import save_checkpoint
 from tinylm.training.grpo import group_advantages, policy_loss, token_logprobs
 from tinylm.training.rl import RLConfig, rl
-from tinylm.use.rewards import pass_at_k
 from tinylm.training.rollout import Sample, pack
+from tinylm.use.rewards import pass_at_k
 
 
 def test_advantages_match_a_loop():

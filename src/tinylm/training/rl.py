@@ -36,18 +36,18 @@ from typing import Any
 import torch
 from torch import nn
 
+from tinylm.core.checks import check_int
 from tinylm.core.config import TrainConfig
 from tinylm.core.errors import ConfigError
-from tinylm.core.checks import check_int
 from tinylm.io.checkpoint import (
     load_checkpoint,
     load_model,
     load_optimizer_state,
     load_train_state,
+    optimizer_state,
     resolve_checkpoint_dir,
 )
 from tinylm.io.checkpoint_files import RUN_BEST, RUN_LATEST, WEIGHTS_FILE, save_checkpoint
-from tinylm.io.checkpoint import optimizer_state
 from tinylm.io.files import FolderLock, sha256_file
 from tinylm.layers.lora import apply_lora, is_adapter_key, merge_lora
 from tinylm.training import distributed
@@ -55,10 +55,10 @@ from tinylm.training.defaults import RL_DEFAULTS, RL_LR
 from tinylm.training.finetune import with_dropout
 from tinylm.training.grpo import ADVANTAGES, group_advantages, policy_loss, token_logprobs
 from tinylm.training.optim import build_optimizer
+from tinylm.training.rlplot import plot_rl
 from tinylm.training.rollout import pack, prompt_ids, sample
 from tinylm.training.runfolder import find_run, prepare_out, resume_mode
 from tinylm.training.runlog import MetricsLog, Progress, StopSignal
-from tinylm.training.rlplot import plot_rl
 from tinylm.use.rewards import pass_at_k
 
 log = logging.getLogger(__name__)
