@@ -61,7 +61,8 @@ APPENDED = {"train": TINY_MODEL + SHORT_RUN, "finetune": SHORT_RUN,
                    "--max-new-tokens", "4", "--n-held-out", "2", "--pass-k", "2",
                    "--eval-every", "1", "--save-every", "1"]}
 #: What `tinylm train ...` stands for in the README's lines that elide the data and out.
-ELLIPSIS = {"train": ["--data", "data/py", "--out", "runs/py"], "sample": ["--prompt", "The"]}
+ELLIPSIS = {"train": ["--data", "data/py", "--out", "runs/py"], "sample": ["--prompt", "The"],
+            "rl": ["--model", "runs/chat/merged", "--task", "builtin:arith", "--out", "runs/rl"]}
 
 
 def readme_blocks(text: str, language: str) -> list[str]:
