@@ -90,12 +90,28 @@ def serve_app(server: Server, max_connections: int = 128):
         server.stop()
 
 
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float, output) -> None:
+    """Until ``url``'s /health answers 200; fails with ``output()`` (the server's log) if
+    the process ends first, or after ``timeout`` seconds."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, output()
+        assert time.monotonic() < deadline, "the server did not become healthy"
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+
+
 @contextmanager
 def proc_server(spec: dict, log: Path):
     """(base URL, Popen) of tests/serve_proc.py serving a tiny model in its own process
     (``spec``: see there), its stderr written to ``log``; healthy on entry, stopped on
     exit."""
-    import httpx
 
     with open(log, "wb") as err:
         proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("serve_proc.py")),
@@ -103,16 +119,8 @@ def proc_server(spec: dict, log: Path):
         try:
             line = proc.stdout.readline().decode()
             assert line.startswith("port "), log.read_text()
-            url, deadline = f"http://127.0.0.1:{int(line.split()[1])}", time.monotonic() + 60
-            while True:
-                assert proc.poll() is None, log.read_text()
-                assert time.monotonic() < deadline, "the server did not become healthy"
-                try:
-                    if httpx.get(url + "/health").status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.05)
+            url = f"http://127.0.0.1:{int(line.split()[1])}"
+            wait_healthy(url, proc, 60, log.read_text)
             yield url, proc
         finally:
             proc.terminate()

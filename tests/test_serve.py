@@ -19,6 +19,7 @@ from serve_support import (
     live_server,
     one_torch_thread,  # noqa: F401  (autouse: one torch thread)
     tiny_model_and_tokenizer,
+    wait_healthy,
 )
 from tinylm.serve.app import Server, Settings
 from tinylm.serve.schemas import Limits, parse_completion
@@ -308,16 +309,8 @@ def test_cli_serve_end_to_end(tmp_path):
                              str(tmp_path / "ckpt"), "--port", str(port), "--threads", "1"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, proc.stderr.read().decode()
-            assert time.monotonic() < deadline, "the server did not become healthy"
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, proc, 60, lambda: proc.stderr.read().decode())
         c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
         assert [m.id for m in c.models.list().data] == ["ckpt"]
         r = c.completions.create(model="ckpt", prompt="The cat", max_tokens=8, temperature=0)

@@ -18,15 +18,14 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from unittest import mock
 
-import httpx
 import numpy as np
 import pytest
 import torch
 
+from serve_support import wait_healthy
 from tinylm.cli import main
 
 FRANCE = "What is the capital of France?"
@@ -254,16 +253,8 @@ def test_serve_answers_the_openai_client(smollm2_gguf, cache) -> None:
                              str(smollm2_gguf), "--port", str(port)], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stderr.read().decode()
-            assert time.monotonic() < deadline, "the server did not become healthy"
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, proc, 120, lambda: proc.stderr.read().decode())
         client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
         name = "SmolLM2-135M-Instruct.Q4_1"  # the file's name, not its cache folder's
         assert [m.id for m in client.models.list().data] == [name]
