@@ -18,8 +18,11 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.completion_choice import Logprobs
 
-from serve_support import TEXT, live_server
-from serve_support import one_torch_thread  # noqa: F401  (autouse: one torch thread)
+from serve_support import (
+    TEXT,
+    live_server,
+    one_torch_thread,  # noqa: F401  (autouse: one torch thread)
+)
 from tinylm import generate
 from tinylm.core.config import ModelConfig
 from tinylm.core.model import GPT
