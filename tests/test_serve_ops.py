@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -213,15 +214,26 @@ def test_sigterm_lets_a_running_stream_finish_and_exits_0(tmp_path):
 def test_sigterm_cancels_what_outlives_the_timeout_and_exits_0(tmp_path):
     log = tmp_path / "server.log"
     spec = {"step_delay": 0.05, "shutdown_timeout": 0.3, "settings": {"max_tokens": 400}}
+    whole = []  # a client waiting for a whole (not streamed) answer meanwhile
     with proc_server(spec, log) as (url, proc):
+        waiter = threading.Thread(target=lambda: whole.append(httpx.post(
+            url + "/v1/completions", timeout=60, json={"prompt": "A dog", "max_tokens": 400})))
+        waiter.start()
+        deadline = time.monotonic() + 30
+        while scrape(url)[("tinylm_running_requests", ())] != 1:  # it is in flight
+            assert time.monotonic() < deadline and waiter.is_alive()
+            time.sleep(0.02)
         events = _stream_then_sigterm(url, proc, 400)  # 20 s of decoding: cut short
         assert proc.wait(30) == 0
+        waiter.join(30)
     assert events[-1] == "[DONE]"
     assert events[-2]["error"]["code"] == "server_shutting_down"
     assert not any(e["choices"][0]["finish_reason"] for e in events[:-2])
+    assert whole[0].status_code == 503
+    assert whole[0].json()["error"]["code"] == "server_shutting_down"
     logged = log.read_text()
-    assert "shut down: 0 requests finished, 1 cancelled (--shutdown-timeout 0.3 s)" in logged
-    assert "cancelled (the server is shutting down)" in logged
+    assert "shut down: 0 requests finished, 2 cancelled (--shutdown-timeout 0.3 s)" in logged
+    assert logged.count("cancelled (the server is shutting down)") == 2
 
 
 def test_tinylm_serve_exits_0_on_sigterm(tmp_path):

@@ -115,8 +115,11 @@ class GracefulServer(uvicorn.Server):
         self.on_signal()
         for server in self.servers:  # no new connections while the running requests end
             server.close()
-        if not self.force_exit:
-            await self.drain(self.shutdown_timeout)
+        drain = asyncio.ensure_future(self.drain(self.shutdown_timeout))
+        while not drain.done() and not self.force_exit:  # a second signal ends the wait
+            await asyncio.sleep(0.05)
+        if not drain.done():
+            drain.cancel()
         self.config.timeout_graceful_shutdown = self.CLOSE_TIMEOUT
         await super().shutdown(sockets)
 
