@@ -132,6 +132,27 @@ def test_a_client_leaving_mid_stream_is_counted(served, slow_steps, caplog):
     assert "cancelled (the client left during generation)" in lines[1]
 
 
+def test_a_client_leaving_while_queued_is_counted(slow_steps):
+    """One batch row, held by a stream; a second client gives up while its request
+    waits for the row: a cancellation at stage "queue"."""
+    model, tok = tiny_model_and_tokenizer(eos=False)
+    with live_server(model, tok, max_tokens=400, max_batch=1) as (url, server):
+        with httpx.stream("POST", url + "/v1/completions", json={
+                "prompt": "The cat", "max_tokens": 100, "stream": True}) as held:
+            lines = held.iter_lines()  # (kept: a dropped iterator closes the response)
+            next(lines)  # the row is taken
+            with pytest.raises(httpx.ReadTimeout):  # gives up, closing its connection
+                httpx.post(url + "/v1/completions", timeout=0.5,
+                           json={"prompt": "A dog", "max_tokens": 5})
+        deadline = time.monotonic() + 20
+        while server.metrics.running:
+            assert time.monotonic() < deadline, "the requests did not end"
+            time.sleep(0.05)
+        after = scrape(url)
+    assert after[("tinylm_cancelled_total", (("stage", "queue"),))] == 1
+    assert after[("tinylm_cancelled_total", (("stage", "generation"),))] == 1  # the stream
+
+
 def test_request_ids_in_headers_bodies_and_logs(served, caplog):
     url = served[0]
     with caplog.at_level(logging.INFO, logger="tinylm"):
