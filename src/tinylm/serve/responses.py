@@ -216,20 +216,39 @@ async def collect(run: Run) -> None:
 # --- logprobs in OpenAI's two shapes --------------------------------------------------------
 
 
+_spellings: weakref.WeakKeyDictionary[Any, dict[int, tuple[str, str, list[int]]]] = \
+    weakref.WeakKeyDictionary()
+
+
+def _spelling(tokenizer: Any, i: int) -> tuple[str, str, list[int]]:
+    """Token i's (text decoded alone, display text, bytes), computed once per tokenizer
+    (a top-20 list asks for 20 of them per generated token)."""
+    known = _spellings.setdefault(tokenizer, {})
+    found = known.get(i)
+    if found is None:
+        if i >= tokenizer.vocab_size:  # a model id beyond the tokenizer's
+            found = ("", "", [])
+        else:
+            found = (tokenizer.decode([i]), tokenizer.id_to_token(i),
+                     list(tokenizer.token_bytes(i)))
+        known[i] = found
+    return found
+
+
 def _text(tokenizer: Any, i: int) -> str:
     """A token's text in completions' logprobs: the token decoded alone (a byte that
     is not a whole UTF-8 character decodes to U+FFFD, as in the text)."""
-    return tokenizer.decode([i]) if i < tokenizer.vocab_size else ""
+    return _spelling(tokenizer, i)[0]
 
 
 def _token(tokenizer: Any, i: int) -> str:
     """A token's text in chat's logprobs: its characters, with bytes that do not make
     whole UTF-8 characters written as ``\\xNN`` (the raw bytes are in ``bytes``)."""
-    return tokenizer.id_to_token(i) if i < tokenizer.vocab_size else ""
+    return _spelling(tokenizer, i)[1]
 
 
 def _bytes(tokenizer: Any, i: int) -> list[int]:
-    return list(tokenizer.token_bytes(i)) if i < tokenizer.vocab_size else []
+    return list(_spelling(tokenizer, i)[2])
 
 
 def prompt_tokens(model: Any, ids: Sequence[int], k: int,
