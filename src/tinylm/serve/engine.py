@@ -127,7 +127,7 @@ class Engine:
         self.threads = threads
         self.max_batch, self.max_queue = max_batch, max_queue
         self.context = model.config.context_length
-        self.metrics = metrics or Metrics()
+        self.metrics = metrics or Metrics(max_batch)
         self.cache = RaggedKVCache.for_model(model, max_batch)
         self.rows: list[_Row] = []  # row i of the cache is rows[i]
         self.pending: deque[Request] = deque()
