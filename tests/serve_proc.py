@@ -1,9 +1,12 @@
 """A tiny model served in its own process, as ``tinylm serve`` serves one: run as
 ``python tests/serve_proc.py SPEC`` (SPEC: JSON {"model": {ModelConfig sizes}, "chat": bool,
 "settings": {Settings fields}, "max_connections": N, "header_timeout": S,
-"body_timeout": S}); it prints
+"body_timeout": S, "shutdown_timeout": S, "step_delay": S}); it prints
 ``port N`` on stdout once uvicorn listens on 127.0.0.1:N, and logs (tinylm's at INFO,
-uvicorn's warnings) on stderr. The tests read its memory (psutil) and its log."""
+uvicorn's warnings) on stderr. The tests read its memory (psutil) and its log. It shuts
+down as ``tinylm serve`` does (SIGTERM: drain, exit 0); ``step_delay`` seconds of sleep
+before each batched decoding step keep a generation running long enough to be caught
+in flight."""
 
 from __future__ import annotations
 
@@ -11,12 +14,12 @@ import json
 import logging
 import socket
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 import torch  # noqa: E402
-import uvicorn  # noqa: E402
 
 from serve_support import TEXT  # noqa: E402
 from tinylm.core.config import ModelConfig  # noqa: E402
@@ -25,6 +28,17 @@ from tinylm.data.tokenizers import STANDARD_SPECIALS, BPETokenizer  # noqa: E402
 from tinylm.serve import app as app_module  # noqa: E402
 from tinylm.serve import protocol  # noqa: E402
 from tinylm.serve.app import Server, Settings, create_app  # noqa: E402
+from tinylm.serve.engine import Engine  # noqa: E402
+
+
+def slow_steps(delay: float) -> None:
+    """Every batched decoding step sleeps ``delay`` seconds first."""
+    step = Engine._step
+
+    def slow(self: Engine) -> None:
+        time.sleep(delay)
+        step(self)
+    Engine._step = slow
 
 
 def build(sizes: dict, chat: bool = False) -> tuple[GPT, BPETokenizer]:
@@ -57,9 +71,11 @@ def main() -> None:
     app_module.BODY_TIMEOUT = spec.get("body_timeout", app_module.BODY_TIMEOUT)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    config = protocol.uvicorn_config(create_app(server), log_level="warning",
-                                     max_connections=spec.get("max_connections", 128))
-    uv = uvicorn.Server(config)
+    if spec.get("step_delay"):
+        slow_steps(spec["step_delay"])
+    uv = protocol.graceful_server(create_app(server), server, log_level="warning",
+                                  max_connections=spec.get("max_connections", 128),
+                                  shutdown_timeout=spec.get("shutdown_timeout", 30.0))
     print(f"port {sock.getsockname()[1]}", flush=True)
     uv.run(sockets=[sock])
 

@@ -478,6 +478,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                         "413 (default: %(default)s)")
     p.add_argument("--max-connections", type=_positive, default=128, metavar="N",
                    help="open connections; more are closed at once (default: %(default)s)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM or SIGINT: new requests get 503 and running ones have "
+                        "this long to finish before they are cancelled; then the server "
+                        "exits 0 (default: %(default)g)")
     p.add_argument("--threads", type=_positive, default=None, metavar="N",
                    help="torch threads of the decoding loop (default: torch's own choice)")
     p.add_argument("--model-name", default=None, metavar="NAME",
@@ -492,6 +496,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     if not args.timeout > 0:
         raise ConfigError(f"--timeout must be > 0 seconds, got {args.timeout}")
+    if not 0 <= args.shutdown_timeout < float("inf"):
+        raise ConfigError(f"--shutdown-timeout must be >= 0 seconds, got "
+                          f"{args.shutdown_timeout}")
     kwargs = {} if args.model_name is None else {"model_name": args.model_name}
     allowed = tuple(h.strip() for h in (args.allowed_hosts or "").split(",") if h.strip())
     serve(args.model, host=args.host, port=args.port, api_key=args.api_key,
@@ -499,5 +506,5 @@ def _cmd_serve(args: argparse.Namespace) -> int:
           timeout=args.timeout, threads=args.threads, allowed_hosts=allowed,
           max_explore_tokens=args.max_explore_tokens,
           explore_memory=args.explore_memory << 20, max_connections=args.max_connections,
-          **kwargs)
+          shutdown_timeout=args.shutdown_timeout, **kwargs)
     return 0

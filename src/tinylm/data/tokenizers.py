@@ -140,6 +140,11 @@ class Tokenizer(ABC):
     def token_to_id(self, token: str) -> int | None:
         """The id of a token given as :meth:`id_to_token` shows it, or None."""
 
+    def token_bytes(self, i: int) -> bytes:
+        """The bytes one token stands for (a byte-level token's may end inside a UTF-8
+        character; a special token's are its spelling's)."""
+        return self.decode([i]).encode("utf-8")
+
     @abstractmethod
     def to_hf_json(self) -> dict[str, Any]:
         """The Hugging Face ``tokenizers`` JSON document of this tokenizer."""
@@ -619,6 +624,11 @@ class BPETokenizer(Tokenizer):
             raise DataError(f"token id {i} out of range for vocab_size {self.vocab_size}")
         raw = self._token_bytes(token)
         return token if raw is None else raw.decode("utf-8", errors="backslashreplace")
+
+    def token_bytes(self, i: int) -> bytes:
+        token = self._tok.id_to_token(int(i))
+        raw = None if token is None else self._token_bytes(token)
+        return super().token_bytes(i) if raw is None else raw
 
     def token_to_id(self, token: str) -> int | None:
         if token in self._specials or not (self.byte_level or self.metaspace):

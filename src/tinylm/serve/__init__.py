@@ -4,7 +4,8 @@
 - :mod:`tinylm.serve.schemas`    request bodies, validated; OpenAI's error fields
 - :mod:`tinylm.serve.responses`  engine events -> OpenAI response bodies and chunks
 - :mod:`tinylm.serve.app`        the Starlette routes; ``page.html`` is the web page
-- :mod:`tinylm.serve.metrics`    Prometheus counters
+- :mod:`tinylm.serve.metrics`    Prometheus counters, gauges and histograms
+- :mod:`tinylm.serve.lifecycle`  request ids and log lines; the drain at shutdown
 - :mod:`tinylm.serve.admission`  the explorer's memory budget and queue
 - :mod:`tinylm.serve.guard`      the Host check (DNS rebinding)
 - :mod:`tinylm.serve.protocol`   uvicorn with header, body and idle timeouts, a connection cap
@@ -90,16 +91,19 @@ def make_server(model_dir: str | os.PathLike, *, host: str = "127.0.0.1",
 
 
 def serve(model_dir: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 8000,
-          api_key: str | None = None, max_connections: int = 128, **settings) -> None:
-    """Run the server until interrupted (the model loads in the background; ``/health``
-    answers 503 until it is ready). ``settings`` are :class:`~tinylm.serve.app.Settings`
-    fields (max_batch, max_queue, max_tokens, timeout, allowed_hosts, ...);
-    ``max_connections`` caps open connections (:mod:`tinylm.serve.protocol`)."""
-    uvicorn = _require_serve_extra()
+          api_key: str | None = None, max_connections: int = 128,
+          shutdown_timeout: float = 30.0, **settings) -> None:
+    """Run the server until SIGTERM or SIGINT (the model loads in the background;
+    ``/health`` answers 503 until it is ready), then shut down gracefully: new requests
+    get 503, running ones have ``shutdown_timeout`` seconds to finish before they are
+    cancelled, and the function returns. ``settings`` are
+    :class:`~tinylm.serve.app.Settings` fields (max_batch, max_queue, max_tokens,
+    timeout, allowed_hosts, ...); ``max_connections`` caps open connections
+    (:mod:`tinylm.serve.protocol`)."""
+    _require_serve_extra()
     from tinylm.serve.app import create_app  # Starlette: the optional [serve] extra
-    from tinylm.serve.protocol import uvicorn_config
+    from tinylm.serve.protocol import graceful_server
 
     server = make_server(model_dir, host=host, api_key=api_key, port=port, **settings)
-    config = uvicorn_config(create_app(server), host=host, port=port,
-                            max_connections=max_connections)
-    uvicorn.Server(config).run()
+    graceful_server(create_app(server), server, host=host, port=port,
+                    max_connections=max_connections, shutdown_timeout=shutdown_timeout).run()

@@ -52,9 +52,11 @@ from tinylm.serve.admission import (
 )
 from tinylm.serve.engine import Engine, NeverFits, QueueFull
 from tinylm.serve.guard import HostGuard, host_names
+from tinylm.serve.lifecycle import Tracker, request_id
 from tinylm.serve.metrics import Metrics
 from tinylm.serve.responses import (
     Run,
+    Stopped,
     chat_logprobs,
     check_prompt,
     collect,
@@ -105,7 +107,8 @@ class Server:
                  loader: Callable[[], tuple[Any, Any]] | None = None) -> None:
         self.settings = settings
         self.loader = loader
-        self.metrics = Metrics()
+        self.metrics = Metrics(settings.max_batch)
+        self.tracker = Tracker(self.metrics)  # requests in flight; the drain at shutdown
         self.model = self.tokenizer = self.engine = self.limits = self.explorer = None
         self.load_error: str | None = None
 
@@ -218,14 +221,26 @@ def _check_model(server: Server, name: str | None) -> None:
                            status=404, code="model_not_found")
 
 
-def _endpoint(name: str, handler: Callable) -> Callable:
-    """Wrap a handler: auth, readiness, RequestError -> its 4xx, 429 on a full queue,
-    and the request counted in the metrics."""
+def _shutting_down() -> RequestError:
+    return RequestError("the server is shutting down and takes no new requests; send it "
+                        "again once the server is back", status=503, type="server_error",
+                        code="server_shutting_down")
+
+
+def _endpoint(name: str, handler: Callable, prefix: str = "req-") -> Callable:
+    """Wrap a handler: the request's id (``X-Request-Id``, see
+    :func:`~tinylm.serve.lifecycle.request_id`), auth, readiness, 503 while shutting
+    down, RequestError -> its 4xx, 429 on a full queue, and the request counted in the
+    metrics."""
     async def wrapped(request: Request) -> Response:
         server: Server = request.app.state.server
+        rid, request.state.hex_id = request_id(request.headers.get("x-request-id"), prefix)
+        request.state.request_id = rid
         try:
             _authorize(server, request)
             _require_ready(server)
+            if server.tracker.draining:
+                raise _shutting_down()
             response = await handler(server, request)
         except RequestError as exc:
             response = error_response(exc)
@@ -238,11 +253,12 @@ def _endpoint(name: str, handler: Callable) -> Callable:
         except TinyLMError as exc:  # e.g. a prompt the tokenizer cannot encode
             response = error_response(RequestError(str(exc)))
         except Cancelled:
-            log.info("the client left while sending its request to %s; cancelled",
-                     request.url.path)
-            server.metrics.cancelled += 1
+            log.info("request %s: cancelled (the client left while sending its request to "
+                     "%s)", rid, request.url.path)
+            server.metrics.cancel("body")
             response = Response(status_code=499)  # not delivered: nobody is listening
         server.metrics.request(name, response.status_code)
+        response.headers["X-Request-Id"] = rid
         return response
     return wrapped
 
@@ -284,10 +300,12 @@ async def completions(server: Server, request: Request) -> Response:
         if req.gen.max_tokens == 1 and req.gen.sampling.greedy and not req.gen.stream:
             given = [nxt for _, nxt in pairs]  # lm-eval's request: its one token is known
     run = Run(server.engine, server.tokenizer, prompts, req.gen, _eos(server),
-              server.settings.timeout, given)
+              server.settings.timeout, given, id=request.state.hex_id,
+              request_id=request.state.request_id)
+    server.tracker.begin(run, req.gen.stream)
     echoes = [server.tokenizer.decode(p) if req.echo else "" for p in prompts]
     if req.gen.stream:
-        return _sse(_completion_chunks(server, run, req, echoes, scored), run)
+        return _sse(_completion_chunks(server, run, req, echoes, scored), run, server.tracker)
     await _until_done(run, request)
     choices = []
     for c in run.choices:
@@ -348,9 +366,11 @@ async def chat_completions(server: Server, request: Request) -> Response:
     _check_model(server, req.model)
     ids, ends = _chat_ids(server, req)
     run = Run(server.engine, server.tokenizer, [ids], req.gen, ends,
-              server.settings.timeout)
+              server.settings.timeout, id=request.state.hex_id,
+              request_id=request.state.request_id)
+    server.tracker.begin(run, req.gen.stream)
     if req.gen.stream:
-        return _sse(_chat_chunks(server, run, req), run)
+        return _sse(_chat_chunks(server, run, req), run, server.tracker)
     await _until_done(run, request)
     choices = [{"index": c.index, "message": {"role": "assistant", "content": c.stream.text},
                 "logprobs": chat_logprobs(server.tokenizer, c.tokens)
@@ -382,34 +402,52 @@ async def _chat_chunks(server: Server, run: Run, req: ChatRequest) -> AsyncItera
 
 async def _until_done(run: Run, request: Request) -> None:
     """Collect the run; a client that disconnects meanwhile cancels it. A request the
-    engine failed (non-finite logits, or a bug logged there) is a 500 naming the model."""
+    engine failed (non-finite logits, or a bug logged there) is a 500 naming the model;
+    one the server's shutdown stopped, a 503."""
     async def watch() -> None:
         while (await request.receive())["type"] != "http.disconnect":
             pass
+        run.client_left = True
         run.cancel()
+    server: Server = request.app.state.server
     watcher = asyncio.create_task(watch())
     try:
         await collect(run)
+    except Stopped as exc:
+        raise RequestError(str(exc), status=503, type="server_error",
+                           code="server_shutting_down") from exc
     except RuntimeError as exc:  # the engine failed this request
-        name = request.app.state.server.settings.model_name
+        server.tracker.end(run, "failed", str(exc))
+        name = server.settings.model_name
         raise RequestError(f"model '{name}': {exc}", status=500, type="server_error",
                            code="model_error") from exc
     finally:
         watcher.cancel()
+        server.tracker.end(run, "finished" if run.done and not run.client_left
+                           else "cancelled")
 
 
-def _sse(chunks: AsyncIterator[dict], run: Run) -> StreamingResponse:
+def _sse(chunks: AsyncIterator[dict], run: Run, tracker: Tracker) -> StreamingResponse:
     """Server-sent events: ``data: {json}`` per chunk, then ``data: [DONE]``. When the
-    client goes away Starlette stops the generator, whose cleanup cancels the run."""
+    client goes away Starlette stops the generator, whose cleanup cancels the run (a
+    cancelled request); a run the shutdown stopped ends with an error event."""
     async def events() -> AsyncIterator[str]:
+        outcome, detail = "cancelled", ""
         try:
             async for chunk in chunks:
                 yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+            outcome = "finished"
+        except Stopped as exc:
+            err = _shutting_down()
+            err.message = str(exc)
+            yield f"data: {json.dumps(err.body())}\n\n"
         except RuntimeError as exc:
+            outcome, detail = "failed", str(exc)
             err = RequestError(str(exc), status=500, type="server_error")
             yield f"data: {json.dumps(err.body())}\n\n"
         finally:
             run.cancel()
+            tracker.end(run, outcome, detail)
         yield "data: [DONE]\n\n"
     return StreamingResponse(events(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -531,13 +569,14 @@ async def health(request: Request) -> Response:
     """200 ``{"status": "ok"}`` when ready, else 503 ``{"status": "not ok"}``; only a
     request with the server's API key also learns why (loading, or the load error)."""
     server: Server = request.app.state.server
-    if server.ready:
+    if server.ready and not server.tracker.draining:
         return JSONResponse({"status": "ok"})
     body: dict[str, Any] = {"status": "not ok"}
     key = server.settings.api_key
     if key is not None and _key_matches(key, request):
-        body.update(state="error" if server.load_error else "loading",
-                    message=server.load_error)
+        state = "shutting_down" if server.tracker.draining else \
+            "error" if server.load_error else "loading"
+        body.update(state=state, message=server.load_error)
     return JSONResponse(body, status_code=503)
 
 
@@ -595,8 +634,10 @@ def create_app(server: Server) -> HostGuard:
         Route("/health", health),
         Route("/metrics", metrics),
         Route("/v1/models", _endpoint("models", models)),
-        Route("/v1/completions", _endpoint("completions", completions), methods=["POST"]),
-        Route("/v1/chat/completions", _endpoint("chat", chat_completions), methods=["POST"]),
+        Route("/v1/completions", _endpoint("completions", completions, "cmpl-"),
+              methods=["POST"]),
+        Route("/v1/chat/completions", _endpoint("chat", chat_completions, "chatcmpl-"),
+              methods=["POST"]),
         Route("/v1/explain", _endpoint("explain", explain_route), methods=["POST"]),
         Route("/v1/explore", _endpoint("explore", explore_route), methods=["POST"]),
     ]

@@ -106,6 +106,7 @@ class _Row:
         self.req = req
         self.seq = list(req.prompt)
         self.generated = 0
+        self.last_token: float | None = None  # time.monotonic() of its latest token
         self.generator = None
         if req.seed is not None and not req.sampling.greedy:
             self.generator = torch.Generator().manual_seed(int(req.seed))
@@ -126,7 +127,7 @@ class Engine:
         self.threads = threads
         self.max_batch, self.max_queue = max_batch, max_queue
         self.context = model.config.context_length
-        self.metrics = metrics or Metrics()
+        self.metrics = metrics or Metrics(max_batch)
         self.cache = RaggedKVCache.for_model(model, max_batch)
         self.rows: list[_Row] = []  # row i of the cache is rows[i]
         self.pending: deque[Request] = deque()
@@ -269,7 +270,7 @@ class Engine:
             if int(self.cache.lengths[i]) >= self.context:  # full: slide the window
                 self._slide(i, row)
         ids = torch.tensor([[r.seq[-1]] for r in self.rows], dtype=torch.long)  # (rows, 1)
-        self.metrics.batch_size = len(self.rows)
+        self.metrics.step(len(self.rows))
         logits = self.model(ids, self.cache)[:, -1]  # (rows, V)
         greedy = logits.argmax(-1).tolist() if any(r.req.sampling.greedy for r in self.rows) \
             else None
@@ -303,7 +304,12 @@ class Engine:
             token = int(sample_next(logits.float(), req.sampling, row.generator))
         row.seq.append(token)
         row.generated += 1
-        self.metrics.generated(1, time.monotonic() - req.submitted if first else None)
+        now = time.monotonic()
+        if first:
+            self.metrics.generated(1, ttft=now - req.submitted)
+        else:
+            self.metrics.generated(1, latency=now - row.last_token)
+        row.last_token = now
         req.emit(self._token(token, logits[0], req.logprobs))
         if token in req.stop_ids:
             return End("stop")

@@ -8,11 +8,15 @@ with no request in progress ``HEADER_TIMEOUT`` seconds after it opened (or after
 previous response) is closed: its head is incomplete, or the body of a request already
 answered (a 408) is still trickling in; and a connection beyond ``max_connections`` is closed
 at once. The body has its own time limit in the app (``BODY_TIMEOUT``, a 408).
+:class:`GracefulServer` drains the running requests on SIGTERM or SIGINT and exits 0.
 """
 
 from __future__ import annotations
 
 import asyncio
+import socket
+from collections.abc import Awaitable, Callable
+from types import FrameType
 from typing import Any
 
 import uvicorn
@@ -81,3 +85,50 @@ def uvicorn_config(app: Any, *, host: str = "127.0.0.1", port: int = 8000,
                           h11_max_incomplete_event_size=MAX_HEAD_BYTES,
                           limit_concurrency=max_connections + 1, lifespan="on")
 
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn's server with a drain before its shutdown: on SIGTERM or SIGINT
+    ``on_signal()`` runs at once (the app refuses new work), the listening sockets close,
+    then ``drain(shutdown_timeout)`` (awaited: running requests finish or are
+    cancelled), then uvicorn's own shutdown (connections closed, the app's lifespan
+    ends) within ``CLOSE_TIMEOUT`` more seconds. The process then exits 0: the signal is
+    not raised again after the shutdown (uvicorn's default would end the process with
+    it). A second signal stops at once."""
+
+    CLOSE_TIMEOUT = 10.0
+
+    def __init__(self, config: uvicorn.Config, *, on_signal: Callable[[], None],
+                 drain: Callable[[float], Awaitable[None]], shutdown_timeout: float) -> None:
+        super().__init__(config)
+        self.on_signal, self.drain = on_signal, drain
+        self.shutdown_timeout = shutdown_timeout
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.should_exit:
+            self.force_exit = True  # a second signal: stop now
+            return
+        self.should_exit = True
+        self.on_signal()
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self.on_signal()
+        for server in self.servers:  # no new connections while the running requests end
+            server.close()
+        drain = asyncio.ensure_future(self.drain(self.shutdown_timeout))
+        while not drain.done() and not self.force_exit:  # a second signal ends the wait
+            await asyncio.sleep(0.05)
+        if not drain.done():
+            drain.cancel()
+        self.config.timeout_graceful_shutdown = self.CLOSE_TIMEOUT
+        await super().shutdown(sockets)
+
+
+def graceful_server(app: Any, server: Any, *, shutdown_timeout: float,
+                    **config: Any) -> GracefulServer:
+    """The :class:`GracefulServer` of ``tinylm serve`` for ``app`` and its
+    :class:`~tinylm.serve.app.Server` (whose tracker drains); ``config``:
+    :func:`uvicorn_config`'s keywords."""
+    tracker = server.tracker
+    return GracefulServer(uvicorn_config(app, **config), on_signal=tracker.start_draining,
+                          drain=tracker.drain, shutdown_timeout=shutdown_timeout)

@@ -93,13 +93,23 @@ class Update:
     finish_reason: str | None = None
 
 
+class Stopped(RuntimeError):
+    """The server stopped this request before it finished (its shutdown timeout)."""
+
+
 class Run:
-    """The choices of one API request in flight on ``engine``."""
+    """The choices of one API request in flight on ``engine``. ``id`` is the hex id of
+    its response body (``cmpl-{id}``), ``request_id`` the one its log lines and
+    ``X-Request-Id`` header name (:func:`tinylm.serve.lifecycle.request_id`)."""
 
     def __init__(self, engine: Engine, tokenizer: Any, prompts: Sequence[Sequence[int]],
                  gen: Generation, stop_ids: Sequence[int], timeout: float,
-                 given: Sequence[Token] | None = None) -> None:
-        self.id = uuid.uuid4().hex[:24]
+                 given: Sequence[Token] | None = None, *, id: str | None = None,
+                 request_id: str | None = None) -> None:
+        self.id = id or uuid.uuid4().hex[:24]
+        self.request_id = request_id or self.id
+        self.stopping = False  # the server cancelled it (shutdown)
+        self.client_left = False
         self.created = int(time.time())
         self.tokenizer, self.gen = tokenizer, gen
         self.stop_ids = tuple(stop_ids)
@@ -143,6 +153,16 @@ class Run:
             if c.request is not None:
                 c.request.cancel()
 
+    @property
+    def done(self) -> bool:
+        return all(c.done for c in self.choices)
+
+    def stop(self) -> None:
+        """Cancel it for the server's shutdown: its response ends with a Stopped error."""
+        if not self.done:
+            self.stopping = True
+            self.cancel()
+
     async def updates(self) -> AsyncIterator[Update]:
         """What each event changes, until every choice has finished."""
         try:
@@ -160,6 +180,9 @@ class Run:
         if isinstance(event, End):
             if event.reason == "error":
                 raise RuntimeError(event.message)
+            if event.reason == "cancelled" and self.stopping:
+                raise Stopped("the server is shutting down and stopped this request before "
+                              "it finished; send it again once the server is back")
             c.finish_reason = "stop" if event.reason == "stop" else "length"
             c.request = None
             return Update(c, c.stream.finish(), [], c.finish_reason)
@@ -193,8 +216,39 @@ async def collect(run: Run) -> None:
 # --- logprobs in OpenAI's two shapes --------------------------------------------------------
 
 
+_spellings: weakref.WeakKeyDictionary[Any, dict[int, tuple[str, str, list[int]]]] = \
+    weakref.WeakKeyDictionary()
+
+
+def _spelling(tokenizer: Any, i: int) -> tuple[str, str, list[int]]:
+    """Token i's (text decoded alone, display text, bytes), computed once per tokenizer
+    (a top-20 list asks for 20 of them per generated token)."""
+    known = _spellings.setdefault(tokenizer, {})
+    found = known.get(i)
+    if found is None:
+        if i >= tokenizer.vocab_size:  # a model id beyond the tokenizer's
+            found = ("", "", [])
+        else:
+            found = (tokenizer.decode([i]), tokenizer.id_to_token(i),
+                     list(tokenizer.token_bytes(i)))
+        known[i] = found
+    return found
+
+
 def _text(tokenizer: Any, i: int) -> str:
-    return tokenizer.decode([i]) if i < tokenizer.vocab_size else ""
+    """A token's text in completions' logprobs: the token decoded alone (a byte that
+    is not a whole UTF-8 character decodes to U+FFFD, as in the text)."""
+    return _spelling(tokenizer, i)[0]
+
+
+def _token(tokenizer: Any, i: int) -> str:
+    """A token's text in chat's logprobs: its characters, with bytes that do not make
+    whole UTF-8 characters written as ``\\xNN`` (the raw bytes are in ``bytes``)."""
+    return _spelling(tokenizer, i)[1]
+
+
+def _bytes(tokenizer: Any, i: int) -> list[int]:
+    return list(_spelling(tokenizer, i)[2])
 
 
 def prompt_tokens(model: Any, ids: Sequence[int], k: int,
@@ -255,8 +309,7 @@ def completion_logprobs(tokenizer: Any, tokens: Sequence[Token], offset: int) ->
 def chat_logprobs(tokenizer: Any, tokens: Sequence[Token]) -> dict:
     """Chat's logprobs object: {"content": [{token, logprob, bytes, top_logprobs}]}."""
     def entry(i: int, lp: float) -> dict:
-        s = _text(tokenizer, i)
-        return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+        return {"token": _token(tokenizer, i), "logprob": lp, "bytes": _bytes(tokenizer, i)}
     return {"content": [dict(entry(t.id, t.logprob),
                              top_logprobs=[entry(i, lp) for i, lp in t.top]) for t in tokens]}
 
