@@ -476,6 +476,18 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="MiB all explore and explain requests may use at once, by their "
                         "estimate; more wait in the queue, a request estimated over it is a "
                         "413 (default: %(default)s)")
+    p.add_argument("--prefix-cache", type=_count, default=256, metavar="MB",
+                   help="MiB of prompt keys and values kept (by blocks of 16 tokens, least "
+                        "recently used dropped first) so a prompt that starts like an "
+                        "earlier one skips that part's prefill; 0 turns it off "
+                        "(default: %(default)s)")
+    p.add_argument("--speculate", choices=["ngram"], default=None,
+                   help="ngram: prompt-lookup decoding: greedy requests verify draft tokens "
+                        "copied from their own prompt and output in one forward (faster on "
+                        "text that quotes its input; same tokens) (default: off)")
+    p.add_argument("--draft-tokens", type=_positive, default=8, metavar="K",
+                   help="the most draft tokens --speculate verifies per step "
+                        "(default: %(default)s)")
     p.add_argument("--max-connections", type=_positive, default=128, metavar="N",
                    help="open connections; more are closed at once (default: %(default)s)")
     p.add_argument("--threads", type=_positive, default=None, metavar="N",
@@ -492,6 +504,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     if not args.timeout > 0:
         raise ConfigError(f"--timeout must be > 0 seconds, got {args.timeout}")
+    if args.prefix_cache < 0:
+        raise ConfigError(f"--prefix-cache must be >= 0 MiB (0 turns it off), got "
+                          f"{args.prefix_cache}")
     kwargs = {} if args.model_name is None else {"model_name": args.model_name}
     allowed = tuple(h.strip() for h in (args.allowed_hosts or "").split(",") if h.strip())
     serve(args.model, host=args.host, port=args.port, api_key=args.api_key,
@@ -499,5 +514,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
           timeout=args.timeout, threads=args.threads, allowed_hosts=allowed,
           max_explore_tokens=args.max_explore_tokens,
           explore_memory=args.explore_memory << 20, max_connections=args.max_connections,
+          prefix_cache=args.prefix_cache << 20, speculate=args.speculate,
+          draft_tokens=args.draft_tokens,
           **kwargs)
     return 0
