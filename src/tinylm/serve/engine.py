@@ -11,6 +11,12 @@ stop string), and its row is freed at that step. Sampling parameters and seeds a
 per request. Requests beyond ``max_batch`` wait in a queue of at most ``max_queue``;
 beyond that :meth:`Engine.submit` raises :class:`QueueFull`.
 
+Two options: a prefix cache (:mod:`tinylm.serve.prefix`) lets a prompt reuse the keys
+and values of an earlier prompt's identical start instead of prefilling it again; and
+prompt-lookup decoding (:mod:`tinylm.serve.speculate`) feeds a greedy row its last token
+and a draft copied from its own sequence in the same batched forward, ids (rows, C),
+keeping the draft tokens the model's own choices confirm.
+
 The loop runs in one background thread. Results go back through each request's
 ``emit`` callback, called from that thread with :class:`Token` and :class:`End` events.
 """

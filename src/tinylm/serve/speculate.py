@@ -58,11 +58,3 @@ class NgramLookup:
                 return list(seq[start:start + k])
         return []
 
-
-def accepted(draft: Sequence[int], chosen: Sequence[int]) -> int:
-    """How many draft tokens the model's own choices confirm: the length of the longest
-    prefix with draft[i] == chosen[i] (chosen[i]: the token picked after draft[:i])."""
-    n = 0
-    while n < len(draft) and n < len(chosen) and draft[n] == chosen[n]:
-        n += 1
-    return n
