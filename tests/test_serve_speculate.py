@@ -159,6 +159,15 @@ def test_greedy_answers_equal_plain_decoding_and_drafts_are_accepted(model) -> N
     assert any(ended and 1 < n <= d for _, _, d, n, ended in engine.record)
 
 
+def test_speculation_with_the_prefix_cache_answers_as_plain_decoding(model) -> None:
+    """Both options at once: prompts that share their chain prefixes reuse cached blocks
+    and speculate; every answer still equals plain decoding's."""
+    reqs = _requests(seed=1)
+    reqs += [(chain(3, 33) + [i], 9, {"logprobs": 0}) for i in range(4)]
+    _, engine = _plain_and_speculative(model, reqs, prefix_cache=1 << 20)
+    assert engine.metrics.prefix_hits >= 3 and engine.metrics.accepted_tokens > 0
+
+
 def test_speculation_is_off_by_default_and_only_for_greedy_rows(model) -> None:
     prompt = [3, 4, 5] * 6
     with RecordingEngine(model, max_batch=2) as engine:
@@ -219,3 +228,23 @@ def test_smollm2_quoting_its_prompt_speculates_and_answers_the_same(smollm2_gguf
     torch.testing.assert_close(torch.tensor(spec[0][1]), torch.tensor(plain[0][1]),
                                atol=1e-3, rtol=0)
     assert accepted >= 6
+
+
+def test_cli_flags_reach_the_server(monkeypatch, capsys) -> None:
+    """`tinylm serve --speculate ngram --draft-tokens 4 --prefix-cache 32` hands the
+    server those settings (MiB as bytes); the defaults are off, 8 and 256 MiB; a
+    negative --prefix-cache is refused with a message naming the flag."""
+    import tinylm.serve
+    from tinylm.cli import main
+
+    seen = {}
+    monkeypatch.setattr(tinylm.serve, "serve", lambda model, **kw: seen.update(kw))
+    assert main(["serve", "--model", "m", "--speculate", "ngram", "--draft-tokens", "4",
+                 "--prefix-cache", "32"]) == 0
+    assert (seen["speculate"], seen["draft_tokens"], seen["prefix_cache"]) == \
+        ("ngram", 4, 32 << 20)
+    assert main(["serve", "--model", "m"]) == 0
+    assert (seen["speculate"], seen["draft_tokens"], seen["prefix_cache"]) == \
+        (None, 8, 256 << 20)
+    assert main(["serve", "--model", "m", "--prefix-cache", "-1"]) == 2
+    assert "--prefix-cache must be >= 0 MiB (0 turns it off), got -1" in capsys.readouterr().err
