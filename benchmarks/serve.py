@@ -64,11 +64,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model: Path, max_batch: int, threads: int) -> tuple[subprocess.Popen, str]:
+def start_server(model: Path, max_batch: int, threads: int,
+                 extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
+    """``tinylm serve`` on ``model`` in its own process, with ``extra`` flags; (process,
+    base URL) once healthy."""
     port = free_port()
     cmd = [sys.executable, "-m", "tinylm", "-q", "serve", "--model", str(model), "--port",
            str(port), "--max-batch", str(max_batch), "--max-queue", "4096", "--timeout",
-           "3600", "--max-tokens", "4096", "--threads", str(threads)]
+           "3600", "--max-tokens", "4096", "--threads", str(threads), *extra]
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"

@@ -125,3 +125,26 @@ def proc_server(spec: dict, log: Path):
         finally:
             proc.terminate()
             proc.wait(30)
+
+
+def run_engine(engine, requests: list[tuple[list[int], int, dict]], timeout: float = 120):
+    """Submit ``requests`` ((prompt, max_tokens, Request keyword arguments)) to a started
+    engine at once; each one's (token ids, their logprobs, its End) when all ended."""
+    from tinylm.serve.engine import Request, Token
+
+    results = [([], [], None) for _ in requests]
+    done = threading.Semaphore(0)
+
+    def emitter(i):
+        def emit(ev):
+            if isinstance(ev, Token):
+                results[i][0].append(ev.id)
+                results[i][1].append(ev.logprob)
+            else:
+                results[i] = (*results[i][:2], ev)
+                done.release()
+        return emit
+    engine.submit([Request(p, n, emitter(i), **kw) for i, (p, n, kw) in enumerate(requests)])
+    for _ in requests:
+        assert done.acquire(timeout=timeout), "the engine did not answer in time"
+    return results

@@ -10,7 +10,7 @@ import torch
 
 from tinylm import GPT, ModelConfig, generate
 from tinylm.commands.compress import compress
-from tinylm.core.decoding import Decoder
+from tinylm.core.decoding import Decoder, KVCache, RaggedKVCache
 
 pytest.importorskip("tinylm.native", reason="the optional native package is absent")
 
@@ -134,3 +134,74 @@ def test_generate_after_training_steps_sees_the_new_weights() -> None:
         for _ in range(6):
             seq = torch.cat([seq, model(seq)[:, -1].argmax(-1, keepdim=True)], dim=1)
     assert torch.equal(got, seq)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama-gqa"])
+def test_ragged_cache_attends_several_tokens_per_row_as_each_row_alone(arch: str) -> None:
+    """Rows of different lengths feed C = 4 tokens each in one forward (rows that have
+    fewer real tokens padded): row b's logits at i equal a one-row cache's and the full
+    forward's over its own sequence; after each row keeps only some of them (truncate,
+    as a rejected draft), a one-token step still equals the full forward — the keys left
+    behind a row's length are never seen."""
+    from tinylm.core.config import ARCH_PRESETS
+
+    torch.manual_seed(0)
+    if arch == "llama-gqa":
+        layout = dict(ARCH_PRESETS["llama"], n_kv_head=2)  # 4 query heads share 2
+        config = ModelConfig(**{"vocab_size": 61, "context_length": 24, "n_layer": 2,
+                                "n_embd": 48, **layout, "n_head": 4})
+        model = GPT(config).eval()
+    else:
+        model = model_for()
+    seqs = [[1, 2, 3], [4], [5, 6, 7, 8, 9, 10, 11], [12, 13]]
+    feed = [[20, 21, 22, 23], [24, 25, 0, 0], [26, 0, 0, 0], [27, 28, 29, 30]]
+    real = [4, 2, 1, 4]  # tokens of feed[b] that are row b's; the rest is padding
+    keep = [2, 2, 1, 0]  # then each row keeps its fed token and `keep` more
+    cache = RaggedKVCache.for_model(model, 6)
+    with torch.inference_mode():
+        for r, s in enumerate(seqs):
+            one = KVCache.for_model(model, 1)
+            model(torch.tensor([s]), one)
+            cache.put(r, one)
+        cache.rows = len(seqs)
+        logits = model(torch.tensor(feed), cache)  # (rows, 4, V)
+        assert cache.lengths.tolist()[:4] == [len(s) + 4 for s in seqs]
+        for b, s in enumerate(seqs):
+            full = s + feed[b][:real[b]]
+            ref = model(torch.tensor([full]))[0, len(s):]  # (real, V)
+            one = KVCache.for_model(model, 1)
+            model(torch.tensor([s]), one)
+            alone = model(torch.tensor([feed[b][:real[b]]]), one)[0]
+            torch.testing.assert_close(logits[b, :real[b]], ref, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(logits[b, :real[b]], alone, atol=1e-5, rtol=1e-5)
+            cache.truncate(b, len(s) + 1 + keep[b])
+            s.extend(feed[b][:1 + keep[b]])
+        nxt = [[40 + b] for b in range(len(seqs))]
+        logits = model(torch.tensor(nxt), cache)[:, -1]  # (rows, V)
+        for b, s in enumerate(seqs):
+            ref = model(torch.tensor([s + nxt[b]]))[0, -1]
+            torch.testing.assert_close(logits[b], ref, atol=1e-5, rtol=1e-5)
+        assert cache.lengths.tolist()[:4] == [len(s) + 1 for s in seqs]
+
+
+def test_native_cache_still_attends_one_token_and_prefills_after_cached_ones() -> None:
+    """The native KV cache attends one token (its C = 1 kernel); C > 1 tokens after
+    cached positions (a prompt's rest after a reused prefix) take the reference path."""
+    torch.manual_seed(0)
+    model = model_for()
+    from tinylm.native import ops
+
+    lib = ops.load()
+    if lib is None:  # TINYLM_NATIVE=0: the cache is not built; the reference path's is
+        assert not NATIVE
+        return
+    cache = NativeKVCache.for_model(model, 1, lib=lib)
+    assert cache.attends(1) and not cache.attends(3)
+    seq = torch.randint(0, 61, (1, 12))
+    with torch.inference_mode():
+        model(seq[:, :5], cache)
+        rest = model(seq[:, 5:11], cache)[0]
+        step = model(seq[:, 11:], cache)[0, -1]
+        full = model(seq)[0]
+    torch.testing.assert_close(rest, full[5:11], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(step, full[11], atol=1e-5, rtol=1e-5)

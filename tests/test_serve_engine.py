@@ -68,8 +68,16 @@ def test_ragged_cache_rows_equal_each_sequence_alone(model):
 def test_ragged_cache_refuses_what_it_cannot_do(model):
     cache = RaggedKVCache.for_model(model, 2)
     cache.rows = 1
-    with torch.inference_mode(), pytest.raises(ValueError, match="one token per row"):
-        model(torch.tensor([[1, 2]]), cache)
+    one = KVCache.for_model(model, 1)
+    with torch.inference_mode():
+        model(torch.tensor([list(range(20))]), one)
+        cache.put(0, one)
+        with pytest.raises(ValueError, match="KV cache overflow: 25 positions > max_len 24"):
+            model(torch.tensor([[1] * 5]), cache)  # 20 + 5 > 24
+        with pytest.raises(ValueError, match="attends its rows' new tokens itself"):
+            cache.update(0, one.k[0, :1, :, :2], one.v[0, :1, :, :2])
+        with pytest.raises(ValueError, match="cannot keep 21"):
+            cache.truncate(0, 21)
 
 
 def _run(engine: Engine, requests: list[tuple[list[int], int, dict]]) -> list[list[int]]:

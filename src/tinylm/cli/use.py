@@ -476,6 +476,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="MiB all explore and explain requests may use at once, by their "
                         "estimate; more wait in the queue, a request estimated over it is a "
                         "413 (default: %(default)s)")
+    _add_serve_decoding(p)
     p.add_argument("--max-connections", type=_positive, default=128, metavar="N",
                    help="open connections; more are closed at once (default: %(default)s)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
@@ -490,6 +491,22 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_serve)
 
 
+def _add_serve_decoding(p: argparse.ArgumentParser) -> None:
+    """serve's flags for how its engine decodes: prefix reuse and prompt lookup."""
+    p.add_argument("--prefix-cache", type=_count, default=256, metavar="MB",
+                   help="MiB of prompt keys and values kept (by blocks of 16 tokens, least "
+                        "recently used dropped first) so a prompt that starts like an "
+                        "earlier one skips that part's prefill; 0 turns it off "
+                        "(default: %(default)s)")
+    p.add_argument("--speculate", choices=["ngram"], default=None,
+                   help="ngram: prompt-lookup decoding: greedy requests verify draft tokens "
+                        "copied from their own prompt and output in one forward (faster on "
+                        "text that quotes its input; same tokens) (default: off)")
+    p.add_argument("--draft-tokens", type=_positive, default=8, metavar="K",
+                   help="the most draft tokens --speculate verifies per step "
+                        "(default: %(default)s)")
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     from tinylm.core.errors import ConfigError
     from tinylm.serve import serve
@@ -499,6 +516,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if not 0 <= args.shutdown_timeout < float("inf"):
         raise ConfigError(f"--shutdown-timeout must be >= 0 seconds, got "
                           f"{args.shutdown_timeout}")
+    if args.prefix_cache < 0:
+        raise ConfigError(f"--prefix-cache must be >= 0 MiB (0 turns it off), got "
+                          f"{args.prefix_cache}")
     kwargs = {} if args.model_name is None else {"model_name": args.model_name}
     allowed = tuple(h.strip() for h in (args.allowed_hosts or "").split(",") if h.strip())
     serve(args.model, host=args.host, port=args.port, api_key=args.api_key,
@@ -506,5 +526,6 @@ def _cmd_serve(args: argparse.Namespace) -> int:
           timeout=args.timeout, threads=args.threads, allowed_hosts=allowed,
           max_explore_tokens=args.max_explore_tokens,
           explore_memory=args.explore_memory << 20, max_connections=args.max_connections,
-          shutdown_timeout=args.shutdown_timeout, **kwargs)
+          shutdown_timeout=args.shutdown_timeout, prefix_cache=args.prefix_cache << 20,
+          speculate=args.speculate, draft_tokens=args.draft_tokens, **kwargs)
     return 0

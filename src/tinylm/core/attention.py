@@ -243,9 +243,11 @@ class MultiHeadAttention(nn.Module):
         positions = cache.positions(C, x.device) if rotate else None  # only RoPE needs them
         q, k, v = self._heads(x, positions)  # (B, H, C, D), 2 × (B, H_kv, C, D)
         gqa = self.n_kv_head != self.n_head
-        if cache is not None and C == 1 and not return_weights \
+        if cache is not None and cache.attends(C) and not return_weights \
                 and not (self.training and self.dropout > 0):
-            r = cache.attend(layer, q, k, v)  # one decoding step, (B, H, 1, D)
+            # the cache attends: one decoding step (C = 1), or C tokens per row of a cache
+            # whose rows have their own lengths (RaggedKVCache); -> (B, H, C, D)
+            r = cache.attend(layer, q, k, v)
             return self.out(r.transpose(1, 2).reshape(B, C, self.n_head * self.head_dim))
         if cache is not None:
             k, v = cache.update(layer, k, v)  # -> (B, H_kv, T, D), T = cached + C

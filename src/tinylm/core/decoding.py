@@ -114,6 +114,12 @@ class KVCache:
             raise ValueError(f"KV cache overflow: {self.length + n} positions > max_len "
                              f"{self.max_len}; restart it (reset) on a shorter window")
 
+    def attends(self, C: int) -> bool:
+        """Whether :meth:`attend` takes a forward of C new tokens per row; the model
+        otherwise writes them with :meth:`update` and masks itself. This cache attends
+        one new token (C = 1) only."""
+        return C == 1
+
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """One new token (C = 1): store its k, v (B, H_kv, 1, D), attend its q (B, H, 1, D)
         over every cached position, -> (B, H, 1, D). The one new query may see all keys,
@@ -138,13 +144,15 @@ class RaggedKVCache(KVCache):
     """A KV cache whose rows have their own lengths, for continuous batching.
 
     Row b holds ``lengths[b]`` positions; the first ``rows`` rows are in use, and a
-    forward over ids (rows, 1) gives row b's token the position ``lengths[b]``
-    (:meth:`positions`), writes its key and value there and lets its query see only
-    keys j <= lengths[b] (:meth:`attend`) — exactly what a cache of that row alone would
-    compute, with no padding. Rows are filled from a one-row :class:`KVCache` after a
-    prompt was prefilled (:meth:`put`) and freed by moving the last row in use into
-    their place (:meth:`remove`), so the rows in use stay the first ``rows``. Only
-    one-token steps (C = 1) are supported: prompts are prefilled one row at a time.
+    forward over ids (rows, C) gives row b's tokens the positions ``lengths[b] + i``
+    (:meth:`positions`), writes their keys and values there and lets query i see only
+    keys j <= lengths[b] + i (:meth:`attend`) — exactly what a cache of that row alone
+    would compute, with no padding of the cached part. C = 1 is a decoding step; C > 1
+    feeds each row a few tokens at once (a speculative draft to verify, padded to the
+    longest: a row then keeps only the positions it accepts, :meth:`truncate`). Rows
+    are filled from a one-row :class:`KVCache` after a prompt was prefilled
+    (:meth:`put`) and freed by moving the last row in use into their place
+    (:meth:`remove`), so the rows in use stay the first ``rows``.
     """
 
     def __init__(self, *args, **kwargs) -> None:
@@ -166,34 +174,45 @@ class RaggedKVCache(KVCache):
         assert value == 0, "a RaggedKVCache's rows have their own lengths"
 
     def positions(self, C: int, device: torch.device | str | None = None) -> Tensor:
-        """Each row's next position, (rows, 1)."""
-        if C != 1:
-            raise ValueError(f"RaggedKVCache steps one token per row, got C={C}; prefill a "
-                             f"prompt in a one-row KVCache and put() it")
-        self.check_room(1)
-        return self.lengths[:self.rows, None].to(device)  # (rows, 1)
+        """Each row's next C positions, (rows, C): lengths[b] + 0 .. C - 1."""
+        self.check_room(C)
+        steps = torch.arange(C, device=self.lengths.device)
+        return (self.lengths[:self.rows, None] + steps).to(device)  # (rows, C)
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        raise ValueError("RaggedKVCache only attends one token per row (attend)")
+        raise ValueError("RaggedKVCache attends its rows' new tokens itself (attend); "
+                         "prefill a prompt in a one-row KVCache and put() it")
+
+    def attends(self, C: int) -> bool:
+        return True
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """q (rows, H, 1, D), k, v (rows, H_kv, 1, D): write row b's k, v at lengths[b],
-        attend over its keys j <= lengths[b]; -> (rows, H, 1, D)."""
-        n = q.shape[0]
+        """q (rows, H, C, D), k, v (rows, H_kv, C, D): write row b's k, v at positions
+        lengths[b] + i, let its query i attend over its keys j <= lengths[b] + i;
+        -> (rows, H, C, D)."""
+        n, C = q.shape[0], q.shape[2]
         assert n == self.rows, f"a step must feed every row in use ({self.rows}), got {n}"
-        pos = self.lengths[:n]  # (rows,)
-        idx = torch.arange(n, device=pos.device)
-        self.k[layer, idx, :, pos] = k[:, :, 0]  # (rows, H, D) at each row's own position
-        self.v[layer, idx, :, pos] = v[:, :, 0]
+        pos = self.lengths[:n, None] + torch.arange(C, device=self.lengths.device)  # (rows, C)
+        idx = torch.arange(n, device=pos.device)[:, None]  # (rows, 1)
+        self.k[layer][idx, :, pos] = k.transpose(1, 2)  # (rows, C, H_kv, D) at own positions
+        self.v[layer][idx, :, pos] = v.transpose(1, 2)
         T = int(pos.max()) + 1
         keys = torch.arange(T, device=pos.device)  # (T,)
-        mask = (keys[None, :] <= pos[:, None])[:, None, None, :]  # (rows, 1, 1, T)
+        mask = (keys[None, None, :] <= pos[:, :, None])[:, None]  # (rows, 1, C, T)
         return F.scaled_dot_product_attention(q, self.k[layer, :n, :, :T],
                                               self.v[layer, :n, :, :T], attn_mask=mask,
                                               enable_gqa=k.shape[1] != q.shape[1])
 
     def advance(self, n: int) -> None:
         self.lengths[:self.rows] += n
+
+    def truncate(self, row: int, length: int) -> None:
+        """Keep ``row``'s first ``length`` positions (a rejected draft's keys and values
+        stay behind its length, masked, until overwritten)."""
+        if not 0 <= length <= int(self.lengths[row]):
+            raise ValueError(f"row {row} holds {int(self.lengths[row])} positions; cannot "
+                             f"keep {length}")
+        self.lengths[row] = length
 
     def put(self, row: int, cache: KVCache) -> None:
         """Fill ``row`` with the one-row ``cache`` (a prefilled prompt)."""

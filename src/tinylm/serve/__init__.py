@@ -1,6 +1,8 @@
 """``tinylm serve``: an OpenAI-compatible HTTP server with continuous batching.
 
 - :mod:`tinylm.serve.engine`     the batching loop (one batched decoding step for all)
+- :mod:`tinylm.serve.prefix`     prefix reuse: prompt keys/values by blocks, LRU
+- :mod:`tinylm.serve.speculate`  prompt-lookup decoding's n-gram drafts
 - :mod:`tinylm.serve.schemas`    request bodies, validated; OpenAI's error fields
 - :mod:`tinylm.serve.responses`  engine events -> OpenAI response bodies and chunks
 - :mod:`tinylm.serve.app`        the Starlette routes; ``page.html`` is the web page

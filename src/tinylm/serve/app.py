@@ -98,6 +98,9 @@ class Settings:
     allowed_hosts: tuple[str, ...] = ()  # more Host names; "*" turns the check off
     max_explore_tokens: int = 256  # prompt tokens of /v1/explore and /v1/explain
     explore_memory: int = 2048 * MIB  # bytes all explore/explain requests may use at once
+    prefix_cache: int = 256 * MIB  # bytes of reusable prompt keys/values (0: off)
+    speculate: str | None = None  # "ngram": prompt-lookup decoding of greedy requests
+    draft_tokens: int = 8  # the longest prompt-lookup draft verified per step
 
 
 class Server:
@@ -122,7 +125,9 @@ class Server:
                              max_body_bytes=s.max_body_bytes)
         self.model, self.tokenizer = model, tokenizer
         self.engine = Engine(model, max_batch=s.max_batch, max_queue=s.max_queue,
-                             threads=s.threads, metrics=self.metrics).start()
+                             threads=s.threads, metrics=self.metrics,
+                             prefix_cache=s.prefix_cache, speculate=s.speculate,
+                             draft_tokens=s.draft_tokens).start()
         self.explorer = WorkQueue(s.explore_memory, max_running=s.max_batch,
                                   max_waiting=s.max_queue)
 

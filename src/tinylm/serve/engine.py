@@ -11,6 +11,12 @@ stop string), and its row is freed at that step. Sampling parameters and seeds a
 per request. Requests beyond ``max_batch`` wait in a queue of at most ``max_queue``;
 beyond that :meth:`Engine.submit` raises :class:`QueueFull`.
 
+Two options: a prefix cache (:mod:`tinylm.serve.prefix`) lets a prompt reuse the keys
+and values of an earlier prompt's identical start instead of prefilling it again; and
+prompt-lookup decoding (:mod:`tinylm.serve.speculate`) feeds a greedy row its last token
+and a draft copied from its own sequence in the same batched forward, ids (rows, C),
+keeping the draft tokens the model's own choices confirm.
+
 The loop runs in one background thread. Results go back through each request's
 ``emit`` callback, called from that thread with :class:`Token` and :class:`End` events.
 """
@@ -31,6 +37,8 @@ from torch import Tensor
 from tinylm.core.decoding import KVCache, RaggedKVCache
 from tinylm.core.model import GPT
 from tinylm.serve.metrics import Metrics
+from tinylm.serve.prefix import PrefixCache
+from tinylm.serve.speculate import DRAFT_TOKENS, NgramLookup
 from tinylm.use.sampling import SamplingConfig, sample_next
 
 log = logging.getLogger(__name__)
@@ -107,6 +115,7 @@ class _Row:
         self.seq = list(req.prompt)
         self.generated = 0
         self.last_token: float | None = None  # time.monotonic() of its latest token
+        self.lookup: NgramLookup | None = None  # its draft proposer, if it speculates
         self.generator = None
         if req.seed is not None and not req.sampling.greedy:
             self.generator = torch.Generator().manual_seed(int(req.seed))
@@ -116,13 +125,19 @@ class Engine:
     """The batching loop over ``model`` (a GPT in eval mode; moved to no device).
 
     ``max_batch`` rows decode together; ``max_queue`` more may wait for a row;
-    ``threads`` sets torch's intra-op threads of the loop's thread. Start with
-    :meth:`start` (or use as a context manager); :meth:`stop` ends the thread and
-    every request still in it.
+    ``threads`` sets torch's intra-op threads of the loop's thread. ``prefix_cache``
+    bytes of prompt keys and values are kept for reuse (0: none; :mod:`.prefix`);
+    ``speculate="ngram"`` verifies up to ``draft_tokens`` prompt-lookup draft tokens per
+    greedy row in each step (:mod:`.speculate`). Start with :meth:`start` (or use as a
+    context manager); :meth:`stop` ends the thread and every request still in it.
     """
 
     def __init__(self, model: GPT, *, max_batch: int = 16, max_queue: int = 64,
-                 threads: int | None = None, metrics: Metrics | None = None) -> None:
+                 threads: int | None = None, metrics: Metrics | None = None,
+                 prefix_cache: int = 0, speculate: str | None = None,
+                 draft_tokens: int = DRAFT_TOKENS) -> None:
+        if speculate not in (None, "ngram"):
+            raise ValueError(f"speculate must be None or 'ngram', got {speculate!r}")
         self.model = model.eval()
         self.threads = threads
         self.max_batch, self.max_queue = max_batch, max_queue
@@ -130,6 +145,8 @@ class Engine:
         self.metrics = metrics or Metrics(max_batch)
         self.cache = RaggedKVCache.for_model(model, max_batch)
         self.rows: list[_Row] = []  # row i of the cache is rows[i]
+        self.prefix = PrefixCache(prefix_cache) if prefix_cache > 0 else None
+        self.speculate, self.draft_tokens = speculate, draft_tokens
         self.pending: deque[Request] = deque()
         self._cv = threading.Condition()
         self._running = False
@@ -220,7 +237,12 @@ class Engine:
 
     def _prefill(self, tokens: Sequence[int]) -> tuple[Tensor, KVCache]:
         """tokens (T,) alone through the model: (logits of the last position (V,),
-        the filled one-row cache). The same forward as tinylm.generate's prefill."""
+        the filled one-row cache). The same forward as tinylm.generate's prefill, or,
+        with a prefix cache, its cached prefix copied and the rest run after it."""
+        if self.prefix is not None:
+            out = self.prefix.prefill(self.model, tokens, self.context)
+            self.metrics.prefix_cache(self.prefix)
+            return out
         cache = KVCache.for_model(self.model, 1, self.context)
         ids = torch.tensor([list(tokens)], dtype=torch.long)  # (1, T)
         h = self.model.hidden_states(ids, cache)  # (1, T, E)
@@ -235,6 +257,8 @@ class Engine:
             req.emit(End("length", "the request's time limit was reached in the queue"))
             return
         row = _Row(req)
+        if self.speculate and req.sampling.greedy and getattr(req, "constraint", None) is None:
+            row.lookup = NgramLookup()
         logits, cache = self._prefill(row.seq[-self.context:])
         self.metrics.prompt_tokens += len(row.seq)
         end = self._take(row, logits[None], first=True)
@@ -269,6 +293,10 @@ class Engine:
         for i, row in enumerate(self.rows):
             if int(self.cache.lengths[i]) >= self.context:  # full: slide the window
                 self._slide(i, row)
+        drafts = self._drafts() if self.speculate else None
+        if drafts is not None:
+            self._verify(drafts)
+            return
         ids = torch.tensor([[r.seq[-1]] for r in self.rows], dtype=torch.long)  # (rows, 1)
         self.metrics.step(len(self.rows))
         logits = self.model(ids, self.cache)[:, -1]  # (rows, V)
@@ -277,6 +305,38 @@ class Engine:
         for i in reversed(range(len(self.rows))):
             row = self.rows[i]
             end = self._take(row, logits[i:i + 1], greedy_id=greedy[i] if greedy else None)
+            if end is not None:
+                self._free(i, end)
+
+    def _drafts(self) -> list[list[int]] | None:
+        """Each row's draft tokens (none for a row that does not speculate), each short
+        enough to fit the context and the row's max_tokens; None when no row has any."""
+        room = self.context - self.cache.length - 1  # positions after the fed token
+        drafts = []
+        for row in self.rows:
+            k = min(self.draft_tokens, room, row.req.max_tokens - row.generated - 1)
+            drafts.append(row.lookup.propose(row.seq, k) if row.lookup is not None else [])
+        return drafts if any(drafts) else None
+
+    def _verify(self, drafts: list[list[int]]) -> None:
+        """One batched forward of every row's last token and its draft (padded to the
+        longest, ids (rows, C)); each row takes tokens through :meth:`_take` while they
+        equal its draft, then keeps in the cache only the positions of what it took."""
+        C = 1 + max(len(d) for d in drafts)
+        ids = torch.tensor([[r.seq[-1], *d] + [0] * (C - 1 - len(d))
+                            for r, d in zip(self.rows, drafts, strict=True)])  # (rows, C)
+        before = self.cache.lengths[:len(self.rows)].tolist()
+        self.metrics.batch_size = len(self.rows)
+        logits = self.model(ids, self.cache)  # (rows, C, V)
+        greedy = logits.argmax(-1).tolist()  # (rows, C)
+        for i in reversed(range(len(self.rows))):
+            row, draft = self.rows[i], drafts[i]
+            for j in range(len(draft) + 1):
+                end = self._take(row, logits[i, j:j + 1], greedy_id=greedy[i][j])
+                if end is not None or j == len(draft) or row.seq[-1] != draft[j]:
+                    break
+            self.metrics.speculated(len(draft), j)
+            self.cache.truncate(i, before[i] + j + 1)  # its token and the j accepted
             if end is not None:
                 self._free(i, end)
 

@@ -95,6 +95,10 @@ class Metrics:
             TOKEN_BUCKETS)
         self.batch_rows = Histogram("batch_rows", "Rows decoded in each batched step.",
                                     row_buckets(max_batch))
+        # prefix reuse (serve/prefix.py) and prompt-lookup decoding (serve/speculate.py)
+        self.prefix_hits = self.prefix_misses = self.prefix_tokens_reused = 0
+        self.prefix_bytes = 0
+        self.draft_tokens = self.accepted_tokens = 0
         self._done_seconds = deque(maxlen=64)  # durations of recent finished requests
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) per event
 
@@ -124,6 +128,15 @@ class Metrics:
         """A batched decoding step of ``rows`` rows."""
         self.batch_size = rows
         self.batch_rows.observe(rows)
+
+    def prefix_cache(self, cache) -> None:
+        """Copy a :class:`~tinylm.serve.prefix.PrefixCache`'s counters."""
+        self.prefix_hits, self.prefix_misses = cache.hits, cache.misses
+        self.prefix_tokens_reused, self.prefix_bytes = cache.tokens_reused, cache.nbytes
+
+    def speculated(self, drafted: int, accepted: int) -> None:
+        self.draft_tokens += drafted
+        self.accepted_tokens += accepted
 
     def finished(self, seconds: float) -> None:
         self._done_seconds.append(seconds)
@@ -162,9 +175,21 @@ class Metrics:
             ("batch_occupancy", "gauge",
              "Rows in the last decoding step over --max-batch (0 to 1).",
              round(self.batch_size / max(self.max_batch, 1), 6)),
+            ("prefix_cache_hits_total", "counter",
+             "Prompts that reused cached prefix blocks.", self.prefix_hits),
+            ("prefix_cache_misses_total", "counter",
+             "Prompts (with a prefix cache) that found no cached block.", self.prefix_misses),
+            ("prefix_cache_tokens_reused_total", "counter",
+             "Prompt tokens whose keys and values came from the prefix cache.",
+             self.prefix_tokens_reused),
+            ("prefix_cache_bytes", "gauge", "Bytes of keys and values in the prefix cache.",
+             self.prefix_bytes),
+            ("draft_tokens_total", "counter", "Prompt-lookup draft tokens verified.",
+             self.draft_tokens),
+            ("draft_tokens_accepted_total", "counter",
+             "Draft tokens equal to the model's own greedy choice.", self.accepted_tokens),
             ("tokens_per_second", "gauge", "Generated tokens per second, last 10 s.",
              round(self.tokens_per_second(), 3)),
-            # -- the prefix cache's counters go here --
         ]
 
     def render(self) -> str:
