@@ -140,6 +140,13 @@ class Tokenizer(ABC):
     def token_to_id(self, token: str) -> int | None:
         """The id of a token given as :meth:`id_to_token` shows it, or None."""
 
+    def token_bytes(self, i: int) -> bytes | None:
+        """The bytes token ``i`` adds to decoded text, or None for a special token (what
+        a grammar engine matches generated text against, byte by byte)."""
+        if self.id_to_token(i) in self.special_tokens:
+            return None
+        return self.decode([i]).encode("utf-8")
+
     @abstractmethod
     def to_hf_json(self) -> dict[str, Any]:
         """The Hugging Face ``tokenizers`` JSON document of this tokenizer."""
@@ -612,6 +619,13 @@ class BPETokenizer(Tokenizer):
             return bytes(_BYTE_DECODER[c] for c in token)
         except KeyError:
             return None
+
+    def token_bytes(self, i: int) -> bytes | None:
+        token = self._tok.id_to_token(int(i))
+        if token is None or token in self._specials:
+            return None
+        raw = self._token_bytes(token)  # a byte-level or SentencePiece token's own bytes
+        return raw if raw is not None else self._tok.decode([int(i)]).encode("utf-8")
 
     def id_to_token(self, i: int) -> str:
         token = self._tok.id_to_token(int(i))
