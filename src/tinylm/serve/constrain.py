@@ -163,7 +163,7 @@ class GrammarEngine:
         the event loop (``asyncio.to_thread``)."""
         grammar = self.grammar(spec)
         return [Constraint(self.llg.LLMatcher(self.tokenizer, grammar, log_level=0),
-                           self.vocab_size) for _ in range(n)]
+                           self.vocab_size, self.tokenizer.vocab_size) for _ in range(n)]
 
 
 def _what(spec: OutputSpec) -> str:
@@ -193,10 +193,10 @@ class Constraint:
     :meth:`fill` computes the allowed tokens, :meth:`apply` masks a row of logits,
     :meth:`advance` takes the chosen token. ``mask_seconds`` records each mask's time."""
 
-    def __init__(self, matcher: Any, vocab_size: int) -> None:
+    def __init__(self, matcher: Any, vocab_size: int, mask_size: int) -> None:
         self.matcher = matcher
-        self.vocab_size = vocab_size
-        self.words = np.zeros(((vocab_size + 1 + 31) // 32,), dtype=np.int32)
+        self.vocab_size = vocab_size  # the tokenizer's ids (mask_size: llguidance's, >=)
+        self.words = np.zeros(((mask_size + 31) // 32,), dtype=np.int32)
         self._filled = False
         self.mask_seconds: list[float] = []
 
