@@ -5,8 +5,8 @@ on the same greedy prompts with and without a JSON-schema constraint
 (``tinylm.serve.constrain``, llguidance), side by side, on two models: random weights
 in configs/demo.toml's shape (1024-token BPE) and SmolLM2-135M-Instruct (its 49k-token
 vocabulary; skipped with --no-smollm2). Every request decodes exactly --max-tokens
-tokens (no end token; the schema is an unbounded list, so the grammar never ends
-first). Reported, as medians over --repeats runs: tokens/s and ms per token at batch 1
+tokens (no end token; the schema is a list of at least 1000 objects, so the grammar
+never ends first). Reported, as medians over --repeats runs: tokens/s and ms per token at batch 1
 (one request) and in a mixed batch (half the rows constrained) against the same batch
 unconstrained, and the mask's own time per token (llguidance computing the allowed
 set, measured inside the constraint; it runs in a worker thread beside the forward).
@@ -133,9 +133,11 @@ def main() -> int:
         rows += measure(name, *make(), args)
     lines = [
         f"Greedy decoding in the server's engine (in-process, 1 torch thread), every request "
-        f"{args.max_tokens} tokens; constrained rows held by a JSON schema (an unbounded list "
-        f"of at least 1000 objects, so it never ends first) through llguidance. \"mixed\": half the rows constrained, against the "
-        f"same rows all unconstrained. Medians of {args.repeats} runs. Mask ms: llguidance's "
+        f"{args.max_tokens} tokens; constrained rows held by a JSON schema (a list of at "
+        f"least 1000 objects, so it never ends first) through llguidance. \"mixed\": half "
+        f"the rows constrained, against the same rows all unconstrained. Medians of "
+        f"{args.repeats} runs; ms/step is the wall time over the tokens (prefill included). "
+        f"Mask ms: llguidance's "
         f"time for one row's allowed-token set (median over every step), computed in a worker "
         f"thread while the batched forward runs. Machine: {os.cpu_count()} CPU cores "
         f"({platform.machine()}), torch {torch.__version__}; load average {load:.2f} at the "

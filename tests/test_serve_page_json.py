@@ -39,7 +39,8 @@ def test_the_json_output_control_gets_a_json_reply() -> None:
             page.wait_for_function("document.querySelectorAll('.turn').length === 2")
             _finished(page)
             assert page.text_content("#state") == "finished: stop"
-            reply = page.eval_on_selector_all(".turn .content", "ts => ts.map(t => t.textContent)")[1]
+            reply = page.eval_on_selector_all(".turn .content",
+                                              "ts => ts.map(t => t.textContent)")[1]
             assert isinstance(json.loads(reply), dict)
             assert _chat_requests(requests)[-1]["response_format"] == {"type": "json_object"}
             page.select_option("#mode", "completion")
