@@ -3,6 +3,8 @@
 - :mod:`tinylm.serve.engine`     the batching loop (one batched decoding step for all)
 - :mod:`tinylm.serve.schemas`    request bodies, validated; OpenAI's error fields
 - :mod:`tinylm.serve.responses`  engine events -> OpenAI response bodies and chunks
+- :mod:`tinylm.serve.constrain`  structured output: llguidance grammars, the logits mask
+- :mod:`tinylm.serve.tools`      tool calls: tools in the prompt, calls parsed and streamed
 - :mod:`tinylm.serve.app`        the Starlette routes; ``page.html`` is the web page
 - :mod:`tinylm.serve.metrics`    Prometheus counters
 - :mod:`tinylm.serve.admission`  the explorer's memory budget and queue
