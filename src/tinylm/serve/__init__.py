@@ -5,6 +5,8 @@
 - :mod:`tinylm.serve.speculate`  prompt-lookup decoding's n-gram drafts
 - :mod:`tinylm.serve.schemas`    request bodies, validated; OpenAI's error fields
 - :mod:`tinylm.serve.responses`  engine events -> OpenAI response bodies and chunks
+- :mod:`tinylm.serve.constrain`  structured output: llguidance grammars, the logits mask
+- :mod:`tinylm.serve.tools`      tool calls: tools in the prompt, calls parsed and streamed
 - :mod:`tinylm.serve.app`        the Starlette routes; ``page.html`` is the web page
 - :mod:`tinylm.serve.metrics`    Prometheus counters, gauges and histograms
 - :mod:`tinylm.serve.lifecycle`  request ids and log lines; the drain at shutdown

@@ -42,7 +42,7 @@ from starlette.responses import (
 from starlette.routing import Route
 
 from tinylm.core.errors import NonFiniteError, TinyLMError
-from tinylm.data.chat import render_chat, stop_ids
+from tinylm.data.chat import stop_ids
 from tinylm.serve.admission import (
     MIB,
     WorkQueue,
@@ -50,6 +50,7 @@ from tinylm.serve.admission import (
     explain_bytes,
     explore_bytes,
 )
+from tinylm.serve.constrain import constraints_for, parse_output
 from tinylm.serve.engine import Engine, NeverFits, QueueFull
 from tinylm.serve.guard import HostGuard, host_names
 from tinylm.serve.lifecycle import Tracker, request_id
@@ -72,6 +73,14 @@ from tinylm.serve.schemas import (
     parse_completion,
     parse_explain,
     parse_json,
+)
+from tinylm.serve.tools import (
+    CallStream,
+    ToolSpec,
+    chat_prompt,
+    output_of,
+    parse_tools,
+    reply_message,
 )
 from tinylm.use.explorer import explorer_data, explorer_layers, render_explorer
 from tinylm.use.inspection import explain
@@ -351,56 +360,78 @@ async def _completion_chunks(server: Server, run: Run, req: CompletionRequest,
         yield dict(head, choices=[], usage=run.usage())
 
 
-def _chat_ids(server: Server, req: ChatRequest) -> tuple[list[int], list[int]]:
-    """The rendered conversation and the ids that end a reply, or a 400 when the
-    model's tokenizer has no chat template."""
+def _chat_ids(server: Server, req: ChatRequest, tools: ToolSpec | None
+              ) -> tuple[list[int], list[int]]:
+    """The rendered conversation (with the tools offered, calls and results) and the
+    ids that end a reply, or a 400 when the model's tokenizer has no chat template."""
     tok = server.tokenizer
     if getattr(tok, "chat_template", None) is None:
         raise RequestError("this model has no chat template, so /v1/chat/completions cannot "
                            "render messages; use /v1/completions with a plain prompt instead "
                            "(it works with every model)", param="messages",
                            code="no_chat_template")
-    ids = render_chat(tok, list(req.messages), add_generation_prompt=True)
+    ids = chat_prompt(tok, req.messages, tools)
     check_prompt(ids, server.limits.context_length, server.model.config.vocab_size)
     # the model's end-of-turn tokens (<|end|>, <|im_end|>, ...) and end-of-text
     return ids, sorted(set(stop_ids(tok)) | set(_eos(server)))
 
 
 async def chat_completions(server: Server, request: Request) -> Response:
-    req = parse_chat(await _body(server, request), server.limits)
+    body = await _body(server, request)
+    req = parse_chat(body, server.limits)
     _check_model(server, req.model)
-    ids, ends = _chat_ids(server, req)
+    tools = parse_tools(body)
+    output = output_of(parse_output(body), tools)
+    ids, ends = _chat_ids(server, req, tools)
+    constraints = None if output is None else await asyncio.to_thread(
+        constraints_for, server.tokenizer, output, ends, req.gen.n)  # compiled off the loop
     run = Run(server.engine, server.tokenizer, [ids], req.gen, ends,
               server.settings.timeout, id=request.state.hex_id,
-              request_id=request.state.request_id)
+              request_id=request.state.request_id, constraints=constraints)
     server.tracker.begin(run, req.gen.stream)
     if req.gen.stream:
-        return _sse(_chat_chunks(server, run, req), run, server.tracker)
+        return _sse(_chat_chunks(server, run, req, tools), run, server.tracker)
     await _until_done(run, request)
-    choices = [{"index": c.index, "message": {"role": "assistant", "content": c.stream.text},
-                "logprobs": chat_logprobs(server.tokenizer, c.tokens)
-                if req.gen.logprobs is not None else None,
-                "finish_reason": c.finish_reason} for c in run.choices]
+    choices = []
+    for c in run.choices:
+        message, finish_reason = reply_message(c.stream.text, tools, c.finish_reason)
+        choices.append({"index": c.index, "message": message, "finish_reason": finish_reason,
+                        "logprobs": chat_logprobs(server.tokenizer, c.tokens)
+                        if req.gen.logprobs is not None else None})
     return JSONResponse({"id": f"chatcmpl-{run.id}", "object": "chat.completion",
                          "created": run.created, "model": server.settings.model_name,
                          "choices": choices, "usage": run.usage()})
 
 
-async def _chat_chunks(server: Server, run: Run, req: ChatRequest) -> AsyncIterator[dict]:
+async def _chat_chunks(server: Server, run: Run, req: ChatRequest,
+                       tools: ToolSpec | None) -> AsyncIterator[dict]:
     head = {"id": f"chatcmpl-{run.id}", "object": "chat.completion.chunk",
             "created": run.created, "model": server.settings.model_name}
     for c in run.choices:  # the role first
         yield dict(head, choices=[{"index": c.index, "delta": {"role": "assistant",
                                    "content": ""}, "logprobs": None, "finish_reason": None}])
+    calls = {c.index: CallStream(tools) for c in run.choices} \
+        if tools is not None and tools.offered else None  # text -> tool-call deltas
     async for u in run.updates():
         lp = chat_logprobs(server.tokenizer, u.tokens) if req.gen.logprobs is not None \
             else None
-        if u.text or (lp and u.tokens):
-            yield dict(head, choices=[{"index": u.choice.index, "delta": {"content": u.text},
-                                       "logprobs": lp, "finish_reason": None}])
+        deltas = calls[u.choice.index].push(u.text) if calls else \
+            [{"content": u.text}] if u.text else []
+        if lp and u.tokens and not deltas:
+            deltas = [{}] if calls else [{"content": ""}]
+        for k, delta in enumerate(deltas):
+            yield dict(head, choices=[{"index": u.choice.index, "delta": delta,
+                                       "logprobs": lp if k == 0 else None,
+                                       "finish_reason": None}])
         if u.finish_reason:
+            reason = u.finish_reason
+            if calls:
+                last, reason = calls[u.choice.index].finish(reason)
+                for delta in last:
+                    yield dict(head, choices=[{"index": u.choice.index, "delta": delta,
+                                               "logprobs": None, "finish_reason": None}])
             yield dict(head, choices=[{"index": u.choice.index, "delta": {},
-                                       "logprobs": None, "finish_reason": u.finish_reason}])
+                                       "logprobs": None, "finish_reason": reason}])
     if req.gen.include_usage:
         yield dict(head, choices=[], usage=run.usage())
 

@@ -28,7 +28,9 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -88,7 +90,8 @@ class End:
 class Request:
     """One sequence to generate. ``logprobs`` None computes none; k >= 0 computes the
     chosen token's and the k most likely ones'. ``vocab_size`` restricts sampling to
-    the tokenizer's ids. ``deadline`` is a ``time.monotonic()`` value."""
+    the tokenizer's ids. ``deadline`` is a ``time.monotonic()`` value. ``constraint``
+    (a :class:`tinylm.serve.constrain.Constraint`) holds the output to a grammar."""
 
     prompt: Sequence[int]
     max_tokens: int
@@ -101,6 +104,7 @@ class Request:
     deadline: float = float("inf")
     cancelled: bool = False
     submitted: float = field(default_factory=time.monotonic)
+    constraint: Any = None
 
     def cancel(self) -> None:
         """Ask the engine to drop this request at its next step (thread-safe)."""
@@ -151,6 +155,7 @@ class Engine:
         self._cv = threading.Condition()
         self._running = False
         self._thread: threading.Thread | None = None
+        self._masker: ThreadPoolExecutor | None = None  # constrained rows' masks
 
     # -- control -----------------------------------------------------------------------
 
@@ -167,6 +172,9 @@ class Engine:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        if self._masker is not None:
+            self._masker.shutdown()
+            self._masker = None
         for req in [r.req for r in self.rows] + list(self.pending):
             req.emit(End("cancelled", "the server is shutting down"))
         self.rows.clear()
@@ -257,7 +265,7 @@ class Engine:
             req.emit(End("length", "the request's time limit was reached in the queue"))
             return
         row = _Row(req)
-        if self.speculate and req.sampling.greedy and getattr(req, "constraint", None) is None:
+        if self.speculate and req.sampling.greedy and req.constraint is None:
             row.lookup = NgramLookup()
         logits, cache = self._prefill(row.seq[-self.context:])
         self.metrics.prompt_tokens += len(row.seq)
@@ -299,7 +307,10 @@ class Engine:
             return
         ids = torch.tensor([[r.seq[-1]] for r in self.rows], dtype=torch.long)  # (rows, 1)
         self.metrics.step(len(self.rows))
+        masks = self._masks_begin()
         logits = self.model(ids, self.cache)[:, -1]  # (rows, V)
+        if masks is not None:
+            masks.result()
         greedy = logits.argmax(-1).tolist() if any(r.req.sampling.greedy for r in self.rows) \
             else None
         for i in reversed(range(len(self.rows))):
@@ -326,8 +337,11 @@ class Engine:
         ids = torch.tensor([[r.seq[-1], *d] + [0] * (C - 1 - len(d))
                             for r, d in zip(self.rows, drafts, strict=True)])  # (rows, C)
         before = self.cache.lengths[:len(self.rows)].tolist()
-        self.metrics.batch_size = len(self.rows)
+        self.metrics.step(len(self.rows))
+        masks = self._masks_begin()  # constrained rows (never drafting) take one token
         logits = self.model(ids, self.cache)  # (rows, C, V)
+        if masks is not None:
+            masks.result()
         greedy = logits.argmax(-1).tolist()  # (rows, C)
         for i in reversed(range(len(self.rows))):
             row, draft = self.rows[i], drafts[i]
@@ -339,6 +353,17 @@ class Engine:
             self.cache.truncate(i, before[i] + j + 1)  # its token and the j accepted
             if end is not None:
                 self._free(i, end)
+
+    def _masks_begin(self) -> Future | None:
+        """Start the constrained rows' allowed-token masks in a worker thread, to run
+        while the batched forward does (llguidance releases the GIL); None when no row
+        is constrained (then nothing is done for masks at all)."""
+        constraints = [r.req.constraint for r in self.rows if r.req.constraint is not None]
+        if not constraints:
+            return None
+        if self._masker is None:
+            self._masker = ThreadPoolExecutor(1, thread_name_prefix="tinylm-mask")
+        return self._masker.submit(lambda: [c.fill() for c in constraints])
 
     def _slide(self, i: int, row: _Row) -> None:
         """Restart row i on its last context - 2 tokens before its last one, as
@@ -357,11 +382,16 @@ class Engine:
         if not bool(torch.isfinite(logits).all()):
             log.warning("a request ended: %s", NON_FINITE)
             return End("error", NON_FINITE)
+        choose = logits  # a constrained row chooses among the tokens its grammar allows
+        if req.constraint is not None:
+            choose, greedy_id = req.constraint.apply(logits), None
+            if choose is None:
+                return End("error", req.constraint.error())
         if req.sampling.greedy:
             token = greedy_id if greedy_id is not None and greedy_id < logits.shape[-1] \
-                else int(logits.argmax(-1))
+                else int(choose.argmax(-1))
         else:
-            token = int(sample_next(logits.float(), req.sampling, row.generator))
+            token = int(sample_next(choose.float(), req.sampling, row.generator))
         row.seq.append(token)
         row.generated += 1
         now = time.monotonic()
@@ -370,9 +400,11 @@ class Engine:
         else:
             self.metrics.generated(1, latency=now - row.last_token)
         row.last_token = now
-        req.emit(self._token(token, logits[0], req.logprobs))
+        req.emit(self._token(token, logits[0], req.logprobs))  # the model's own logprobs
         if token in req.stop_ids:
             return End("stop")
+        if req.constraint is not None and (end := req.constraint.advance(token)) is not None:
+            return end
         if row.generated >= req.max_tokens:
             return End("length")
         return None

@@ -105,7 +105,8 @@ class Run:
     def __init__(self, engine: Engine, tokenizer: Any, prompts: Sequence[Sequence[int]],
                  gen: Generation, stop_ids: Sequence[int], timeout: float,
                  given: Sequence[Token] | None = None, *, id: str | None = None,
-                 request_id: str | None = None) -> None:
+                 request_id: str | None = None,
+                 constraints: Sequence[Any] | None = None) -> None:
         self.id = id or uuid.uuid4().hex[:24]
         self.request_id = request_id or self.id
         self.stopping = False  # the server cancelled it (shutdown)
@@ -123,7 +124,8 @@ class Run:
                 i = p * gen.n + j
                 seed = None if gen.seed is None else gen.seed + j
                 req = Request(list(ids), gen.max_tokens, self._emitter(i), gen.sampling, seed,
-                              self.stop_ids, gen.logprobs, tokenizer.vocab_size, deadline)
+                              self.stop_ids, gen.logprobs, tokenizer.vocab_size, deadline,
+                              constraint=None if constraints is None else constraints[i])
                 self.choices.append(Choice(i, len(ids), TextStream(tokenizer, gen.stop), req))
                 requests.append(req)
         if gen.max_tokens == 0 or given is not None:

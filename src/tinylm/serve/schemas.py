@@ -73,7 +73,7 @@ class CompletionRequest:
 @dataclass(frozen=True)
 class ChatRequest:
     model: str | None
-    messages: tuple[dict[str, str], ...]
+    messages: tuple[dict[str, Any], ...]  # role, content; tool_calls, tool_call_id if sent
     gen: Generation
 
 
@@ -220,27 +220,61 @@ def parse_completion(body: dict[str, Any], limits: Limits) -> CompletionRequest:
     return CompletionRequest(_model(body), prompts, echo, gen)
 
 
+def _tool_calls(i: int, v: Any) -> list[dict[str, Any]]:
+    """An assistant message's ``tool_calls``, as OpenAI's client sends them back."""
+    param = f"messages[{i}].tool_calls"
+    if not isinstance(v, list) or not v:
+        raise RequestError(f"{param} must be a non-empty list of calls", param=param)
+    out = []
+    for call in v:
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) \
+                or not isinstance(fn.get("arguments"), str) \
+                or not isinstance(call.get("id", ""), str):
+            raise RequestError(f"each of {param} must be {{\"id\", \"type\": \"function\", "
+                               f"\"function\": {{\"name\", \"arguments\": a JSON string}}}}",
+                               param=param)
+        out.append({"id": call.get("id", ""), "type": "function",
+                    "function": {"name": fn["name"], "arguments": fn["arguments"]}})
+    return out
+
+
+def _message(i: int, m: Any) -> dict[str, Any]:
+    """One chat message: a role and text content (OpenAI's text parts joined); an
+    assistant's may carry ``tool_calls`` instead of content, a ``tool`` message its
+    ``tool_call_id``."""
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        raise RequestError(f"messages[{i}] must be an object with a string 'role'",
+                           param=f"messages[{i}]")
+    content = m.get("content")
+    if isinstance(content, list):  # OpenAI's content parts: keep the text ones
+        if not all(isinstance(p, dict) and p.get("type") == "text"
+                   and isinstance(p.get("text"), str) for p in content):
+            raise RequestError(f"messages[{i}].content parts must all be text parts",
+                               param=f"messages[{i}].content")
+        content = "".join(p["text"] for p in content)
+    out: dict[str, Any] = {"role": m["role"], "content": content}
+    if m["role"] == "assistant" and m.get("tool_calls") is not None:
+        out["tool_calls"] = _tool_calls(i, m["tool_calls"])
+        out["content"] = content or ""
+    elif not isinstance(content, str):
+        raise RequestError(f"messages[{i}].content must be a string, got {content!r}",
+                           param=f"messages[{i}].content")
+    if m["role"] == "tool":
+        call_id = m.get("tool_call_id")
+        if not isinstance(call_id, str):
+            raise RequestError(f"messages[{i}] (role tool) needs 'tool_call_id', the id of "
+                               f"the call it answers", param=f"messages[{i}].tool_call_id")
+        out["tool_call_id"] = call_id
+    return out
+
+
 def parse_chat(body: dict[str, Any], limits: Limits) -> ChatRequest:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError("'messages' must be a non-empty list of {\"role\", \"content\"} "
                            "objects", param="messages")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise RequestError(f"messages[{i}] must be an object with a string 'role'",
-                               param=f"messages[{i}]")
-        content = m.get("content")
-        if isinstance(content, list):  # OpenAI's content parts: keep the text ones
-            if not all(isinstance(p, dict) and p.get("type") == "text"
-                       and isinstance(p.get("text"), str) for p in content):
-                raise RequestError(f"messages[{i}].content parts must all be text parts",
-                                   param=f"messages[{i}].content")
-            content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
-            raise RequestError(f"messages[{i}].content must be a string, got {content!r}",
-                               param=f"messages[{i}].content")
-        out.append({"role": m["role"], "content": content})
+    out = [_message(i, m) for i, m in enumerate(messages)]
     logprobs = None
     if _bool(body, "logprobs"):
         logprobs = _int(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
