@@ -248,3 +248,32 @@ def test_cli_flags_reach_the_server(monkeypatch, capsys) -> None:
         (None, 8, 256 << 20)
     assert main(["serve", "--model", "m", "--prefix-cache", "-1"]) == 2
     assert "--prefix-cache must be >= 0 MiB (0 turns it off), got -1" in capsys.readouterr().err
+
+
+def test_constrained_rows_beside_speculating_rows_hold_their_grammar() -> None:
+    """A grammar-constrained greedy row decodes in the same steps as a row whose drafts
+    are accepted (it never drafts itself, and its mask is applied in the verifying step):
+    both answers equal the plain engine's, the constrained one matches its regex, and
+    drafts were accepted."""
+    import re
+
+    from tinylm.serve.constrain import OutputSpec, constraints_for
+
+    model, tok = tiny_model_and_tokenizer(context_length=128)
+    perm = torch.randperm(tok.vocab_size, generator=torch.Generator().manual_seed(2))
+    follow_rule(model, perm, 1.0)
+    pattern = r"[0-9]{3}-[a-z]{2,4}"
+    spec = OutputSpec("regex", pattern, "regex")
+    answers, accepted = {}, {}
+    for mode in (None, "ngram"):
+        reqs = [(chain(5, 40, perm)[:30] + chain(7, 6, perm), 30, {}),
+                (tok.encode("The cat sat"), 20,
+                 {"constraint": constraints_for(tok, spec, [tok.eos_id], 1)[0]})]
+        with Engine(model, max_batch=4, speculate=mode, draft_tokens=6) as engine:
+            answers[mode] = run_engine(engine, reqs)
+            accepted[mode] = engine.metrics.accepted_tokens
+    assert accepted[None] == 0 < accepted["ngram"]
+    assert [(t, e) for t, _, e in answers["ngram"]] == [(t, e) for t, _, e in answers[None]]
+    ids, _, end = answers["ngram"][1]
+    assert end.reason == "stop"
+    assert re.fullmatch(pattern, tok.decode([i for i in ids if i != tok.eos_id]))
