@@ -33,6 +33,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from tinylm.layers.blocks import TYPES as BLOCK_TYPES
 from tinylm.native import build, selfcheck
 
 log = logging.getLogger("tinylm.native")
@@ -219,6 +220,25 @@ class Library:
         check("qweight", qweight, (-1, x.shape[1]), dtype=torch.int8)
         return self.linear_q8_packed(x, self.pack_q8(qweight, scale, group_size), bias, act,
                                      res)
+
+    def linear_blocks(self, x: Tensor, blocks: Tensor, block_type: str, bias: Tensor | None,
+                      act: int = 0, res: Tensor | None = None) -> Tensor:
+        """x (M, I) -> act(x·Wᵀ + b) (+ res), (M, O), W given as GGUF blocks (O,
+        ceil(I/32)·bytes) uint8 of ``block_type`` (tinylm.layers.blocks: Q4_0, Q4_1, Q8_0),
+        read as stored; x is quantized per block of 32 (csrc/blocks.c)."""
+        type_id, size = BLOCK_TYPES[block_type]
+        check("x", x, (-1, -1))
+        M, I = x.shape
+        if I < 1:
+            raise OpError("x must have at least one input feature")
+        check("blocks", blocks, (-1, -(-I // 32) * size), dtype=torch.uint8)
+        O = blocks.shape[0]
+        b = _opt("bias", bias, (O,))
+        r = _opt("res", res, (M, O))
+        y = torch.empty(M, O)
+        self.raw.tl_linear_blocks(x.data_ptr(), I, blocks.data_ptr(), type_id, b,
+                                  y.data_ptr(), M, I, O, _threads(), int(bool(act)), r)
+        return y
 
     def argmax(self, x: Tensor) -> Tensor:
         """x (B, V), unit stride along V -> the first index of each row's maximum (B,)."""

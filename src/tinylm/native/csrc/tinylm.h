@@ -182,6 +182,13 @@ TL_API void tl_linear_q8(const float *x, long ldx, const signed char *qp, const 
                          long G, const float *b, float *y, long M, long I, long O,
                          int threads, int act, const float *res);
 
+/* blocks.c: y = x·Wᵀ + b for a decoding step, W as GGUF's Q4_0 / Q4_1 / Q8_0 blocks (type
+ * 2, 3, 8; ceil(I/32) blocks per row, read as stored), x quantized per block of 32. */
+TL_API long tl_block_bytes(long type);
+TL_API void tl_linear_blocks(const float *x, long ldx, const unsigned char *w, long type,
+                             const float *b, float *y, long M, long I, long O, int threads,
+                             int act, const float *res);
+
 /* decode.c: the other pieces of a decoding step. */
 TL_API int tl_embed(const long *ids, const float *tok, const float *pos, long position,
                     float *x, long B, long E, long V);
