@@ -199,8 +199,9 @@ TL_API void tl_attend_one(const float *q, long qsb, long qsh, const float *k, lo
                           float scale, float *out, float *scratch, int threads);
 /* Every block of a standard GPT for one decoding step, from a plan of PLAN_LAYER longs
  * per layer (pointers and sizes, built once by tinylm.native.decoding). */
-#define PLAN_LINEAR 6   /* packed weights, int8 scales, int8 group (0: float32), bias, I, O */
-#define PLAN_LAYER 28   /* LN1 weight, bias, 4 linears (qkv, out, up, down) between LN2's */
+#define PLAN_LINEAR 7   /* packed weights or blocks, int8 scales, int8 group (0: not int8),
+                           bias, I, O, GGUF block type (0: none) */
+#define PLAN_LAYER 32   /* LN1 weight, bias, 4 linears (qkv, out, up, down) between LN2's */
 TL_API void tl_decode_layers(const long *plan, long n_layer, float *x, float *h, float *qkv,
                              float *r, float *u, float *stats, float *kc, float *vc, long cl,
                              long csb, long csh, long B, long E, long H, long D, long pos,
