@@ -4,8 +4,9 @@ A *replaced layer* stands in for an ``nn.Linear`` of the reference model. Each k
 says, in one :class:`LayerKind` row of :data:`KINDS`:
 
 - its ``section``: the name of its entry in config.json (``"lowrank"``, ``"quantize"``,
-  ``"gguf_blocks"``, ``"lora"``), which :func:`structure_of` writes and :func:`apply_structure` reads, in
-  the order of :data:`KINDS` (the checkpoint format is unchanged);
+  ``"gguf_blocks"``, ``"lora"``), which :func:`structure_of` writes and
+  :func:`apply_structure` reads, in the order of :data:`KINDS` (the checkpoint format is
+  unchanged);
 - its module ``classes`` and how one is ``build``-t from an ``nn.Linear``;
 - ``describe(model)``: its config.json entry for a model (empty when it has none), and
   ``rebuild(model, entry)``: the empty layers put back before the state dict loads;
@@ -153,6 +154,6 @@ def decoding_refusal(layer: nn.Module) -> str | None:
     return kind.decoding_refusal(layer)
 
 
-__all__ = ["BLOCKS", "KINDS", "LORA", "LOWRANK", "QUANTIZED", "SECTIONS", "LayerKind", "apply_structure",
-           "decoding_classes", "decoding_of", "decoding_refusal", "densified", "kind_of",
-           "select_layers", "structure_of", "training_classes", "training_weight"]
+__all__ = ["BLOCKS", "KINDS", "LORA", "LOWRANK", "QUANTIZED", "SECTIONS", "LayerKind",
+           "apply_structure", "decoding_classes", "decoding_of", "decoding_refusal", "densified",
+           "kind_of", "select_layers", "structure_of", "training_classes", "training_weight"]

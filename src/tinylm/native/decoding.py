@@ -28,8 +28,8 @@ know (e.g. one with tinylm.layers.lowrank's layers): the model's own forward, wi
 
 The prompt pass runs the model's own forward (large products, where BLAS is right),
 except that the fused plans put a short prompt of a model with int8 or block layers
-through their step, position by position (the forward would dequantize every weight first). Both plans
-take the greedy argmax natively.
+through their step, position by position (the forward would dequantize every weight
+first). Both plans take the greedy argmax natively.
 """
 
 from __future__ import annotations
