@@ -186,19 +186,22 @@ def test_every_build_of_the_kernel_computes_the_same(tmp_path, march) -> None:
                     str(build.SOURCES / "blocks.c"), "-o", str(so)], check=True,
                    capture_output=True, timeout=300)
     cdll = ctypes.CDLL(str(so))
-    restype, argtypes = ops.parse_header(ops.HEADER.read_text())["tl_linear_blocks"]
-    fn = cdll.tl_linear_blocks
-    fn.restype, fn.argtypes = restype, argtypes
+    sigs = ops.parse_header(ops.HEADER.read_text())
+    for name in ("tl_blocks_packed_size", "tl_blocks_pack", "tl_linear_blocks"):
+        getattr(cdll, name).restype, getattr(cdll, name).argtypes = sigs[name]
 
     def run(x, blocks, block_type, b, act, res):
-        M, I = x.shape
-        y = torch.empty(M, blocks.shape[0])
-        fn(x.data_ptr(), I, blocks.data_ptr(), TYPES[block_type][0], b.data_ptr(),
-           y.data_ptr(), M, I, blocks.shape[0], 1, act, None if res is None else res.data_ptr())
+        (M, I), O, type_id = x.shape, blocks.shape[0], TYPES[block_type][0]
+        packed = torch.empty(cdll.tl_blocks_packed_size(type_id, O, I), dtype=torch.uint8)
+        cdll.tl_blocks_pack(blocks.data_ptr(), type_id, packed.data_ptr(), O, I, 1)
+        y = torch.empty(M, O)
+        cdll.tl_linear_blocks(x.data_ptr(), I, packed.data_ptr(), type_id, b.data_ptr(),
+                              y.data_ptr(), M, I, O, 1, act,
+                              None if res is None else res.data_ptr())
         return y
 
-    for block_type in TYPES:
-        for O, I, M in ((45, 129, 5), (7, 521, 1), (1, 1, 4), (9, 13, 16)):
+    for block_type in TYPES:  # panels of 16 rows and their remainders, tiles of 4 rows
+        for O, I, M in ((45, 129, 5), (7, 521, 1), (1, 1, 4), (9, 13, 16), (33, 64, 3)):
             check_kernel(run, block_type, O, I, M, seed=M)
 
 
@@ -310,3 +313,16 @@ def test_quantize_in_python_and_the_report_bytes() -> None:
     # Q4_0 maps a group's signed extreme to code 0 (d = extreme / −8): half a step, d/2 =
     # max/16, everywhere except the other side's end, clipped at code 15: max/8 there
     assert 1 / 16 < qkv.max_rel_error <= (1 / 8) * (1 + 2 ** -10)  # fp16 d
+
+
+@pytest.mark.skipif(not NATIVE, reason="TINYLM_NATIVE=0: no decoding plan packs")
+def test_the_decoder_repacks_blocks_changed_in_place(lib) -> None:
+    from tinylm.native.decoding import packed_blocks
+
+    layer = BlockLinear.from_linear(torch.nn.Linear(64, 20), "Q4_0")
+    first = packed_blocks(lib, layer)
+    assert packed_blocks(lib, layer) is first  # cached while unchanged
+    layer.blocks.copy_(quantize_blocks(torch.randn(20, 64), "Q4_0"))  # in place: repacked
+    x = torch.randn(2, 64)
+    torch.testing.assert_close(lib.linear_blocks_packed(x, packed_blocks(lib, layer), None),
+                               kernel_product(x, layer.blocks, "Q4_0"), rtol=0, atol=1e-4)

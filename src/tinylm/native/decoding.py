@@ -9,9 +9,10 @@ the down-projection with its residual add. It computes exactly the math of
 are read once per step from packed copies (kept across calls while the weights are
 unchanged); the model itself is never modified. A :class:`tinylm.layers.quantized.QuantizedLinear`
 is read as int8 integers and float32 scales, packed once into panels (``Library.pack_q8``;
-the model keeps them as stored). A :class:`tinylm.layers.blocks.BlockLinear` is read as
-its GGUF blocks (Q4_0, Q4_1, Q8_0), as stored, by ``csrc/blocks.c``, which quantizes
-the activations per block of 32 as llama.cpp does.
+the model keeps them as stored). A :class:`tinylm.layers.blocks.BlockLinear`'s GGUF blocks
+(Q4_0, Q4_1, Q8_0) are moved once into panels of 16 rows (``Library.pack_blocks``: the
+same codes and fp16 scales) and read by ``csrc/blocks.c``, which quantizes the
+activations per block of 32 as llama.cpp does.
 
 :class:`VariantDecoder` (path ``"fused-variant"``) is the same for the architecture
 variants of ``ModelConfig`` (:func:`tinylm.native.plan.eligibility` decides which):
@@ -45,12 +46,12 @@ from torch import Tensor, nn
 from tinylm.core.attention import RMSNorm, apply_rope, rope_angles
 from tinylm.core.decoding import Decoder, KVCache
 from tinylm.core.model import FeedForward, GatedFeedForward
-from tinylm.layers.blocks import TYPES as BLOCK_TYPES
 from tinylm.layers.registry import decoding_of
-from tinylm.native.ops import Library, PackedQ8, check, header_constant
+from tinylm.native.ops import Library, PackedBlocks, PackedQ8, check, header_constant
 from tinylm.native.variants import signed_sin
 
 if TYPE_CHECKING:
+    from tinylm.layers.blocks import BlockLinear
     from tinylm.layers.quantized import QuantizedLinear
 
 
@@ -78,6 +79,7 @@ class NativeKVCache(KVCache):
 # in place (its version counter moved) or replaced.
 _packed: dict[int, tuple[weakref.ref, int, int, Tensor]] = {}
 _packed_q8: dict[int, tuple[weakref.ref, tuple, PackedQ8]] = {}
+_packed_blocks: dict[int, tuple[weakref.ref, tuple, PackedBlocks]] = {}
 
 
 def packed_weight(lib: Library, weight: Tensor) -> Tensor:
@@ -108,6 +110,23 @@ def packed_q8(lib: Library, lin: QuantizedLinear) -> PackedQ8:
     G = lin.in_features if lin.group_size is None else min(lin.group_size, lin.in_features)
     packed = lib.pack_q8(q.detach().contiguous(), s.detach().contiguous(), G)
     _packed_q8[key] = (weakref.ref(q, lambda _r, k=key: _packed_q8.pop(k, None)), stamp, packed)
+    return packed
+
+
+def packed_blocks(lib: Library, lin: BlockLinear) -> PackedBlocks:
+    """The panel copy of a BlockLinear's GGUF blocks (csrc/blocks.c), cached while they
+    are unchanged (keyed by the blocks, as :func:`packed_weight`)."""
+    w = lin.blocks
+    key = id(w)
+    entry = _packed_blocks.get(key)
+    stamp = (w._version, w.data_ptr(), lin.block_type, lin.in_features)
+    if entry is not None:
+        ref, version, packed = entry
+        if ref() is w and version == stamp:
+            return packed
+    packed = lib.pack_blocks(w.detach(), lin.block_type, lin.in_features)
+    _packed_blocks[key] = (weakref.ref(w, lambda _r, k=key: _packed_blocks.pop(k, None)), stamp,
+                           packed)
     return packed
 
 
@@ -251,8 +270,8 @@ class _FusedStep:
     def _linear(self, lin: nn.Module) -> tuple:
         """((how, weight pointers...), bias, I, O): ("f32", a packed fp32 weight), for a
         QuantizedLinear ("int8", its packed integers, scales, group size: csrc/quant.c),
-        for a BlockLinear ("blocks", its GGUF bytes as stored, the GGML type id:
-        csrc/blocks.c)."""
+        for a BlockLinear ("blocks", its GGUF blocks in panels of 16 rows, the GGML type
+        id: csrc/blocks.c)."""
         how = decoding_of(lin)
         if how == "int8":
             check("qweight", lin.qweight, (lin.out_features, lin.in_features),
@@ -261,11 +280,9 @@ class _FusedStep:
             self.keep.append(p)
             weights = ("int8", p.qweight.data_ptr(), p.scale.data_ptr(), p.group_size)
         elif how == "blocks":
-            type_id, size = BLOCK_TYPES[lin.block_type]
-            check("blocks", lin.blocks, (lin.out_features, -(-lin.in_features // 32) * size),
-                  dtype=torch.uint8)
-            self.keep.append(lin.blocks)
-            weights = ("blocks", lin.blocks.data_ptr(), type_id)
+            p = packed_blocks(self.checked, lin)
+            self.keep.append(p)
+            weights = ("blocks", p.data.data_ptr(), p.type_id)
         else:
             packed = packed_weight(self.checked, lin.weight)
             self.keep.append(packed)

@@ -55,6 +55,16 @@ class PackedQ8(NamedTuple):
     in_features: int
 
 
+class PackedBlocks(NamedTuple):
+    """GGUF blocks packed by :meth:`Library.pack_blocks`: the panels (uint8), the GGML type
+    id and the (O, I) shape they came from."""
+
+    data: Tensor
+    type_id: int
+    out_features: int
+    in_features: int
+
+
 class OpError(ValueError):
     """A native op was given tensors it cannot take (wrong dtype, device, layout, shape)."""
 
@@ -221,24 +231,44 @@ class Library:
         return self.linear_q8_packed(x, self.pack_q8(qweight, scale, group_size), bias, act,
                                      res)
 
-    def linear_blocks(self, x: Tensor, blocks: Tensor, block_type: str, bias: Tensor | None,
-                      act: int = 0, res: Tensor | None = None) -> Tensor:
-        """x (M, I) -> act(x·Wᵀ + b) (+ res), (M, O), W given as GGUF blocks (O,
-        ceil(I/32)·bytes) uint8 of ``block_type`` (tinylm.layers.blocks: Q4_0, Q4_1, Q8_0),
-        read as stored; x is quantized per block of 32 (csrc/blocks.c)."""
+    def pack_blocks(self, blocks: Tensor, block_type: str, in_features: int) -> PackedBlocks:
+        """The panel copy (csrc/blocks.c: 16 rows per panel, the same codes and fp16
+        scales, moved) of GGUF blocks (O, ceil(I/32)·bytes) uint8 of ``block_type``
+        (tinylm.layers.blocks: Q4_0, Q4_1, Q8_0), for :meth:`linear_blocks_packed`."""
         type_id, size = BLOCK_TYPES[block_type]
-        check("x", x, (-1, -1))
-        M, I = x.shape
-        if I < 1:
-            raise OpError("x must have at least one input feature")
-        check("blocks", blocks, (-1, -(-I // 32) * size), dtype=torch.uint8)
+        if in_features < 1:
+            raise OpError("a block layer needs at least one input feature")
+        check("blocks", blocks, (-1, -(-in_features // 32) * size), dtype=torch.uint8)
         O = blocks.shape[0]
+        out = torch.empty(self.raw.tl_blocks_packed_size(type_id, O, in_features),
+                          dtype=torch.uint8)
+        self.raw.tl_blocks_pack(blocks.data_ptr(), type_id, out.data_ptr(), O, in_features,
+                                _threads())
+        return PackedBlocks(out, type_id, O, in_features)
+
+    def linear_blocks_packed(self, x: Tensor, packed: PackedBlocks, bias: Tensor | None,
+                             act: int = 0, res: Tensor | None = None) -> Tensor:
+        """x (M, I) -> act(x·Wᵀ + b) (+ res), (M, O), W given by :meth:`pack_blocks`; x is
+        quantized per block of 32 (csrc/blocks.c)."""
+        data, type_id, O, I = packed
+        check("x", x, (-1, I))
+        check("packed", data, (self.raw.tl_blocks_packed_size(type_id, O, I),),
+              dtype=torch.uint8)
+        M = x.shape[0]
         b = _opt("bias", bias, (O,))
         r = _opt("res", res, (M, O))
         y = torch.empty(M, O)
-        self.raw.tl_linear_blocks(x.data_ptr(), I, blocks.data_ptr(), type_id, b,
-                                  y.data_ptr(), M, I, O, _threads(), int(bool(act)), r)
+        self.raw.tl_linear_blocks(x.data_ptr(), I, data.data_ptr(), type_id, b, y.data_ptr(),
+                                  M, I, O, _threads(), int(bool(act)), r)
         return y
+
+    def linear_blocks(self, x: Tensor, blocks: Tensor, block_type: str, bias: Tensor | None,
+                      act: int = 0, res: Tensor | None = None) -> Tensor:
+        """:meth:`linear_blocks_packed` of GGUF blocks packed for this one call (a decoder
+        packs once)."""
+        check("x", x, (-1, -1))
+        return self.linear_blocks_packed(x, self.pack_blocks(blocks, block_type, x.shape[1]),
+                                         bias, act, res)
 
     def argmax(self, x: Tensor) -> Tensor:
         """x (B, V), unit stride along V -> the first index of each row's maximum (B,)."""

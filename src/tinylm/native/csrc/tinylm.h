@@ -183,9 +183,13 @@ TL_API void tl_linear_q8(const float *x, long ldx, const signed char *qp, const 
                          int threads, int act, const float *res);
 
 /* blocks.c: y = x·Wᵀ + b for a decoding step, W as GGUF's Q4_0 / Q4_1 / Q8_0 blocks (type
- * 2, 3, 8; ceil(I/32) blocks per row, read as stored), x quantized per block of 32. */
+ * 2, 3, 8; ceil(I/32) blocks per row), moved once into panels of 16 rows by tl_blocks_pack;
+ * x quantized per block of 32. */
 TL_API long tl_block_bytes(long type);
-TL_API void tl_linear_blocks(const float *x, long ldx, const unsigned char *w, long type,
+TL_API long tl_blocks_packed_size(long type, long O, long I);
+TL_API void tl_blocks_pack(const unsigned char *w, long type, unsigned char *out, long O,
+                           long I, int threads);
+TL_API void tl_linear_blocks(const float *x, long ldx, const unsigned char *packed, long type,
                              const float *b, float *y, long M, long I, long O, int threads,
                              int act, const float *res);
 
