@@ -152,6 +152,18 @@ def test_kernel_equals_the_reference_within_the_activation_bound(lib, block_type
         check_kernel(lib.linear_blocks, block_type, O, I, M, seed=O + I + M)
 
 
+def test_a_non_finite_activation_stays_non_finite(lib) -> None:
+    """NaN or inf in a row of x: that row's outputs are NaN (the reference layer's are
+    NaN or infinite), never a finite value the checks downstream would let through."""
+    blocks = quantize_blocks(torch.randn(20, 70), "Q4_0")
+    x = torch.randn(3, 70)
+    x[0, 40], x[2, 3] = float("nan"), float("inf")
+    y = lib.linear_blocks(x, blocks, "Q4_0", None)
+    ref = F.linear(x, dequantize_blocks(blocks, "Q4_0", 70))
+    assert not ref[0].isfinite().any() and not ref[2].isfinite().any()
+    assert y[0].isnan().all() and y[2].isnan().all() and y[1].isfinite().all()
+
+
 def test_kernel_checks_its_arguments(lib) -> None:
     blocks = quantize_blocks(torch.randn(8, 64), "Q4_0")
     with pytest.raises(ops.OpError, match="blocks must have shape"):

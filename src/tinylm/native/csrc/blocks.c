@@ -80,8 +80,13 @@ static void quantize_row(const float *x, long I, long nb, signed char *q, int *i
         float v[QK] = {0}, amax = 0.0f;
         long n = I - b * QK < QK ? I - b * QK : QK;
         memcpy(v, x + b * QK, (size_t)n * sizeof(float));
-        for (int j = 0; j < QK; j++) amax = fabsf(v[j]) > amax ? fabsf(v[j]) : amax;
-        float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        int finite = 1;
+        for (int j = 0; j < QK; j++) {
+            amax = fabsf(v[j]) > amax ? fabsf(v[j]) : amax;
+            finite &= fabsf(v[j]) <= 3.4028235e38f;  /* false for inf and NaN */
+        }
+        float d = finite ? amax / 127.0f : __builtin_nanf("");  /* NaN reaches y */
+        float id = finite && d != 0.0f ? 1.0f / d : 0.0f;
         int sum = 0;
         for (int j = 0; j < QK; j++) {
             int c = (int)rintf(v[j] * id);
