@@ -5,8 +5,8 @@ resident memory, ru_maxrss, is that engine's own: its load included):
 
 - tinylm fp32     ``--model FILE.gguf`` (dequantized once into the GGUF cache)
 - tinylm int8     ``tinylm quantize --bits 8`` of it (per-channel int8 Linears)
-- tinylm kept     ``tinylm convert --from-gguf --keep-quantized`` (Q4_1 blocks as tinylm
-                  quantized layers), when it converts
+- tinylm kept     ``tinylm convert --from-gguf --keep-quantized`` (the Q4_1 blocks as
+                  they are, tinylm.layers.blocks), when it converts
 - llama.cpp       ``llama_cpp.Llama`` on the file, ``--threads`` threads
 - transformers    ``from_pretrained(folder, gguf_file=...)`` (dequantized to fp32)
 

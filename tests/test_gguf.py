@@ -35,6 +35,7 @@ from tinylm.io.gguf import (
     unpermute_rows,
 )
 from tinylm.io.hf import from_hf
+from tinylm.layers.blocks import BlockLinear
 from tinylm.layers.quantized import QuantizedLinear
 
 SMALL = dict(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -297,7 +298,7 @@ def test_quantized_models_equal_transformers(tmp_path, arch, qtype) -> None:
     assert (_logits(model, ids) - _logits(theirs, ids)).abs().max() < 1e-4
 
 
-# --- keep_quantized: QuantizedLinear layers, bit-exact -----------------------------------
+# --- keep_quantized: BlockLinear layers (the file's bytes), bit-exact ------------------------
 
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1], ids=lambda t: t.name)
@@ -328,60 +329,59 @@ def test_keep_quantized_is_bit_exact(tmp_path, arch, qtype) -> None:
     path = write_gguf(tmp_path / "m.gguf", arch, hf_model(arch), qtype)
     gm = read_gguf(path)
     dense, kept = gguf_to_tinylm(gm), gguf_to_tinylm(gm, keep_quantized=True)
-    layers = {n: m for n, m in kept.named_modules() if isinstance(m, QuantizedLinear)}
+    layers = {n: m for n, m in kept.named_modules() if isinstance(m, BlockLinear)}
     per_block = 5 if arch != "gpt2" else 4  # qkv, out, (gate,) up, down
     assert len(layers) == per_block * 2
     assert all(n.startswith("blocks.") for n in layers)
     for name, layer in layers.items():
-        assert layer.group_size == 32 and layer.bits == (8 if qtype == Q.Q8_0 else 4)
-        assert (layer.minimum is not None) == (qtype == Q.Q4_1)
+        assert layer.block_type == qtype.name
         assert torch.equal(layer.weight, dense.get_submodule(name).weight), name
+    # the file's bytes as they are: no round trip through float32
+    out = gguf.GGUFReader(str(path)).get_tensor(
+        [t.name for t in gguf.GGUFReader(str(path)).tensors].index("blk.1.ffn_down.weight"))
+    assert np.array_equal(kept.blocks[1].ffn.down.blocks.numpy(), np.asarray(out.data))
     assert type(kept.tok_emb) is torch.nn.Embedding  # embeddings dequantized
     ids = torch.randint(0, 100, (2, 24))
     assert torch.equal(_logits(kept, ids), _logits(dense, ids))
     state = gguf_state_dict(gm, keep_quantized=True)
-    assert state["blocks.0.attn.qkv.qweight"].dtype == torch.int8
+    assert state["blocks.0.attn.qkv.blocks"].dtype == torch.uint8
 
 
-def test_kept_minimum_survives_a_checkpoint_and_decoding(tmp_path) -> None:
-    path = write_gguf(tmp_path / "m.gguf", "llama", hf_model("llama"), Q.Q4_1)
-    kept = gguf_to_tinylm(path, keep_quantized=True)
-    save_checkpoint(tmp_path / "ck", kept)
-    config = (tmp_path / "ck" / "config.json").read_text()
-    assert '"minimum": true' in config
-    back, _ = load_checkpoint(tmp_path / "ck")
-    assert back.blocks[0].attn.qkv.minimum is not None
-    ids = torch.randint(0, 100, (1, 20))
-    assert torch.equal(_logits(back, ids), _logits(kept, ids))
-    from tinylm.use.sampling import generate
-
-    dense = gguf_to_tinylm(path)
-    prompt = torch.randint(0, 100, (1, 5))
-    a = generate(kept, prompt, 12, temperature=0.0)
-    b = generate(dense, prompt, 12, temperature=0.0)
-    assert torch.equal(a, b)
-
-
-def test_fused_decoding_steps_aside_for_a_minimum(tmp_path) -> None:
-    pytest.importorskip("tinylm.native")
+def test_kept_blocks_survive_a_checkpoint_and_decoding(tmp_path) -> None:
     from tinylm import acceleration
     from tinylm.use.sampling import generate
 
     path = write_gguf(tmp_path / "m.gguf", "llama", hf_model("llama"), Q.Q4_1)
     kept = gguf_to_tinylm(path, keep_quantized=True)
-    plan = acceleration.plan(kept, "cpu")
-    if not plan.eligibility.native:  # TINYLM_NATIVE=0: no fused decoding step for any layer
-        assert not plan.eligibility.decode_variant
-        return
-    assert not plan.eligibility.decode_variant
-    assert any("minimum" in r for r in plan.eligibility.reasons)
-    for qtype in (Q.Q8_0, Q.Q4_0):  # no minimum: the int8 kernel runs them, as it should
-        path = write_gguf(tmp_path / f"{qtype.name}.gguf", "llama", hf_model("llama"), qtype)
-        kept, dense = gguf_to_tinylm(path, keep_quantized=True), gguf_to_tinylm(path)
-        assert acceleration.plan(kept, "cpu").eligibility.decode_variant
-        prompt = torch.randint(0, 100, (1, 5))
+    save_checkpoint(tmp_path / "ck", kept)
+    config = (tmp_path / "ck" / "config.json").read_text()
+    assert '"gguf_blocks"' in config and '"type": "Q4_1"' in config
+    back, _ = load_checkpoint(tmp_path / "ck")
+    assert torch.equal(back.blocks[0].attn.qkv.blocks, kept.blocks[0].attn.qkv.blocks)
+    ids = torch.randint(0, 100, (1, 20))
+    assert torch.equal(_logits(back, ids), _logits(kept, ids))
+    prompt = torch.randint(0, 100, (1, 5))
+    assert torch.equal(generate(back, prompt, 12, temperature=0.0),
+                       generate(kept, prompt, 12, temperature=0.0))
+    with acceleration.disabled():  # the reference path: dequantized weights, float32
+        dense = gguf_to_tinylm(path)
         assert torch.equal(generate(kept, prompt, 12, temperature=0.0),
                            generate(dense, prompt, 12, temperature=0.0))
+
+
+def test_fused_decoding_reads_every_kept_type(tmp_path) -> None:
+    pytest.importorskip("tinylm.native")
+    from tinylm import acceleration
+
+    for qtype in (Q.Q4_1, Q.Q4_0, Q.Q8_0):  # csrc/blocks.c reads each (tests/test_blocks.py)
+        path = write_gguf(tmp_path / f"{qtype.name}.gguf", "llama", hf_model("llama"), qtype)
+        kept = gguf_to_tinylm(path, keep_quantized=True)
+        plan = acceleration.plan(kept, "cpu")
+        if not plan.eligibility.native:  # TINYLM_NATIVE=0: no fused decoding step
+            assert not plan.eligibility.decode_variant
+            continue
+        assert plan.eligibility.decode_variant, plan.eligibility.reasons
+        assert plan.decoder(1).path == "fused-variant"
 
 
 def test_old_quantized_structure_is_unchanged() -> None:
@@ -518,7 +518,7 @@ def test_smollm2_equals_transformers(smollm2) -> None:
     ids = torch.randint(0, 49152, (1, 300))
     assert (_logits(model, ids) - _logits(theirs, ids)).abs().max() < 1e-4
     kept = gguf_to_tinylm(gm, keep_quantized=True)
-    layers = [m for m in kept.modules() if isinstance(m, QuantizedLinear)]
-    assert len(layers) == 30 * 5 and all(m.minimum is not None and m.bits == 4 for m in layers)
+    layers = [m for m in kept.modules() if isinstance(m, BlockLinear)]
+    assert len(layers) == 30 * 5 and all(m.block_type == "Q4_1" for m in layers)
     assert type(kept.tok_emb) is torch.nn.Embedding
     assert torch.equal(_logits(kept, ids[:, :64]), _logits(model, ids[:, :64]))

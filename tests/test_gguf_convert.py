@@ -30,7 +30,7 @@ from tinylm.data.chat import render_chat, stop_ids
 from tinylm.data.gguf_vocab import tokenizer_from_gguf
 from tinylm.io.checkpoint import load_checkpoint, resolve_checkpoint_dir
 from tinylm.io.gguf import gguf_to_tinylm, read_gguf
-from tinylm.layers.quantized import QuantizedLinear
+from tinylm.layers.blocks import BlockLinear
 
 CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + "
           "message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}"
@@ -113,10 +113,10 @@ def test_convert_from_gguf_keeps_model_tokenizer_and_chat_template(chat_gguf, tm
 def test_keep_quantized_writes_quantized_layers(tmp_path) -> None:
     path = write_chat_gguf(tmp_path / "q8.gguf", Q.Q8_0)
     info = import_model(path, tmp_path / "ck", keep_quantized=True)
-    assert "kept as QuantizedLinear where exact" in info.line()
+    assert "kept as GGUF blocks where exact" in info.line()
     model, _ = load_checkpoint(tmp_path / "ck")
-    kept = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
-    assert len(kept) == 2 * 5 and all(m.bits == 8 for m in kept)  # qkv, out, gate, up, down
+    kept = [m for m in model.modules() if isinstance(m, BlockLinear)]
+    assert len(kept) == 2 * 5 and all(m.block_type == "Q8_0" for m in kept)  # qkv .. down
     with torch.no_grad():
         assert torch.equal(model(_ids()), gguf_to_tinylm(path)(_ids()))
 

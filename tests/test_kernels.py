@@ -39,7 +39,7 @@ def test_the_kernel_builds_and_loads_here(lib) -> None:
 
 def test_signatures_come_from_the_header_and_cover_every_export(lib) -> None:
     sigs = ops.parse_header(ops.HEADER.read_text())
-    assert len(sigs) == 29  # 13 + quant.c's 4 + variants.c's 6 (RMSNorm, QK-norm/RoPE, ReLU²)
+    assert len(sigs) == 33  # + blocks.c's 4 (block sizes, packing, the product)
     # + bpe.c's 4: tl_bpe_new (returns a pointer), _free, _encode, _split
     # + decode.c's tl_decode_layers (a decoding step's blocks from a plan)
     # + variants.c's tl_rope_heads (a decoding step's QK-norm + rotation, in place)

@@ -15,6 +15,7 @@ from tinylm.commands.quantize import quantize
 from tinylm.io.checkpoint import load_model
 from tinylm.io.checkpoint_files import save_checkpoint
 from tinylm.layers import registry
+from tinylm.layers.blocks import BlockLinear
 from tinylm.layers.lora import LoRALinear, apply_lora
 from tinylm.layers.lowrank import LowRankLinear
 from tinylm.layers.quantized import QuantizedLinear
@@ -29,10 +30,12 @@ def tiny(**kw) -> GPT:
 
 
 def mixed() -> GPT:
-    """Every kind at once: low-rank qkv, int8 FFN up, LoRA on out and down."""
-    model = tiny()
+    """Every kind at once: low-rank qkv, int8 FFN up, Q4_0 blocks for the LM head (an
+    untied one), LoRA on out and down."""
+    model = tiny(tie_embeddings=False)
     compress(model, rank=4, layers=["attn.qkv"])
     quantize(model, layers=["ffn.up"])
+    model.lm_head = BlockLinear.from_linear(model.lm_head, "Q4_0")
     apply_lora(model, 2, targets="out,down")
     with torch.no_grad():
         for m in model.modules():
@@ -42,20 +45,23 @@ def mixed() -> GPT:
 
 
 def test_the_kinds_and_their_sections() -> None:
-    assert registry.SECTIONS == ("lowrank", "quantize", "lora")
+    assert registry.SECTIONS == ("lowrank", "quantize", "gguf_blocks", "lora")
     assert registry.kind_of(LowRankLinear(4, 4, 2)) is registry.LOWRANK
     assert registry.kind_of(QuantizedLinear(4, 4)) is registry.QUANTIZED
     assert registry.kind_of(nn.Linear(4, 4)) is None
     assert registry.training_classes() == (LoRALinear,)
-    assert registry.decoding_classes() == (QuantizedLinear,)
+    assert registry.kind_of(BlockLinear(4, 4)) is registry.BLOCKS
+    assert registry.decoding_classes() == (QuantizedLinear, BlockLinear)
     assert registry.decoding_of(QuantizedLinear(4, 4)) == "int8"
+    assert registry.decoding_of(BlockLinear(4, 4)) == "blocks"
     assert registry.decoding_of(nn.Linear(4, 4)) is None
 
 
 def test_structure_round_trip_of_a_model_with_every_kind(tmp_path) -> None:
     model = mixed()
     structure = registry.structure_of(model)
-    assert set(structure) == {"lowrank", "quantize", "lora"}
+    assert set(structure) == {"lowrank", "quantize", "gguf_blocks", "lora"}
+    assert structure["gguf_blocks"] == {"lm_head": {"type": "Q4_0"}}
     assert structure["lowrank"] == {"blocks.0.attn.qkv": 4, "blocks.1.attn.qkv": 4}
     dest = save_checkpoint(tmp_path / "ckpt", model)
     config = json.loads((dest / "config.json").read_text())

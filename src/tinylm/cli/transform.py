@@ -145,10 +145,12 @@ def _cmd_compress(args: argparse.Namespace) -> int:
 def _add_quantize(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "quantize",
-        help="int8 weights (weight-only, symmetric) for CPU inference, with a report",
+        help="int8 or packed 4-bit weights (weight-only) for CPU inference, with a report",
         description="Store the chosen Linear layers' weights as int8 integers times float32 "
         "scales, one scale per output channel (default) or per --group-size G input "
-        "features; activations stay float32. Writes a checkpoint that every command loads "
+        "features; activations stay float32. --bits 4 --group-size 32 stores GGUF's Q4_0 "
+        "blocks (Q4_1 with --asymmetric): two weights per byte and an fp16 scale (and "
+        "minimum) per 32. Writes a checkpoint that every command loads "
         "without flags ('convert --to-hf' exports it dequantized) and prints per layer the "
         "max and mean error per weight (both over the layer's largest |W|), the whole "
         "matrix's relative error and the bytes before and after; with --data (prepared "
@@ -163,10 +165,14 @@ def _add_quantize(sub: argparse._SubParsersAction) -> None:
                    help="replace an existing checkpoint at --out (never a run folder or a "
                    "folder with other files)")
     p.add_argument("--bits", type=int, default=8, metavar="B",
-                   help="bits per weight, 2-8, stored in int8 (default: %(default)s)")
+                   help="bits per weight, 2-8, stored in int8, except 4 with --group-size "
+                   "32: packed two per byte as GGUF's Q4_0 (default: %(default)s)")
     p.add_argument("--group-size", type=int, default=None, metavar="G",
                    help="one scale per G consecutive input features (default: one per "
                    "output channel)")
+    p.add_argument("--asymmetric", action="store_true",
+                   help="with --bits 4 --group-size 32: a scale and a minimum per group "
+                   "(GGUF's Q4_1) instead of a scale (Q4_0)")
     p.add_argument("--layers", default=None, metavar="NAMES",
                    help="comma-separated layer names or suffixes, e.g. attn.qkv,ffn.up "
                    "(default: every Linear layer of the blocks)")
@@ -196,7 +202,7 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
     report, dest = quantize_checkpoint(
         args.model, args.out, bits=args.bits, group_size=args.group_size, layers=layers,
         include_head=args.include_head, data_dir=args.data, eval_windows=args.eval_windows,
-        force=args.force)
+        force=args.force, asymmetric=args.asymmetric)
     print(format_report(report))
     print(f"wrote {dest}")
     return 0

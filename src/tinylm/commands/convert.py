@@ -62,7 +62,7 @@ def import_model(source: str | os.PathLike, out: str | os.PathLike, *,
     text = str(source)
     if is_gguf(text) or _has_gguf_magic(text):
         info = convert_gguf(text, out, keep_quantized=keep_quantized, force=force)
-        how = "kept as QuantizedLinear where exact" if keep_quantized else "dequantized"
+        how = "kept as GGUF blocks where exact" if keep_quantized else "dequantized"
         template = " and its chat template" if info["chat_template"] else ""
         # kept blocks hold their weights as integer buffers: count them too
         count = all_parameters(load_model(out)) if keep_quantized else info["parameters"]

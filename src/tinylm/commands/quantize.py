@@ -1,9 +1,12 @@
-"""``tinylm quantize``: int8 weights for a model (:func:`quantize`), its report, and the
-whole command as a library call (:func:`quantize_checkpoint`: load, quantize, measure,
-write).
+"""``tinylm quantize``: int8 (or packed 4-bit) weights for a model (:func:`quantize`), its
+report, and the whole command as a library call (:func:`quantize_checkpoint`: load,
+quantize, measure, write).
 
-The scheme and the layer live in :mod:`tinylm.layers.quantized` (below checkpoints in the
-import order); this module reads and writes checkpoints and evaluates on prepared data.
+The schemes and the layers live in :mod:`tinylm.layers.quantized` (int8 integers, one per
+byte, any bit width and group size) and :mod:`tinylm.layers.blocks` (``--bits 4
+--group-size 32``: GGUF's Q4_0 blocks, or Q4_1 with ``--asymmetric``, two weights per
+byte), below checkpoints in the import order; this module reads and writes checkpoints
+and evaluates on prepared data.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from tinylm.commands.measure import validation_tokens
 from tinylm.core.errors import ConfigError
 from tinylm.io.checkpoint import load_checkpoint
 from tinylm.io.checkpoint_files import check_target, save_checkpoint
+from tinylm.layers.blocks import BlockLinear
 from tinylm.layers.quantized import QuantizedLinear, check_scheme
 from tinylm.layers.selection import select_layers as select
 from tinylm.use.evaluation import evaluate
@@ -52,7 +56,8 @@ class LayerReport:
 
 @dataclass(frozen=True)
 class QuantizeReport:
-    """What :func:`quantize` did; bytes are the weights' payload (int8 + fp32 scales)."""
+    """What :func:`quantize` did; bytes are the weights' payload (int8 + fp32 scales, or
+    the GGUF blocks)."""
 
     bits: int
     group_size: int | None
@@ -61,12 +66,29 @@ class QuantizeReport:
     bytes_after: int
     val_before: Any = None  # evaluation.EvalResult on --data, when measured
     val_after: Any = None
+    block_type: str | None = None  # "Q4_0" / "Q4_1": packed GGUF blocks
 
     @property
     def scheme(self) -> str:
+        if self.block_type is not None:
+            how = "asymmetric (scale and minimum)" if self.block_type == "Q4_1" else \
+                "symmetric"
+            return (f"{self.block_type}: {self.bits}-bit {how}, per group of 32 inputs, "
+                    f"packed two per byte as GGUF")
         per = "per output channel" if self.group_size is None else \
             f"per group of {self.group_size} inputs"
         return f"int{self.bits} symmetric, {per}"
+
+
+def block_type_of(bits: int, group_size: int | None, asymmetric: bool = False) -> str | None:
+    """The GGUF block type ``--bits``/``--group-size``/``--asymmetric`` store (None: int8
+    integers one per byte, :class:`QuantizedLinear`)."""
+    if bits == 4 and group_size == 32:
+        return "Q4_1" if asymmetric else "Q4_0"
+    if asymmetric:
+        raise ConfigError(f"--asymmetric is GGUF's Q4_1 and needs --bits 4 --group-size 32, "
+                          f"got --bits {bits} --group-size {group_size}")
+    return None
 
 
 def model_bytes(model: nn.Module) -> int:
@@ -102,36 +124,42 @@ def select_layers(model: nn.Module, layers: Sequence[str] | None = None,
 
 
 def quantize(model: nn.Module, bits: int = 8, group_size: int | None = None,
-             layers: Sequence[str] | None = None, include_head: bool = False
-             ) -> QuantizeReport:
-    """Replace the chosen Linear layers of ``model`` by :class:`QuantizedLinear` in place
-    (``copy.deepcopy`` first to keep the original); return the per-layer report."""
+             layers: Sequence[str] | None = None, include_head: bool = False,
+             asymmetric: bool = False) -> QuantizeReport:
+    """Replace the chosen Linear layers of ``model`` in place (``copy.deepcopy`` first to
+    keep the original) by :class:`QuantizedLinear`, or with ``bits=4, group_size=32`` by
+    :class:`BlockLinear` (GGUF's Q4_0; Q4_1 with ``asymmetric``); return the report."""
     check_scheme(bits, group_size)
+    block_type = block_type_of(bits, group_size, asymmetric)
     chosen = select_layers(model, layers, include_head)
     before = model_bytes(model)
     rows = []
     for name, layer in chosen:
         W = layer.weight.detach().to(torch.float32)
-        new = QuantizedLinear.from_linear(layer, bits, group_size)
+        new = BlockLinear.from_linear(layer, block_type) if block_type else \
+            QuantizedLinear.from_linear(layer, bits, group_size)
         rows.append(_layer_report(name, W, new, layer.weight.element_size()))
         model.set_submodule(name, new)
-        log.debug("quantized %s (%d->%d) to int%d", name, layer.in_features,
-                  layer.out_features, bits)
-    return QuantizeReport(bits, group_size, tuple(rows), before, model_bytes(model))
+        log.debug("quantized %s (%d->%d) to %s", name, layer.in_features,
+                  layer.out_features, block_type or f"int{bits}")
+    return QuantizeReport(bits, group_size, tuple(rows), before, model_bytes(model),
+                          block_type=block_type)
 
 
-def _layer_report(name: str, W: torch.Tensor, new: QuantizedLinear,
+def _layer_report(name: str, W: torch.Tensor, new: QuantizedLinear | BlockLinear,
                   element_size: int) -> LayerReport:
-    """The report row of one layer: ``W`` (O, I) float32 before, ``new`` after."""
+    """The report row of one layer: ``W`` (O, I) float32 before, ``new`` after (its bytes:
+    the integers and scales, or the blocks)."""
     diff = W - new.weight  # (O, I)
     err = diff.abs()
     top, norm = float(W.abs().max()), float(torch.linalg.vector_norm(W))
+    groups = new.scale.shape[1] if isinstance(new, QuantizedLinear) else -(-W.shape[1] // 32)
     return LayerReport(
-        name, new.in_features, new.out_features, new.scale.shape[1],
+        name, new.in_features, new.out_features, groups,
         float(err.max()) / top if top > 0 else 0.0,
         float(err.mean()) / top if top > 0 else 0.0,
         W.numel() * element_size,
-        new.qweight.numel() + new.scale.numel() * new.scale.element_size(),
+        sum(b.numel() * b.element_size() for b in new.buffers()),
         float(torch.linalg.vector_norm(diff)) / norm if norm > 0 else 0.0)
 
 
@@ -165,23 +193,25 @@ def quantize_checkpoint(model_dir: str | os.PathLike, out: str | os.PathLike, *,
                         bits: int = 8, group_size: int | None = None,
                         layers: Sequence[str] | None = None, include_head: bool = False,
                         data_dir: str | os.PathLike | None = None,
-                        eval_windows: int | None = None, force: bool = False
-                        ) -> tuple[QuantizeReport, Path]:
+                        eval_windows: int | None = None, force: bool = False,
+                        asymmetric: bool = False) -> tuple[QuantizeReport, Path]:
     """Load ``model_dir``, quantize it, measure val loss before/after on ``data_dir``
     (a ``tinylm prepare`` folder, optional) and save it to ``out``, checked first by
     :func:`tinylm.io.checkpoint_files.check_target` (a new or empty folder; an existing
     checkpoint only with ``force``). Returns (report, the checkpoint folder written)."""
     check_scheme(bits, group_size)
+    block_type_of(bits, group_size, asymmetric)  # refused before anything is read
     if eval_windows is not None and eval_windows < 1:
         raise ConfigError(f"--eval-windows must be >= 1, got {eval_windows}")
     dest = check_target(out, force=force)
     model, tokenizer = load_checkpoint(model_dir)
     val = None if data_dir is None else validation_tokens(data_dir, tokenizer, model_dir)
     before = evaluate(model, val, max_windows=eval_windows) if val is not None else None
-    report = quantize(model, bits, group_size, layers, include_head)
+    report = quantize(model, bits, group_size, layers, include_head, asymmetric)
     after = evaluate(model, val, max_windows=eval_windows) if val is not None else None
     report = QuantizeReport(report.bits, report.group_size, report.layers,
-                            report.bytes_before, report.bytes_after, before, after)
+                            report.bytes_before, report.bytes_after, before, after,
+                            report.block_type)
     written = save_checkpoint(dest, model, tokenizer, extra_config={"quantized_from": {
         "source": str(Path(model_dir).resolve()), "scheme": report.scheme}})
     return report, written

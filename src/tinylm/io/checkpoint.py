@@ -106,7 +106,7 @@ def resolve_checkpoint_dir(path: str | os.PathLike) -> Path:
 
 
 #: config.json sections that hold JSON objects when present (others are free-form).
-_OBJECT_SECTIONS = ("train", "lowrank", "compress", "sharded")
+_OBJECT_SECTIONS = ("train", "lowrank", "gguf_blocks", "compress", "sharded")
 #: The largest config.json read (tinylm's are a few kB; a lowrank map of a huge model
 #: stays far below this).
 CONFIG_MAX_BYTES = 16 * 1024 * 1024

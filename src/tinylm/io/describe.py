@@ -20,6 +20,7 @@ from tinylm.core.errors import CheckpointError, ConfigError
 from tinylm.io.checkpoint import load_model, load_tokenizer_of, read_config, resolve_checkpoint_dir
 from tinylm.io.checkpoint_files import SHARDS_DIR, STATE_JSON_FILE, WEIGHTS_FILE
 from tinylm.io.jsonio import read_json
+from tinylm.layers.blocks import BlockLinear
 from tinylm.layers.lora import LoRALinear
 from tinylm.layers.quantized import QuantizedLinear
 
@@ -81,8 +82,10 @@ def _chat_format(tok: Any) -> str:
 
 
 def _quantized_weights(model: nn.Module) -> int:
-    """The weights a model holds as quantized integers (they are buffers, not parameters)."""
-    return sum(m.qweight.numel() for m in model.modules() if isinstance(m, QuantizedLinear))
+    """The weights a model holds as quantized integers (they are buffers, not parameters;
+    a BlockLinear's O·I weights, packed two per byte for the 4-bit types)."""
+    return sum(m.qweight.numel() if isinstance(m, QuantizedLinear) else m.quantized_weights
+               for m in model.modules() if isinstance(m, (QuantizedLinear, BlockLinear)))
 
 
 def all_parameters(model: nn.Module) -> int:
@@ -114,14 +117,20 @@ def _disk_bytes(folder: Path) -> int:
 
 
 def _quantization(model: nn.Module) -> list[dict[str, Any]]:
-    """One entry per scheme (bits, group size, minimum) with its layers in model order."""
+    """One entry per scheme (bits, group size, minimum; a GGUF block type) with its layers
+    in model order."""
     schemes: dict[tuple, list[str]] = {}
     for name, m in model.named_modules():
         if isinstance(m, QuantizedLinear):
-            key = (m.bits, m.group_size, m.minimum is not None)
+            key = (m.bits, m.group_size, m.minimum is not None, None)
             schemes.setdefault(key, []).append(name)
-    return [{"bits": b, "group_size": g, "minimum": mn, "layers": names}
-            for (b, g, mn), names in schemes.items()]
+        elif isinstance(m, BlockLinear):
+            key = (8 if m.block_type == "Q8_0" else 4, 32, m.block_type == "Q4_1",
+                   m.block_type)
+            schemes.setdefault(key, []).append(name)
+    return [{"bits": b, "group_size": g, "minimum": mn, "layers": names,
+             **({"block_type": t} if t else {})}
+            for (b, g, mn, t), names in schemes.items()]
 
 
 def _lora(model: nn.Module, config: dict[str, Any]) -> dict[str, Any] | None:
@@ -311,6 +320,9 @@ def _quantized_text(info: dict[str, Any]) -> str:
         per = "per output channel" if g["group_size"] is None \
             else f"groups of {g['group_size']} inputs"
         kind = f"int{g['bits']}" if g["bits"] == 8 else f"{g['bits']}-bit (stored in int8)"
+        if g.get("block_type"):
+            kind = (f"{g['block_type']} blocks ({g['bits']}-bit"
+                    + (", two per byte)" if g["bits"] == 4 else ")"))
         parts.append(f"{kind}, {per}{', with a minimum' if g['minimum'] else ''}: "
                      f"{len(g['layers'])} layers ({layer_summary(g['layers'], n_layer)})")
     return "; ".join(parts)

@@ -18,8 +18,8 @@ the K-quants super-blocks of 256). The container is read by the format's own lib
   dims i and i + D/2, tinylm's layout too) into the interleaved one (pair i is dims 2i
   and 2i + 1); :func:`unpermute_rows` is the inverse. qwen2 and gpt2 are not permuted;
 - ``keep_quantized``: Q8_0, Q4_0 and Q4_1 block weights of the blocks' Linear layers
-  kept as :class:`~tinylm.layers.quantized.QuantizedLinear` (bits 8 or 4, group 32,
-  Q4_1 with its per-group minimum), bit-exact with their dequantized floats.
+  kept as :class:`~tinylm.layers.blocks.BlockLinear`, the file's bytes as they are (no
+  round trip through float32), bit-exact with their dequantized floats.
 
 ``transformers`` is not needed here (tests compare against its GGUF loader).
 """
@@ -39,6 +39,7 @@ from tinylm.core.config import ModelConfig, check_model_fits
 from tinylm.core.errors import CheckpointError, ConfigError
 from tinylm.core.model import GPT
 from tinylm.layers import registry
+from tinylm.layers.blocks import TYPES as BLOCK_TYPES
 
 #: The architectures (``general.architecture``) tinylm imports.
 ARCHITECTURES = ("llama", "qwen2", "gpt2")
@@ -53,6 +54,8 @@ TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q
 KEPT: dict[str, tuple[int, int, bool]] = {"Q8_0": (8, 0, False), "Q4_0": (4, 8, False),
                                            "Q4_1": (4, 0, True)}
 GROUP = 32
+#: bytes per block of each kept type (tinylm.layers.blocks' table)
+GGML_BLOCK_BYTES = {name: size for name, (_, size) in BLOCK_TYPES.items()}
 
 # {arch}.KEY entries each architecture reads (or checks); any other {arch}.* key is refused.
 _ROPE_KEYS = {"rope.freq_base", "rope.dimension_count", "rope.scaling.type",
@@ -386,14 +389,19 @@ def block_codes(t: Any) -> tuple[Tensor, Tensor, Tensor | None]:
     return q, half(0), half(2) if has_min else None
 
 
-def _kept_scheme(parts: list[Any]) -> tuple[int, bool] | None:
-    """(bits, minimum) when every GGUF tensor of one tinylm Linear is of one kept type
+def block_bytes(t: Any) -> tuple[Tensor]:
+    """The bytes of a 2-D Q8_0, Q4_0 or Q4_1 tensor as stored, (O, blocks per row · block
+    bytes) uint8: a :class:`~tinylm.layers.blocks.BlockLinear`'s buffer as it is."""
+    return (torch.from_numpy(np.array(t.data, dtype=np.uint8).reshape(t.data.shape[0], -1)),)
+
+
+def _kept_scheme(parts: list[Any]) -> str | None:
+    """The GGUF type when every GGUF tensor of one tinylm Linear is of one kept type
     (the fused qkv reads three), else None: the layer is dequantized."""
     kinds = {p.tensor_type.name for p in parts}
     if len(kinds) != 1 or next(iter(kinds)) not in KEPT or len(parts[0].shape) != 2:
         return None
-    bits, _, has_min = KEPT[kinds.pop()]
-    return bits, has_min
+    return kinds.pop()
 
 
 def _permutation(arch: str, config: ModelConfig, part: str) -> Tensor | None:
@@ -458,21 +466,20 @@ def _convert(model: GGUFModel, keep_quantized: bool, empty: GPT
             _check_shape(model, parts[0][0], tuple(w.shape), shapes[ours])
             state[ours] = w
             continue
-        q, scale, minimum = _fused(model, parts, block_codes)
-        _check_shape(model, parts[0][0], tuple(q.shape), shapes[ours])
+        (raw,) = _fused(model, parts, block_bytes)
+        O, I = shapes[ours]
+        _check_shape(model, parts[0][0], tuple(raw.shape),
+                     (O, -(-I // GROUP) * GGML_BLOCK_BYTES[scheme]))
         layer = ours[:-len(".weight")]
-        state.update({f"{layer}.qweight": q, f"{layer}.scale": scale})
-        if minimum is not None:
-            state[f"{layer}.minimum"] = minimum
-        kept[layer] = {"bits": scheme[0], "group_size": GROUP,
-                       **({"minimum": True} if scheme[1] else {})}
+        state[f"{layer}.blocks"] = raw
+        kept[layer] = {"type": scheme}
     return state, kept
 
 
 def gguf_state_dict(model: GGUFModel, *, keep_quantized: bool = False) -> dict[str, Tensor]:
     """tinylm's state dict of a read GGUF file: every tensor dequantized to float32 (the
     llama q/k rows unpermuted, q | k | v fused), or with ``keep_quantized`` the blocks'
-    Q8_0/Q4_0/Q4_1 Linear weights as ``<layer>.qweight``/``.scale`` (``.minimum``)."""
+    Q8_0/Q4_0/Q4_1 Linear weights as ``<layer>.blocks``, their bytes as stored."""
     return _convert(model, keep_quantized, _empty(model.config))[0]
 
 
@@ -482,9 +489,9 @@ def gguf_to_tinylm(source: str | os.PathLike | GGUFModel, *,
 
     ``source`` is a path or what :func:`read_gguf` returned (read it first to keep its
     ``fields``: tokenizer, chat template). With ``keep_quantized`` the blocks' Linear
-    layers stored as Q8_0, Q4_0 or Q4_1 become
-    :class:`~tinylm.layers.quantized.QuantizedLinear` (config.json's "quantize" section
-    describes them when saved); everything else is dequantized to float32.
+    layers stored as Q8_0, Q4_0 or Q4_1 become :class:`~tinylm.layers.blocks.BlockLinear`
+    holding the file's bytes (config.json's "gguf_blocks" section describes them when
+    saved); everything else is dequantized to float32.
     """
     gm = source if isinstance(source, GGUFModel) else read_gguf(source)
     try:  # estimated before allocating, as for a tinylm config.json
@@ -494,7 +501,7 @@ def gguf_to_tinylm(source: str | os.PathLike | GGUFModel, *,
             from None
     model = _empty(gm.config)
     state, kept = _convert(gm, keep_quantized, model)
-    registry.apply_structure(model, {"quantize": kept} if kept else {})
+    registry.apply_structure(model, {"gguf_blocks": kept} if kept else {})
     result = model.load_state_dict(state, strict=False, assign=True)
     if gm.config.tie_embeddings:
         model.lm_head.weight = model.tok_emb.weight

@@ -4,8 +4,9 @@ A *replaced layer* stands in for an ``nn.Linear`` of the reference model. Each k
 says, in one :class:`LayerKind` row of :data:`KINDS`:
 
 - its ``section``: the name of its entry in config.json (``"lowrank"``, ``"quantize"``,
-  ``"lora"``), which :func:`structure_of` writes and :func:`apply_structure` reads, in
-  the order of :data:`KINDS` (the checkpoint format is unchanged);
+  ``"gguf_blocks"``, ``"lora"``), which :func:`structure_of` writes and
+  :func:`apply_structure` reads, in the order of :data:`KINDS` (the checkpoint format is
+  unchanged);
 - its module ``classes`` and how one is ``build``-t from an ``nn.Linear``;
 - ``describe(model)``: its config.json entry for a model (empty when it has none), and
   ``rebuild(model, entry)``: the empty layers put back before the state dict loads;
@@ -14,8 +15,9 @@ says, in one :class:`LayerKind` row of :data:`KINDS`:
   export (``tinylm convert --to-hf``) writes it so or refuses (``export_refusal``);
 - which fast paths of :mod:`tinylm.native` take it: ``training_weight`` (the dense
   weight the training/forward paths multiply by; None: they step aside) and
-  ``decoding`` (how the fused decoding step reads it, e.g. ``"int8"``; None: it steps
-  aside), with ``decoding_refusal(layer)`` naming a layer of the kind that step still
+  ``decoding`` (how the fused decoding step reads it: ``"int8"``, the int8 kernel of
+  csrc/quant.c, or ``"blocks"``, GGUF's blocks read as stored by csrc/blocks.c; None: it
+  steps aside), with ``decoding_refusal(layer)`` naming a layer of the kind that step still
   cannot read (an int8 layer with a per-group minimum: it steps aside for that one).
 
 A new kind (say 4-bit GGUF blocks) is one module with its layer and one row here;
@@ -31,7 +33,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from tinylm.layers import lora, lowrank, quantized
+from tinylm.layers import blocks, lora, lowrank, quantized
 from tinylm.layers.selection import select_layers
 
 
@@ -66,6 +68,10 @@ QUANTIZED = LayerKind(
     build=quantized.QuantizedLinear.from_linear, describe=quantized.structure_of,
     rebuild=quantized.apply_structure, dense=quantized.QuantizedLinear.to_linear,
     decoding="int8", decoding_refusal=quantized.decoding_refusal)
+BLOCKS = LayerKind(
+    section="gguf_blocks", classes=(blocks.BlockLinear,),
+    build=blocks.BlockLinear.from_linear, describe=blocks.structure_of,
+    rebuild=blocks.apply_structure, dense=blocks.BlockLinear.to_linear, decoding="blocks")
 LORA = LayerKind(
     section="lora", classes=(lora.LoRALinear,),
     build=lora.LoRALinear.from_linear, describe=lora.lora_structure,
@@ -73,7 +79,7 @@ LORA = LayerKind(
     training_weight=lora.LoRALinear.effective_weight)
 
 #: Every kind, in the order config.json's sections are written and rebuilt.
-KINDS: tuple[LayerKind, ...] = (LOWRANK, QUANTIZED, LORA)
+KINDS: tuple[LayerKind, ...] = (LOWRANK, QUANTIZED, BLOCKS, LORA)
 #: config.json's sections that describe a model's structure (not free-form metadata).
 SECTIONS: tuple[str, ...] = tuple(k.section for k in KINDS)
 
@@ -131,7 +137,7 @@ def training_weight(layer: nn.Module) -> Tensor:
 
 
 def decoding_of(layer: nn.Module) -> str | None:
-    """How the fused decoding step reads ``layer`` ("int8"), None for a plain layer, a
+    """How the fused decoding step reads ``layer`` ("int8", "blocks"), None for a plain layer, a
     kind it does not take, or a layer its kind's ``decoding_refusal`` names."""
     kind = _BY_CLASS.get(type(layer))
     if kind is None or decoding_refusal(layer) is not None:
@@ -148,6 +154,6 @@ def decoding_refusal(layer: nn.Module) -> str | None:
     return kind.decoding_refusal(layer)
 
 
-__all__ = ["KINDS", "LORA", "LOWRANK", "QUANTIZED", "SECTIONS", "LayerKind", "apply_structure",
-           "decoding_classes", "decoding_of", "decoding_refusal", "densified", "kind_of",
-           "select_layers", "structure_of", "training_classes", "training_weight"]
+__all__ = ["BLOCKS", "KINDS", "LORA", "LOWRANK", "QUANTIZED", "SECTIONS", "LayerKind",
+           "apply_structure", "decoding_classes", "decoding_of", "decoding_refusal", "densified",
+           "kind_of", "select_layers", "structure_of", "training_classes", "training_weight"]

@@ -9,7 +9,10 @@ the down-projection with its residual add. It computes exactly the math of
 are read once per step from packed copies (kept across calls while the weights are
 unchanged); the model itself is never modified. A :class:`tinylm.layers.quantized.QuantizedLinear`
 is read as int8 integers and float32 scales, packed once into panels (``Library.pack_q8``;
-the model keeps them as stored).
+the model keeps them as stored). A :class:`tinylm.layers.blocks.BlockLinear`'s GGUF blocks
+(Q4_0, Q4_1, Q8_0) are moved once into panels of 16 rows (``Library.pack_blocks``: the
+same codes and fp16 scales) and read by ``csrc/blocks.c``, which quantizes the
+activations per block of 32 as llama.cpp does.
 
 :class:`VariantDecoder` (path ``"fused-variant"``) is the same for the architecture
 variants of ``ModelConfig`` (:func:`tinylm.native.plan.eligibility` decides which):
@@ -25,9 +28,9 @@ know (e.g. one with tinylm.layers.lowrank's layers): the model's own forward, wi
 :class:`NativeKVCache` whose one-token attention is one native pass.
 
 The prompt pass runs the model's own forward (large products, where BLAS is right),
-except that the fused plans put a short prompt of a model with int8 layers through their
-step, position by position (the forward would dequantize every weight first). Both plans
-take the greedy argmax natively.
+except that the fused plans put a short prompt of a model with int8 or block layers
+through their step, position by position (the forward would dequantize every weight
+first). Both plans take the greedy argmax natively.
 """
 
 from __future__ import annotations
@@ -44,10 +47,11 @@ from tinylm.core.attention import RMSNorm, apply_rope, rope_angles
 from tinylm.core.decoding import Decoder, KVCache
 from tinylm.core.model import FeedForward, GatedFeedForward
 from tinylm.layers.registry import decoding_of
-from tinylm.native.ops import Library, PackedQ8, check, header_constant
+from tinylm.native.ops import Library, PackedBlocks, PackedQ8, check, header_constant
 from tinylm.native.variants import signed_sin
 
 if TYPE_CHECKING:
+    from tinylm.layers.blocks import BlockLinear
     from tinylm.layers.quantized import QuantizedLinear
 
 
@@ -75,6 +79,7 @@ class NativeKVCache(KVCache):
 # in place (its version counter moved) or replaced.
 _packed: dict[int, tuple[weakref.ref, int, int, Tensor]] = {}
 _packed_q8: dict[int, tuple[weakref.ref, tuple, PackedQ8]] = {}
+_packed_blocks: dict[int, tuple[weakref.ref, tuple, PackedBlocks]] = {}
 
 
 def packed_weight(lib: Library, weight: Tensor) -> Tensor:
@@ -105,6 +110,23 @@ def packed_q8(lib: Library, lin: QuantizedLinear) -> PackedQ8:
     G = lin.in_features if lin.group_size is None else min(lin.group_size, lin.in_features)
     packed = lib.pack_q8(q.detach().contiguous(), s.detach().contiguous(), G)
     _packed_q8[key] = (weakref.ref(q, lambda _r, k=key: _packed_q8.pop(k, None)), stamp, packed)
+    return packed
+
+
+def packed_blocks(lib: Library, lin: BlockLinear) -> PackedBlocks:
+    """The panel copy of a BlockLinear's GGUF blocks (csrc/blocks.c), cached while they
+    are unchanged (keyed by the blocks, as :func:`packed_weight`)."""
+    w = lin.blocks
+    key = id(w)
+    entry = _packed_blocks.get(key)
+    stamp = (w._version, w.data_ptr(), lin.block_type, lin.in_features)
+    if entry is not None:
+        ref, version, packed = entry
+        if ref() is w and version == stamp:
+            return packed
+    packed = lib.pack_blocks(w.detach(), lin.block_type, lin.in_features)
+    _packed_blocks[key] = (weakref.ref(w, lambda _r, k=key: _packed_blocks.pop(k, None)), stamp,
+                           packed)
     return packed
 
 
@@ -142,7 +164,7 @@ class FusedDecoder(_NativeArgmax):
         self.lib = lib
         super().__init__(model, batch_size, NativeKVCache.for_model(model, batch_size, lib=lib))
         self._fused = self._step_class()(model, self.cache, lib)
-        self._int8 = any(decoding_of(m) == "int8" for m in model.modules())
+        self._int8 = any(decoding_of(m) in ("int8", "blocks") for m in model.modules())
 
     @staticmethod
     def _step_class() -> type:
@@ -226,10 +248,13 @@ class _FusedStep:
 
     @staticmethod
     def _plan_linear(lin: tuple) -> list[int | None]:
-        """PLAN_LINEAR entries: packed weights, int8 scales and group (0, 0: float32),
-        bias, I, O (a wrong count fails the plan's shape check above)."""
+        """PLAN_LINEAR entries: packed weights (or GGUF blocks), int8 scales and group (0,
+        0: not int8), bias, I, O, GGUF block type (0: none) (a wrong count fails the plan's
+        shape check above)."""
         weights, bias, I, O = lin
-        return [weights[0], *(weights[1:] if len(weights) == 3 else (0, 0)), bias, I, O]
+        how, ptr, *rest = weights
+        int8 = rest if how == "int8" else (0, 0)
+        return [ptr, *int8, bias, I, O, rest[0] if how == "blocks" else 0]
 
     def _ptr(self, t: Tensor | None) -> int | None:
         if t is None:
@@ -243,27 +268,37 @@ class _FusedStep:
         return self._ptr(ln.weight), self._ptr(ln.bias)
 
     def _linear(self, lin: nn.Module) -> tuple:
-        """(weight pointers, bias, I, O): a packed fp32 weight, or for a QuantizedLinear
-        its int8 integers, scales and group size (the int8 kernel of csrc/quant.c)."""
-        if decoding_of(lin) == "int8":
+        """((how, weight pointers...), bias, I, O): ("f32", a packed fp32 weight), for a
+        QuantizedLinear ("int8", its packed integers, scales, group size: csrc/quant.c),
+        for a BlockLinear ("blocks", its GGUF blocks in panels of 16 rows, the GGML type
+        id: csrc/blocks.c)."""
+        how = decoding_of(lin)
+        if how == "int8":
             check("qweight", lin.qweight, (lin.out_features, lin.in_features),
                   dtype=torch.int8, contiguous=False)
             p = packed_q8(self.checked, lin)
             self.keep.append(p)
-            weights = (p.qweight.data_ptr(), p.scale.data_ptr(), p.group_size)
+            weights = ("int8", p.qweight.data_ptr(), p.scale.data_ptr(), p.group_size)
+        elif how == "blocks":
+            p = packed_blocks(self.checked, lin)
+            self.keep.append(p)
+            weights = ("blocks", p.data.data_ptr(), p.type_id)
         else:
             packed = packed_weight(self.checked, lin.weight)
             self.keep.append(packed)
-            weights = (packed.data_ptr(),)
+            weights = ("f32", packed.data_ptr())
         return weights, self._ptr(lin.bias), lin.in_features, lin.out_features
 
     def _mm(self, x: Tensor, lin: tuple, y: Tensor, act: int = 0,
             res: Tensor | None = None) -> None:
-        weights, bias, I, O = lin
+        (how, *weights), bias, I, O = lin
         r = res.data_ptr() if res is not None else None
-        if len(weights) == 3:  # int8: y = act(x·(q·s)ᵀ + b) (+ res)
+        if how == "int8":  # y = act(x·(q·s)ᵀ + b) (+ res)
             self.lib.tl_linear_q8(x.data_ptr(), I, *weights, bias, y.data_ptr(), self.B, I, O,
                                   self.threads, act, r)
+        elif how == "blocks":  # GGUF blocks, x quantized per block of 32
+            self.lib.tl_linear_blocks(x.data_ptr(), I, *weights, bias, y.data_ptr(), self.B,
+                                      I, O, self.threads, act, r)
         else:
             self.lib.tl_linear(x.data_ptr(), I, weights[0], bias, y.data_ptr(), self.B, I, O,
                                self.threads, act, r)

@@ -33,6 +33,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from tinylm.layers.blocks import TYPES as BLOCK_TYPES
 from tinylm.native import build, selfcheck
 
 log = logging.getLogger("tinylm.native")
@@ -50,6 +51,16 @@ class PackedQ8(NamedTuple):
     qweight: Tensor
     scale: Tensor
     group_size: int
+    out_features: int
+    in_features: int
+
+
+class PackedBlocks(NamedTuple):
+    """GGUF blocks packed by :meth:`Library.pack_blocks`: the panels (uint8), the GGML type
+    id and the (O, I) shape they came from."""
+
+    data: Tensor
+    type_id: int
     out_features: int
     in_features: int
 
@@ -219,6 +230,45 @@ class Library:
         check("qweight", qweight, (-1, x.shape[1]), dtype=torch.int8)
         return self.linear_q8_packed(x, self.pack_q8(qweight, scale, group_size), bias, act,
                                      res)
+
+    def pack_blocks(self, blocks: Tensor, block_type: str, in_features: int) -> PackedBlocks:
+        """The panel copy (csrc/blocks.c: 16 rows per panel, the same codes and fp16
+        scales, moved) of GGUF blocks (O, ceil(I/32)·bytes) uint8 of ``block_type``
+        (tinylm.layers.blocks: Q4_0, Q4_1, Q8_0), for :meth:`linear_blocks_packed`."""
+        type_id, size = BLOCK_TYPES[block_type]
+        if in_features < 1:
+            raise OpError("a block layer needs at least one input feature")
+        check("blocks", blocks, (-1, -(-in_features // 32) * size), dtype=torch.uint8)
+        O = blocks.shape[0]
+        out = torch.empty(self.raw.tl_blocks_packed_size(type_id, O, in_features),
+                          dtype=torch.uint8)
+        self.raw.tl_blocks_pack(blocks.data_ptr(), type_id, out.data_ptr(), O, in_features,
+                                _threads())
+        return PackedBlocks(out, type_id, O, in_features)
+
+    def linear_blocks_packed(self, x: Tensor, packed: PackedBlocks, bias: Tensor | None,
+                             act: int = 0, res: Tensor | None = None) -> Tensor:
+        """x (M, I) -> act(x·Wᵀ + b) (+ res), (M, O), W given by :meth:`pack_blocks`; x is
+        quantized per block of 32 (csrc/blocks.c)."""
+        data, type_id, O, I = packed
+        check("x", x, (-1, I))
+        check("packed", data, (self.raw.tl_blocks_packed_size(type_id, O, I),),
+              dtype=torch.uint8)
+        M = x.shape[0]
+        b = _opt("bias", bias, (O,))
+        r = _opt("res", res, (M, O))
+        y = torch.empty(M, O)
+        self.raw.tl_linear_blocks(x.data_ptr(), I, data.data_ptr(), type_id, b, y.data_ptr(),
+                                  M, I, O, _threads(), int(bool(act)), r)
+        return y
+
+    def linear_blocks(self, x: Tensor, blocks: Tensor, block_type: str, bias: Tensor | None,
+                      act: int = 0, res: Tensor | None = None) -> Tensor:
+        """:meth:`linear_blocks_packed` of GGUF blocks packed for this one call (a decoder
+        packs once)."""
+        check("x", x, (-1, -1))
+        return self.linear_blocks_packed(x, self.pack_blocks(blocks, block_type, x.shape[1]),
+                                         bias, act, res)
 
     def argmax(self, x: Tensor) -> Tensor:
         """x (B, V), unit stride along V -> the first index of each row's maximum (B,)."""

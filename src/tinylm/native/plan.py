@@ -21,8 +21,9 @@ modules' declared types and the config, never hooks or private registries:
   :class:`~tinylm.core.model.GPT` whose every block is eligible for **block** (any head size)
   with plain embeddings, final norm and LM head -- except that here each Linear layer
   (the LM head too) may also be a :class:`tinylm.layers.quantized.QuantizedLinear`, which the
-  step runs with the int8 kernel of ``csrc/quant.c`` (except one with a per-group minimum,
-  GGUF's Q4_1: the registry's ``decoding_refusal``, for which the step steps aside);
+  step runs with the int8 kernel of ``csrc/quant.c`` (except one with a per-group minimum:
+  the registry's ``decoding_refusal``, for which the step steps aside), or a
+  :class:`tinylm.layers.blocks.BlockLinear` (GGUF's Q4_0/Q4_1/Q8_0 blocks, ``csrc/blocks.c``);
 - **decode_variant** (the fused step for the architecture variants, path
   ``"fused-variant"``): a :class:`~tinylm.core.model.GPT` of any layout ``ModelConfig``
   offers -- LayerNorm or RMSNorm, learned or rotary positions, GELU/ReLU² or SwiGLU MLPs,
@@ -119,7 +120,8 @@ def declared(module: nn.Module) -> type:
 
 # The Linear layers each kind of path computes, as tinylm.layers.registry declares them:
 # training paths nn.Linear and the kinds with a training weight (LoRA, through weight_of);
-# the fused decoding step nn.Linear and the kinds it decodes (int8: csrc/quant.c).
+# the fused decoding step nn.Linear and the kinds it decodes (int8: csrc/quant.c; GGUF
+# blocks: csrc/blocks.c).
 TRAIN_LINEAR = (nn.Linear, *training_classes())
 DECODE_LINEAR = (nn.Linear, *decoding_classes())
 

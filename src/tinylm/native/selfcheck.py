@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from tinylm.core.attention import apply_rope, rope_angles
+from tinylm.layers.blocks import TYPES as BLOCK_TYPES
+from tinylm.layers.blocks import kernel_product, quantize_blocks
 
 
 def _expect(ok: bool, what: str) -> None:
@@ -51,6 +53,19 @@ def _linear_q8(lib: Any, g: torch.Generator) -> None:
                 got = lib.linear_q8(x, q, s, G, bias, act, r)
                 _expect(torch.allclose(got, want, rtol=1e-4, atol=1e-4),
                         f"int8 linear (O={O} I={I} G={G} M={M})")
+
+
+def _linear_blocks(lib: Any, g: torch.Generator) -> None:
+    for O, I in ((37, 19), (5, 70)):
+        W, b = torch.randn(O, I, generator=g), torch.randn(O, generator=g)
+        for block_type in BLOCK_TYPES:
+            blocks = quantize_blocks(W, block_type)
+            for M in (1, 5):
+                x, res = torch.randn(M, I, generator=g), torch.randn(M, O, generator=g)
+                want = kernel_product(x, blocks, block_type) + b
+                got = lib.linear_blocks(x, blocks, block_type, b, 0, res) - res
+                _expect(torch.allclose(got, want, rtol=1e-4, atol=1e-4),
+                        f"{block_type} linear (O={O} I={I} M={M})")
 
 
 def _decode_attention(lib: Any, g: torch.Generator) -> None:
@@ -167,6 +182,6 @@ def run(lib: Any) -> None:
     """Check every op of ``lib`` (a :class:`tinylm.native.ops.Library`)."""
     g = torch.Generator().manual_seed(0)
     with torch.inference_mode(False), torch.no_grad():
-        for part in (_linear_and_argmax, _linear_q8, _decode_attention, _gelu,
+        for part in (_linear_and_argmax, _linear_q8, _linear_blocks, _decode_attention, _gelu,
                      _training_attention, _layer_norm, _variants, _bpe):
             part(lib, g)

@@ -142,13 +142,17 @@ void tl_attend_one(const float *q, long qsb, long qsh, const float *k, long ksb,
 }
 
 /* y = act(x·Wᵀ + b) (+ res) by the plan's linear entry L (PLAN_LINEAR longs: packed
- * weights, int8 scales, int8 group size (0: float32), bias, I, O). */
+ * weights or GGUF blocks, int8 scales, int8 group size (0: not int8), bias, I, O, GGUF
+ * block type (0: none)). */
 _Static_assert(PLAN_LAYER == 4 + 4 * PLAN_LINEAR, "a layer: 2 norms of 2, 4 linears");
 
 static void plan_linear(const long *L, const float *x, float *y, long M, int threads,
                         int act, const float *res) {
     const float *b = (const float *)L[3];
-    if (L[2])
+    if (L[6])
+        tl_linear_blocks(x, L[4], (const unsigned char *)L[0], L[6], b, y, M, L[4], L[5],
+                         threads, act, res);
+    else if (L[2])
         tl_linear_q8(x, L[4], (const signed char *)L[0], (const float *)L[1], L[2], b, y, M,
                      L[4], L[5], threads, act, res);
     else

@@ -182,6 +182,17 @@ TL_API void tl_linear_q8(const float *x, long ldx, const signed char *qp, const 
                          long G, const float *b, float *y, long M, long I, long O,
                          int threads, int act, const float *res);
 
+/* blocks.c: y = x·Wᵀ + b for a decoding step, W as GGUF's Q4_0 / Q4_1 / Q8_0 blocks (type
+ * 2, 3, 8; ceil(I/32) blocks per row), moved once into panels of 16 rows by tl_blocks_pack;
+ * x quantized per block of 32. */
+TL_API long tl_block_bytes(long type);
+TL_API long tl_blocks_packed_size(long type, long O, long I);
+TL_API void tl_blocks_pack(const unsigned char *w, long type, unsigned char *out, long O,
+                           long I, int threads);
+TL_API void tl_linear_blocks(const float *x, long ldx, const unsigned char *packed, long type,
+                             const float *b, float *y, long M, long I, long O, int threads,
+                             int act, const float *res);
+
 /* decode.c: the other pieces of a decoding step. */
 TL_API int tl_embed(const long *ids, const float *tok, const float *pos, long position,
                     float *x, long B, long E, long V);
@@ -192,8 +203,9 @@ TL_API void tl_attend_one(const float *q, long qsb, long qsh, const float *k, lo
                           float scale, float *out, float *scratch, int threads);
 /* Every block of a standard GPT for one decoding step, from a plan of PLAN_LAYER longs
  * per layer (pointers and sizes, built once by tinylm.native.decoding). */
-#define PLAN_LINEAR 6   /* packed weights, int8 scales, int8 group (0: float32), bias, I, O */
-#define PLAN_LAYER 28   /* LN1 weight, bias, 4 linears (qkv, out, up, down) between LN2's */
+#define PLAN_LINEAR 7   /* packed weights or blocks, int8 scales, int8 group (0: not int8),
+                           bias, I, O, GGUF block type (0: none) */
+#define PLAN_LAYER 32   /* LN1 weight, bias, 4 linears (qkv, out, up, down) between LN2's */
 TL_API void tl_decode_layers(const long *plan, long n_layer, float *x, float *h, float *qkv,
                              float *r, float *u, float *stats, float *kc, float *vc, long cl,
                              long csb, long csh, long B, long E, long H, long D, long pos,
