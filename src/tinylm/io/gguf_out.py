@@ -32,6 +32,7 @@ name and renamed when complete.
 from __future__ import annotations
 
 import copy
+import logging
 import os
 from collections import Counter
 from dataclasses import dataclass
@@ -241,6 +242,14 @@ def _tokenizer_text(tokenizer: Tokenizer, fields: dict[str, Any]) -> str:
     return f"{tokenizer.kind} tokenizer ({how}){template}"
 
 
+def check_gguf_type(type_: str) -> str:
+    """``type_`` if it is one of :data:`TYPES`, else a one-line ConfigError."""
+    if type_ not in TYPES:
+        raise ConfigError(f"--type {type_!r} is not a GGUF type tinylm writes; choose one of "
+                          f"{', '.join(TYPES)}")
+    return type_
+
+
 def check_gguf_target(path: str | os.PathLike, *, force: bool = False) -> Path:
     """Refuse an ``--out`` that is not a new ``.gguf`` file name (or, with ``force``, an
     existing GGUF file): nothing of the user's is overwritten."""
@@ -266,9 +275,7 @@ def write_gguf(model: GPT, tokenizer: Tokenizer, path: str | os.PathLike, *,
     """Write ``model`` and ``tokenizer`` as the GGUF file ``path`` (see the module
     docstring); ``type`` is one of :data:`TYPES`. Everything is checked before a byte is
     written, and the file appears only when complete."""
-    if type not in TYPES:
-        raise ConfigError(f"--type {type!r} is not a GGUF type tinylm writes; choose one of "
-                          f"{', '.join(TYPES)}")
+    check_gguf_type(type)
     try:
         from gguf import GGUFWriter
     except ImportError as exc:
@@ -290,7 +297,13 @@ def write_gguf(model: GPT, tokenizer: Tokenizer, path: str | os.PathLike, *,
         writer.write_tensors_to_file()
         writer.close()
 
-    atomic_write_with(out, write)
+    gguf_log = logging.getLogger("gguf")  # its writer logs each file at INFO
+    level = gguf_log.level
+    gguf_log.setLevel(logging.WARNING)
+    try:
+        atomic_write_with(out, write)
+    finally:
+        gguf_log.setLevel(level)
     counts = Counter(q.name for _, _, q in tensors)
     fallback = tuple(n for n, a, q in tensors
                      if type in ("q8_0", "q4_0") and q.name == "F16")
@@ -298,5 +311,6 @@ def write_gguf(model: GPT, tokenizer: Tokenizer, path: str | os.PathLike, *,
                    _tokenizer_text(tokenizer, fields), out.stat().st_size)
 
 
-__all__ = ["ARCHITECTURES", "TYPES", "Written", "check_gguf_target", "gguf_architecture",
+__all__ = ["ARCHITECTURES", "TYPES", "Written", "check_gguf_target", "check_gguf_type",
+           "gguf_architecture",
            "gguf_arrays", "write_gguf"]
