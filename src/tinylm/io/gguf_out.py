@@ -96,10 +96,9 @@ def gguf_architecture(config: ModelConfig) -> str:
         raise ConfigError("mlp='relu2' (squared ReLU) is computed by no llama.cpp "
                           "architecture tinylm writes (gpt2: GELU, llama/qwen2/qwen3: "
                           "SwiGLU); this model has no GGUF form (nothing was written)")
-    llama = {"norm": "rmsnorm", "position": "rope", "mlp": "swiglu"}
-    wrong = [f"{k}={getattr(c, k)!r}" for k, v in llama.items() if getattr(c, k) != v]
-    if wrong:
-        raise ConfigError(f"no llama.cpp architecture has {', '.join(wrong)}: gpt2 is "
+    if (c.norm, c.position, c.mlp) != ("rmsnorm", "rope", "swiglu"):
+        raise ConfigError(f"no llama.cpp architecture has norm={c.norm!r}, position="
+                          f"{c.position!r}, mlp={c.mlp!r}: gpt2 is "
                           f"layernorm/learned/gelu, llama/qwen2/qwen3 are rmsnorm/rope/swiglu; "
                           f"this model has no GGUF form (nothing was written)")
     if c.bias:
