@@ -12,8 +12,9 @@ llama.cpp itself (``llama-cpp-python``) on the files tinylm writes:
 - every architecture (gpt2 without biases, llama with tied embeddings, qwen2, qwen3 for
   QK-norm) on random models with far-apart logits, and the file read back by tinylm's
   own GGUF import giving the original logits exactly;
-- an imported tokenizer (a Hugging Face tokenizer.json with SmolLM2's Digits + ByteLevel
-  pre-tokenizer: ``smollm``) tokenizing as llama.cpp does;
+- imported tokenizers tokenizing as llama.cpp does: a Hugging Face tokenizer.json with
+  SmolLM2's Digits + ByteLevel pre-tokenizer (``smollm``), and a GGUF SentencePiece
+  vocabulary with byte fallback read by tinylm and written back;
 - the round trip SmolLM2-135M-Instruct's GGUF -> tinylm -> GGUF: the same metadata
   (tokens, merges, types, special ids, chat template) and the same ids as the original
   file in llama.cpp, and llama.cpp's greedy answer on the written file equal to tinylm's;
@@ -36,6 +37,7 @@ from tinylm.cli import main
 from tinylm.core.config import ARCH_PRESETS, ModelConfig
 from tinylm.core.model import GPT
 from tinylm.data.chat import render_chat
+from tinylm.data.gguf_vocab import tokenizer_from_gguf
 from tinylm.data.tokenizers import STANDARD_SPECIALS, BPETokenizer, CharTokenizer
 from tinylm.io.checkpoint import load_checkpoint
 from tinylm.io.checkpoint_files import save_checkpoint
@@ -271,6 +273,40 @@ def test_imported_tokenizer_smollm_pre_tokenizer(tmp_path) -> None:
         llm.close()
 
 
+def test_imported_sentencepiece_tokenizer_round_trips(tmp_path) -> None:
+    """A GGUF ``llama`` (SentencePiece-style) vocabulary with byte fallback, read by tinylm
+    and written back: scores in the merges' order, the same ids as the original file
+    and as tinylm in llama.cpp, and the same ids read back by tinylm."""
+    from test_gguf_vocab import _spm_vocab
+    from test_gguf_vocab import _write as write_vocab
+
+    tokens, types, scores = _spm_vocab()
+    original = write_vocab(tmp_path / "spm.gguf", tokens, types, "llama", scores=scores,
+                           bos_token_id=1, eos_token_id=2, add_space_prefix=True)
+    tok = tokenizer_from_gguf(read_gguf_fields(original))
+    path = write_gguf(_random(ARCH_PRESETS["llama"], tok), tok, tmp_path / "out.gguf").path
+    fields = read_gguf(path).fields
+    assert fields["tokenizer.ggml.model"] == "llama" and fields["tokenizer.ggml.tokens"][
+        :len(tokens)] == tokens
+    assert fields["tokenizer.ggml.token_type"][:len(tokens)] == types
+    texts = CORPUS + _fuzz(300, seed=5) + [" leading", "<s>x</s>", "emoji 😀", "<think>a"]
+    for file in (original, path):
+        llm = llama_cpp.Llama(model_path=str(file), vocab_only=True, verbose=False)
+        try:
+            _assert_same_ids(tok, llm, texts)
+        finally:
+            llm.close()
+    again = tokenizer_from_gguf(fields)
+    assert all(again.encode(t) == tok.encode(t) for t in texts)
+
+
+def read_gguf_fields(path: Path) -> dict[str, Any]:
+    """Every metadata key of a GGUF file that holds a vocabulary only."""
+    import gguf
+
+    return {k: f.contents() for k, f in gguf.GGUFReader(str(path)).fields.items()}
+
+
 # --- the round trip: SmolLM2's GGUF -> tinylm -> GGUF -------------------------------------
 
 
@@ -369,16 +405,39 @@ def test_architectures_gguf_cannot_express_are_refused(tmp_path, capsys, change,
     assert not (tmp_path / "m.gguf").exists()
 
 
+def _hf_file_tokenizer(normalizer: Any = None, metaspace: bool = False) -> BPETokenizer:
+    """A trained Hugging Face tokenizer llama.cpp cannot reproduce: byte-level with a
+    normalizer, or SentencePiece-style with a Metaspace pre-tokenizer (newer Llama
+    tokenizer.json files), which llama.cpp's tokenizer does not follow."""
+    import tokenizers as tk
+
+    hf = tk.Tokenizer(tk.models.BPE())
+    hf.normalizer = normalizer
+    if metaspace:
+        hf.pre_tokenizer = tk.pre_tokenizers.Metaspace()
+        hf.decoder = tk.decoders.Metaspace()
+    else:
+        hf.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
+        hf.decoder = tk.decoders.ByteLevel()
+    hf.train_from_iterator([TEXT], tk.trainers.BpeTrainer(vocab_size=300, show_progress=False))
+    return BPETokenizer(hf, kind="file")
+
+
 def test_tokenizers_gguf_cannot_express_are_refused(tmp_path, capsys) -> None:
+    import tokenizers as tk
+
     spm_space = CharTokenizer("ab \u2581", special_tokens=["<|endoftext|>"])
     merged = CharTokenizer("ab", special_tokens=["<s>", "<s><s>"])
-    cases = [(spm_space, "U+2581"), (merged, "'<s>' + '<s>'")]
+    cases = [(spm_space, "U+2581"), (merged, "'<s>' + '<s>'"),
+             (_hf_file_tokenizer(tk.normalizers.NFC()), "NFC normalizer"),
+             (_hf_file_tokenizer(metaspace=True), "not as llama.cpp runs one")]
     for i, (tok, words) in enumerate(cases):
         folder = save_checkpoint(tmp_path / f"c{i}", _random(ARCH_PRESETS["gpt2"], tok), tok)
         _refused(capsys, ["convert", "--to-gguf", str(folder), "--out",
-                          str(tmp_path / "m.gguf")], words)
+                          str(tmp_path / "m.gguf")], words, "nothing was written")
     no_tok = save_checkpoint(tmp_path / "bare", _random(ARCH_PRESETS["gpt2"], spm_space), None)
     _refused(capsys, ["convert", "--to-gguf", str(no_tok), "--out", str(tmp_path / "m.gguf")],
              "no tokenizer.json", "--to-gguf needs")
     assert not (tmp_path / "m.gguf").exists()
     assert json.loads((tmp_path / "c0" / "config.json").read_text())  # inputs untouched
+

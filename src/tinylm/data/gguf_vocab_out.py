@@ -2,7 +2,8 @@
 
 The inverse of :mod:`tinylm.data.gguf_vocab`: :func:`gguf_vocab_fields` gives the keys a
 GGUF file needs for llama.cpp to cut text into the ids tinylm's tokenizer gives, and to
-know its special tokens and chat template. Two vocabulary kinds, as llama.cpp reads them:
+know its special tokens and chat template. Two vocabulary kinds, as llama.cpp reads them,
+for three kinds of tinylm tokenizer:
 
 byte-level BPE (``bpe``, ``gpt2``, and ``file`` tokenizers that are byte-level BPE)
     ``tokenizer.ggml.model = "gpt2"``: the tokens in their byte-level spelling (``Ġthe``),
@@ -14,6 +15,14 @@ byte-level BPE (``bpe``, ``gpt2``, and ``file`` tokenizers that are byte-level B
     entry of :data:`~tinylm.data.gguf_vocab.PRE_TOKENIZERS`, written back under that
     entry's first name. Any other pre-tokenizer, a normalizer, or a decoder other than
     ``ByteLevel`` is refused by name (llama.cpp would cut the text differently).
+SentencePiece-style (``file`` tokenizers read from a GGUF ``llama`` vocabulary, or alike)
+    ``tokenizer.ggml.model = "llama"``: the pieces (``▁the``, ``<0x0A>``), their types
+    (byte pieces of a byte-fallback vocabulary are type 6), ``add_space_prefix`` from the
+    normalizer, and scores in the merges' order: llama.cpp merges the neighbours whose
+    concatenation scores best, which is Hugging Face's merge order when the merges are
+    every split of a token into two tokens, each token's splits together (how
+    :mod:`tinylm.data.gguf_vocab` builds them); other merges, normalizers or a
+    pre-tokenizer are refused.
 char (one token per Unicode character)
     llama.cpp has no character vocabulary, but its SentencePiece tokenizer
     (``tokenizer.ggml.model = "llama"``) is one when no token is the concatenation of
@@ -43,10 +52,12 @@ int (int32) or float (float32); the writer (:mod:`tinylm.io.gguf_out`) types the
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from tinylm.core.errors import DataError
 from tinylm.data.gguf_vocab import (
+    BYTE,
     CONTROL,
     NORMAL,
     PRE_TOKENIZERS,
@@ -67,6 +78,7 @@ from tinylm.data.tokenizers import (
 )
 
 _KEY = "tokenizer.ggml."
+_BYTE_PIECE = re.compile(r"<0x[0-9A-F]{2}>")
 
 # Hugging Face pre-tokenizers (as tokenizer.json spells them, offsets settings aside) that
 # cut text as one of llama.cpp's named pre-tokenizers does.
@@ -176,14 +188,84 @@ def _char_level(tokenizer: CharTokenizer) -> dict[str, Any]:
             "scores": [0.0] * len(tokens), "add_space_prefix": False}
 
 
+def _spm_normalizer(prefix: bool) -> Any:
+    """The normalizer JSON :mod:`tinylm.data.gguf_vocab` gives a SentencePiece vocabulary
+    (``▁`` before the text when ``prefix``, spaces as ``▁``)."""
+    tk = _require_hf_tokenizers()
+    tok = tk.Tokenizer(tk.models.BPE())
+    steps = [tk.normalizers.Prepend(SPACE)] if prefix else []
+    tok.normalizer = tk.normalizers.Sequence([*steps, tk.normalizers.Replace(" ", SPACE)])
+    return json.loads(tok.to_str())["normalizer"]
+
+
+def _spm_scores(tokens: list[str], merges: list[tuple[str, ...]]) -> list[float]:
+    """Scores whose order is the merges' order: llama.cpp's SentencePiece tokenizer merges
+    the neighbours whose concatenation scores best, Hugging Face's BPE the best-ranked
+    pair; they agree when the merges are every split of a token into two tokens, a
+    token's splits together (as :mod:`tinylm.data.gguf_vocab` builds them). Anything
+    else is a DataError."""
+    vocab = set(tokens)
+    splits = {(t[:i], t[i:]) for t in tokens for i in range(1, len(t))
+              if t[:i] in vocab and t[i:] in vocab}
+    order: dict[str, int] = {}
+    last = None
+    for merge in merges:
+        token = "".join(merge)
+        if token in order and token != last:
+            raise DataError(f"this SentencePiece-style tokenizer's merges for {token!r} are "
+                            f"not together, so no token scores give llama.cpp its merge "
+                            f"order (nothing was written)")
+        order.setdefault(token, len(order))
+        last = token
+    if set(merges) != splits:
+        raise DataError("this SentencePiece-style tokenizer's merges are not every split of "
+                        "a token into two tokens, which is what llama.cpp's SentencePiece "
+                        "tokenizer merges; it has no GGUF form (nothing was written)")
+    return [-1.0 - order[t] if t in order else 0.0 for t in tokens]
+
+
+def _sentencepiece(tokenizer: BPETokenizer) -> dict[str, Any]:
+    """tokens, types, scores and the space prefix of a SentencePiece-style tokenizer of
+    the shape :mod:`tinylm.data.gguf_vocab` reads (a GGUF ``llama`` vocabulary)."""
+    cfg = tokenizer.to_hf_json()
+    model = cfg.get("model") or {}
+    prefix = next((p for p in (True, False) if cfg.get("normalizer") == _spm_normalizer(p)),
+                  None)
+    if prefix is None or cfg.get("pre_tokenizer") is not None or model.get("type") != "BPE":
+        raise DataError(f"this {tokenizer.kind} tokenizer is SentencePiece-style (▁ for "
+                        f"spaces) but not as llama.cpp runs one (a normalizer that puts ▁ "
+                        f"before the text and for each space, no pre-tokenizer); it has no "
+                        f"GGUF form (nothing was written)")
+    tokens = [tokenizer.hf.id_to_token(i) for i in range(tokenizer.vocab_size)]
+    if any(t is None for t in tokens):
+        raise DataError(f"this {tokenizer.kind} tokenizer's ids have gaps, so it cannot be "
+                        f"written as a GGUF token list")
+    added = {t["content"]: t.get("special", False) for t in cfg.get("added_tokens", [])}
+    unk, fallback = model.get("unk_token"), bool(model.get("byte_fallback"))
+
+    def kind(t: str) -> int:
+        if t == unk:
+            return UNKNOWN
+        if t in added:
+            return CONTROL if added[t] else USER_DEFINED
+        return BYTE if fallback and _BYTE_PIECE.fullmatch(t) else NORMAL
+
+    merges = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m)
+              for m in model.get("merges") or []]
+    return {"model": "llama", "tokens": tokens, "token_type": [kind(t) for t in tokens],
+            "scores": _spm_scores(tokens, merges), "add_space_prefix": prefix}
+
+
 def _vocabulary(tokenizer: Tokenizer) -> dict[str, Any]:
     if isinstance(tokenizer, CharTokenizer):
         return _char_level(tokenizer)
     if isinstance(tokenizer, BPETokenizer) and tokenizer.byte_level:
         return _byte_level(tokenizer)
-    raise DataError(f"this {tokenizer.kind} tokenizer is not byte-level BPE nor a char "
-                    f"tokenizer (e.g. a SentencePiece-style one); tinylm writes those two "
-                    f"kinds to GGUF (nothing was written)")
+    if isinstance(tokenizer, BPETokenizer) and tokenizer.metaspace:
+        return _sentencepiece(tokenizer)
+    raise DataError(f"this {tokenizer.kind} tokenizer is neither byte-level BPE, nor "
+                    f"SentencePiece-style, nor a char tokenizer; tinylm writes those kinds "
+                    f"to GGUF (nothing was written)")
 
 
 def _padded(vocab: dict[str, Any], n_rows: int) -> None:
