@@ -216,7 +216,9 @@ ARCHS = {
     "gpt2": ({**ARCH_PRESETS["gpt2"], "bias": False}, "gpt2"),  # biases written as zeros
     "llama": ({**ARCH_PRESETS["llama"], "tie_embeddings": True}, "llama"),
     "qwen2": ({**ARCH_PRESETS["llama"], "qkv_bias": True, "n_kv_head": 2}, "qwen2"),
-    "qwen3": ({**ARCH_PRESETS["llama"], "qk_norm": True, "rope_theta": 5e5}, "qwen3"),
+    # n_head·head_dim = 128 != n_embd = 64: written as key_length
+    "qwen3": ({**ARCH_PRESETS["llama"], "qk_norm": True, "rope_theta": 5e5, "head_dim": 32},
+              "qwen3"),
 }
 
 
@@ -389,10 +391,30 @@ def test_bad_input_is_one_line_and_writes_nothing(small, tmp_path, capsys) -> No
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.gguf", "x.gguf"]
 
 
+def test_replaced_layers_are_made_dense_or_refused(small, tmp_path, capsys) -> None:
+    """An int8 checkpoint (tinylm quantize) is written dequantized: llama.cpp computes
+    what tinylm's int8 model computes; a low-rank one is refused, as for --to-hf."""
+    int8, low = tmp_path / "int8", tmp_path / "low"
+    assert main(["quantize", "--model", str(small), "--out", str(int8)]) == 0
+    assert main(["convert", "--to-gguf", str(int8), "--out", str(tmp_path / "i.gguf")]) == 0
+    model, tok = load_checkpoint(int8)
+    assert "quantize" in json.loads((int8 / "config.json").read_text())
+    ids = tok.encode(TEXT)[:48]
+    llm = _llama(tmp_path / "i.gguf")
+    try:
+        assert np.abs(_their_logits(llm, ids) - _our_logits(model, ids)).max() < 5e-3
+    finally:
+        llm.close()
+    assert main(["compress", "--model", str(small), "--out", str(low), "--rank", "4"]) == 0
+    _refused(capsys, ["convert", "--to-gguf", str(low), "--out", str(tmp_path / "l.gguf")],
+             "low-rank", "no GGUF equivalent")
+
+
 @pytest.mark.parametrize("change, words", [
     ({"mlp": "relu2"}, ("relu2", "no GGUF form")),
     ({**ARCH_PRESETS["llama"], "qk_norm": True, "qkv_bias": True}, ("qk_norm", "qkv_bias")),
     ({**ARCH_PRESETS["llama"], "bias": True}, ("bias=True",)),
+    ({**ARCH_PRESETS["llama"], "qkv_bias": True, "head_dim": 32}, ("qwen2", "4·32 != 64")),
     ({"norm": "rmsnorm"}, ("norm='rmsnorm'", "no llama.cpp architecture")),
     ({"position": "rope"}, ("position='rope'",)),
 ])

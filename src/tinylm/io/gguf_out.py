@@ -111,6 +111,10 @@ def gguf_architecture(config: ModelConfig) -> str:
                               "(qwen3 has QK-norm without QKV biases, qwen2 the biases "
                               "without QK-norm); nothing was written")
         return "qwen3"
+    if c.qkv_bias and c.inner_dim != c.n_embd:
+        raise ConfigError(f"llama.cpp's qwen2 needs n_head·head_dim == n_embd, but this model "
+                          f"has {c.n_head}·{c.head_dim} != {c.n_embd}; it has no GGUF form "
+                          f"(nothing was written)")
     return "qwen2" if c.qkv_bias else "llama"
 
 
