@@ -17,9 +17,10 @@ The inverse of :mod:`tinylm.io.gguf`, written with the format's own library (``g
   (the inverse of :func:`~tinylm.io.gguf.unpermute_rows`); a tied head is written once,
   as ``token_embd`` (llama.cpp then uses it as the output);
 - the types: 1-D tensors (norms, biases) and GPT-2's position table stay float32, as
-  llama.cpp's converter keeps them; every other matrix is of ``--type`` (a matrix whose
-  rows are not a multiple of 32 values cannot be cut into Q8_0/Q4_0 blocks and is
-  written float16, and the report says so);
+  llama.cpp's converter keeps them; every other matrix is of ``--type``, except that at
+  q4_0 the token embedding and the output stay Q8_0 (as llama-quantize keeps the output
+  at a higher type); a matrix whose rows are not a multiple of 32 values cannot be cut
+  into Q8_0/Q4_0 blocks and is written float16 (the report says so);
 - the metadata of :mod:`tinylm.io.gguf` (sizes, norm epsilon, RoPE base, ...) and the
   tokenizer's (:mod:`tinylm.data.gguf_vocab_out`: vocabulary, special tokens, chat
   template).
@@ -56,6 +57,10 @@ TYPES = ("f32", "f16", "q8_0", "q4_0")
 #: Architectures written (``general.architecture``).
 ARCHITECTURES = ("gpt2", "llama", "qwen2", "qwen3")
 _BLOCK = 32  # values per Q8_0/Q4_0 block
+#: The token embedding and the output (one matrix when tied): Q8_0 at q4_0, as llama.cpp's
+#: own llama-quantize keeps the output at a higher type than the blocks' matrices (its
+#: Q6_K, which the gguf package cannot write): 4 bits there cost most of the accuracy.
+_OUTPUT_NAMES = ("token_embd.weight", "output.weight")
 
 
 @dataclass(frozen=True)
@@ -188,6 +193,8 @@ def _ggml_type(name: str, array: np.ndarray, type_: str) -> Any:
         return Q.F32
     if type_ == "f16" or array.shape[-1] % _BLOCK:
         return Q.F16
+    if name in _OUTPUT_NAMES:  # the vocabulary's rows: 8 bits even at q4_0
+        return Q.Q8_0
     return {"q8_0": Q.Q8_0, "q4_0": Q.Q4_0}[type_]
 
 
