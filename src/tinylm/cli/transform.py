@@ -207,8 +207,8 @@ def _add_convert(sub: argparse._SubParsersAction) -> None:
         "convert",
         help="GGUF file or Hugging Face model -> tinylm checkpoint, and tinylm -> Hugging "
         "Face or GGUF",
-        description="--from-gguf FILE --out DIR: a GGUF file (llama.cpp's format; llama, "
-        "qwen2 and gpt2 architectures; F32/F16/BF16, Q8_0, Q4_0/1, Q5_0/1, Q4_K/Q5_K/Q6_K "
+        description="--from-gguf FILE --out DIR: a GGUF file (llama.cpp's format; llama, qwen2, "
+        "qwen3 and gpt2 architectures; F32/F16/BF16, Q8_0, Q4_0/1, Q5_0/1, Q4_K/Q5_K/Q6_K "
         "tensors) with its tokenizer and chat template -> a tinylm checkpoint. --from-hf "
         "HF_DIR|ORG/NAME --out DIR: a Hugging Face GPT-2, Llama, Qwen2 or Mistral folder "
         "on disk (config.json, model.safetensors or pytorch_model.bin, tokenizer.json and "
