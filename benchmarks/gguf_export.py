@@ -128,7 +128,10 @@ def table(rows: list[dict], args: argparse.Namespace, load: float) -> str:
         "file back (llama.cpp's arithmetic alone: 8-bit activations in Q8_0/Q4_0 products); "
         "greedy: llama.cpp's 64 greedy tokens equal tinylm's. Small models: trained "
         f"{args.steps} steps by `tinylm train` on docs/architecture.md (4 layers, E=128), "
-        "held out: its last 4,000 characters. Machine: "
+        "held out: its last 4,000 characters. SmolLM2-135M-Instruct: its Q4_1 file "
+        "dequantized by tinylm, then written at each type (so q4_0 rounds 4-bit weights a "
+        "second time, onto a grid without Q4_1's per-block minimum); held out: the same "
+        "text. Machine: "
         f"{os.cpu_count()} CPU cores ({platform.machine()}), load average {load:.2f}.",
         "",
         "| model | type | file MB | max abs | mean abs | top-1 | own weights max | logit std "
