@@ -201,7 +201,7 @@ def _random(config: dict[str, Any], tok: Any, seed: int = 0) -> GPT:
     """A random model with non-trivial norms and biases and far-apart logits."""
     torch.manual_seed(seed)
     model = GPT(ModelConfig(vocab_size=tok.vocab_size + 5, n_layer=2, n_head=4, n_embd=64,
-                            context_length=128, **config)).eval()
+                            context_length=256, **config)).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name or "ln" in name or name.endswith("bias"):
