@@ -251,6 +251,26 @@ def test_every_architecture_decodes_as_tinylm(bpe, tmp_path, which) -> None:
         llm.close()
 
 
+def test_rows_not_a_multiple_of_32_are_written_f16(bpe, tmp_path) -> None:
+    """Llama's default MLP width for E=64 is 176: ffn_down's rows (176 values) cannot be
+    cut into 32-value blocks, so they are F16, said in the report; llama.cpp runs the
+    mixed file as tinylm reads it back."""
+    model = _random(ARCH_PRESETS["llama"], bpe)
+    written = write_gguf(model, bpe, tmp_path / "m.gguf", type="q8_0")
+    assert written.fallback == ("blk.0.ffn_down.weight", "blk.1.ffn_down.weight")
+    assert "2 matrices F16 (rows not a multiple of 32" in written.line("x")
+    types = read_gguf(written.path).tensor_types
+    assert types["blk.0.ffn_down.weight"] == "F16" and types["blk.0.ffn_up.weight"] == "Q8_0"
+    ids = bpe.encode(TEXT)[:40]
+    llm = _llama(written.path)
+    try:
+        own = _our_logits(gguf_to_tinylm(written.path), ids)
+        error = np.abs(_their_logits(llm, ids) - own).max()
+        assert error < 0.3, error  # measured 0.074 (logits scaled up 15x, range ~25)
+    finally:
+        llm.close()
+
+
 def test_imported_tokenizer_smollm_pre_tokenizer(tmp_path) -> None:
     """A Hugging Face tokenizer.json with SmolLM2's pre-tokenizer (digits cut one by one,
     then GPT-2's regex): written as ``smollm``, and llama.cpp cuts text as tinylm does."""

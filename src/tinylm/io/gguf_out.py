@@ -213,11 +213,10 @@ def _add_field(writer: Any, key: str, value: Any) -> None:
         writer.add_float32(key, value)
     elif isinstance(value, str):
         writer.add_string(key, value)
-    else:  # a list: strings, int32 or float32
+    else:  # a list of strings, ints (int32) or floats (float32), as the lists it names
         kinds = {str: V.STRING, int: V.INT32, float: V.FLOAT32}
-        writer.add_array(key, value) if value and isinstance(value[0], str) else \
-            writer.add_key_value(key, list(value), V.ARRAY,
-                                 kinds[type(value[0]) if value else int])
+        writer.add_key_value(key, list(value), V.ARRAY,
+                             kinds[type(value[0])] if value else V.INT32)
 
 
 def _file_type(type_: str) -> int:
