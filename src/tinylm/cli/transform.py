@@ -266,7 +266,8 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     if importing == exporting or (importing and not (source and args.out)) or (
             exporting and not (args.model and args.to_hf)):
         raise ConfigError("use either --from-gguf FILE or --from-hf HF_DIR with --out DIR "
-                          "(import), or --model DIR --to-hf HF_DIR (export)")
+                          "(import), or --model DIR --to-hf HF_DIR, or --to-gguf DIR --out "
+                          "FILE.gguf (export)")
     if importing:
         if args.weights_only:
             raise ConfigError("--weights-only applies to --to-hf only")
