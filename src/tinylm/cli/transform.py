@@ -211,9 +211,10 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
 def _add_convert(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "convert",
-        help="GGUF file or Hugging Face model -> tinylm checkpoint, and tinylm -> Hugging Face",
-        description="--from-gguf FILE --out DIR: a GGUF file (llama.cpp's format; llama, "
-        "qwen2 and gpt2 architectures; F32/F16/BF16, Q8_0, Q4_0/1, Q5_0/1, Q4_K/Q5_K/Q6_K "
+        help="GGUF file or Hugging Face model -> tinylm checkpoint, and tinylm -> Hugging "
+        "Face or GGUF",
+        description="--from-gguf FILE --out DIR: a GGUF file (llama.cpp's format; llama, qwen2, "
+        "qwen3 and gpt2 architectures; F32/F16/BF16, Q8_0, Q4_0/1, Q5_0/1, Q4_K/Q5_K/Q6_K "
         "tensors) with its tokenizer and chat template -> a tinylm checkpoint. --from-hf "
         "HF_DIR|ORG/NAME --out DIR: a Hugging Face GPT-2, Llama, Qwen2 or Mistral folder "
         "on disk (config.json, model.safetensors or pytorch_model.bin, tokenizer.json and "
@@ -221,23 +222,33 @@ def _add_convert(sub: argparse._SubParsersAction) -> None:
         "(safetensors and configs only; its cache alone with HF_HUB_OFFLINE=1) -> a tinylm "
         "checkpoint. --model DIR --to-hf HF_DIR: a tinylm checkpoint -> a folder that "
         "transformers' AutoModelForCausalLM and AutoTokenizer load (GPT-2, Llama or Qwen2, "
-        "from the architecture). Every command's --model also takes a .gguf file directly.",
+        "from the architecture). --to-gguf DIR --out FILE.gguf [--type T]: a tinylm "
+        "checkpoint with its tokenizer and chat template -> a GGUF file llama.cpp runs "
+        "(gpt2, llama, qwen2 or qwen3 from the architecture; byte-level BPE and char "
+        "tokenizers). Every command's --model also takes a .gguf file directly.",
     )
     src = p.add_mutually_exclusive_group()
     src.add_argument("--from-gguf", metavar="FILE", help="a GGUF file to import")
     src.add_argument("--from-hf", metavar="HF_DIR|ORG/NAME",
                      help="a Hugging Face GPT-2/Llama/Qwen2/Mistral folder (or Hub name) to "
                      "import; a GGUF file here is converted as --from-gguf would")
-    p.add_argument("--out", metavar="DIR",
-                   help="the tinylm checkpoint to write (--from-gguf/--from-hf); a new or "
-                   "empty folder")
+    src.add_argument("--to-gguf", metavar="DIR",
+                     help="a tinylm checkpoint (or run folder) to write as the GGUF file "
+                     "--out FILE.gguf")
+    p.add_argument("--out", metavar="DIR|FILE",
+                   help="the tinylm checkpoint to write (--from-gguf/--from-hf; a new or "
+                   "empty folder), or the GGUF file (--to-gguf; a new name ending in .gguf)")
+    p.add_argument("--type", default="f32", metavar="TYPE",
+                   help="--to-gguf: the type of the weight matrices, f32, f16, q8_0 or q4_0 "
+                   "(norms and biases stay f32) (default: %(default)s)")
     p.add_argument("--keep-quantized", action="store_true",
                    help="--from-gguf: keep the blocks' Q8_0/Q4_0/Q4_1 weights as tinylm "
                    "quantized layers (exactly the same function; less memory) instead of "
                    "dequantizing every tensor to float32")
     p.add_argument("--force", action="store_true",
                    help="--from-gguf/--from-hf: replace an existing tinylm checkpoint in "
-                   "--out (never a folder holding other files)")
+                   "--out (never a folder holding other files); --to-gguf: replace an "
+                   "existing GGUF file --out")
     p.add_argument("--model", metavar="DIR", help="a tinylm checkpoint to export")
     p.add_argument("--to-hf", metavar="HF_DIR",
                    help="the Hugging Face folder to write (--model); must not exist or be empty")
@@ -251,13 +262,18 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     from tinylm.commands.convert import export_model, import_model
     from tinylm.core.errors import ConfigError
 
+    if args.to_gguf is not None:
+        return _convert_to_gguf(args)
+    if args.type != "f32":
+        raise ConfigError("--type applies to --to-gguf only")
     source = args.from_gguf or args.from_hf
     importing = source is not None or args.out is not None
     exporting = args.model is not None or args.to_hf is not None
     if importing == exporting or (importing and not (source and args.out)) or (
             exporting and not (args.model and args.to_hf)):
         raise ConfigError("use either --from-gguf FILE or --from-hf HF_DIR with --out DIR "
-                          "(import), or --model DIR --to-hf HF_DIR (export)")
+                          "(import), or --model DIR --to-hf HF_DIR, or --to-gguf DIR --out "
+                          "FILE.gguf (export)")
     if importing:
         if args.weights_only:
             raise ConfigError("--weights-only applies to --to-hf only")
@@ -272,4 +288,20 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         if args.keep_quantized:
             raise ConfigError("--keep-quantized applies to --from-gguf only")
         print(export_model(args.model, args.to_hf, weights_only=args.weights_only))
+    return 0
+
+
+def _convert_to_gguf(args: argparse.Namespace) -> int:
+    from tinylm.commands.convert import export_gguf
+    from tinylm.core.errors import ConfigError
+
+    if args.out is None:
+        raise ConfigError("--to-gguf DIR needs --out FILE.gguf: where should the GGUF file go?")
+    wrong = [flag for flag, given in (("--model", args.model), ("--to-hf", args.to_hf),
+                                      ("--keep-quantized", args.keep_quantized),
+                                      ("--weights-only", args.weights_only)) if given]
+    if wrong:
+        raise ConfigError(f"{wrong[0]} does not apply to --to-gguf (use --to-gguf DIR --out "
+                          f"FILE.gguf [--type T] [--force])")
+    print(export_gguf(args.to_gguf, args.out, type=args.type, force=args.force))
     return 0

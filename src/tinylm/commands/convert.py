@@ -4,7 +4,8 @@ Sources: a GGUF file (llama.cpp's format: :mod:`tinylm.io.gguf_checkpoint`), a H
 Face folder on disk, or a Hugging Face Hub name ``ORG/NAME`` (downloaded through
 ``huggingface_hub``, or taken from its cache offline: :func:`tinylm.io.hf.hub_folder`).
 The checkpoint keeps the source's tokenizer and chat settings (its chat template, bos,
-eos and end-of-turn tokens). Export: a tinylm checkpoint -> a Hugging Face folder.
+eos and end-of-turn tokens). Export: a tinylm checkpoint -> a Hugging Face folder, or
+a GGUF file that llama.cpp runs (:mod:`tinylm.io.gguf_out`).
 """
 
 from __future__ import annotations
@@ -13,11 +14,17 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from tinylm.core.errors import ConfigError
-from tinylm.io.checkpoint import load_checkpoint, load_model
+from tinylm.core.errors import CheckpointError, ConfigError
+from tinylm.io.checkpoint import (
+    load_checkpoint,
+    load_model,
+    require_tokenizer_of,
+    resolve_checkpoint_dir,
+)
 from tinylm.io.checkpoint_files import check_target, save_checkpoint
 from tinylm.io.describe import all_parameters
 from tinylm.io.gguf_checkpoint import convert_gguf, is_gguf
+from tinylm.io.gguf_out import check_gguf_target, check_gguf_type, write_gguf
 from tinylm.io.hf import export_family, hub_folder, is_hub_name, read_hf_folder, write_hf_folder
 
 
@@ -87,3 +94,23 @@ def export_model(model_dir: str | os.PathLike, to_hf: str | os.PathLike, *,
     what = "weights only" if weights_only else _tokenizer_text(tokenizer)
     family = export_family(model.config).architecture
     return f"exported {model_dir} -> {to_hf} (Hugging Face {family}, {what})"
+
+
+def export_gguf(model_dir: str | os.PathLike, out: str | os.PathLike, *, type: str = "f32",
+                force: bool = False) -> str:
+    """Write the tinylm checkpoint ``model_dir`` (with its tokenizer: llama.cpp needs the
+    vocabulary) as the GGUF file ``out``; the report line."""
+    check_gguf_type(type)  # before loading anything
+    check_gguf_target(out, force=force)
+    if not Path(model_dir).exists():
+        raise CheckpointError(f"--to-gguf {model_dir} does not exist; pass a tinylm checkpoint "
+                              f"folder (or a training run folder)")
+    folder = resolve_checkpoint_dir(model_dir)
+    tokenizer = require_tokenizer_of(folder, "a GGUF file carries the model's vocabulary, so "
+                                     "--to-gguf needs a checkpoint with its tokenizer")
+    model = load_model(folder)
+    name = Path(model_dir).stem if is_gguf(model_dir) else \
+        f"{folder.parent.name}-{folder.name}" if folder.name in ("latest", "best") \
+        else folder.name
+    return write_gguf(model, tokenizer, out, type=type, force=force, name=name).line(
+        str(model_dir))

@@ -192,11 +192,18 @@ def _byte_level(fields: Mapping[str, Any], tokens: list[str], types: list[int]) 
     merges = _bpe_merges(_strings(fields, "merges"), vocab)
     _, pre = _pre_of(fields)
     tok = tk.Tokenizer(tk.models.BPE(vocab, merges, ignore_merges=pre.ignore_merges))
-    tok.pre_tokenizer = tk.pre_tokenizers.Sequence(
-        [tk.pre_tokenizers.Split(tk.Regex(r), behavior="isolated") for r in pre.regexes]
-        + [tk.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.pre_tokenizer = pre_tokenizer_of(pre)
     tok.decoder = tk.decoders.ByteLevel()
     return tok
+
+
+def pre_tokenizer_of(pre: PreTokenizer) -> Any:
+    """The Hugging Face pre-tokenizer that cuts text as llama.cpp does for ``pre``: its
+    regexes one after another, then the bytes as GPT-2's printable characters."""
+    tk = _require_hf_tokenizers()
+    return tk.pre_tokenizers.Sequence(
+        [tk.pre_tokenizers.Split(tk.Regex(r), behavior="isolated") for r in pre.regexes]
+        + [tk.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
 
 
 def _spm_merges(tokens: Sequence[str], scores: Sequence[float], vocab: Mapping[str, int]
@@ -311,6 +318,7 @@ __all__ = [
     "EOT_NAMES",
     "PRE_TOKENIZERS",
     "PreTokenizer",
+    "pre_tokenizer_of",
     "special_tokens_of_gguf",
     "tokenizer_from_gguf",
 ]

@@ -1,4 +1,4 @@
-"""GGUF files in (llama.cpp's format): the llama, qwen2 and gpt2 architectures.
+"""GGUF files in (llama.cpp's format): the llama, qwen2, qwen3 and gpt2 architectures.
 
 A GGUF file is a header of typed key-value metadata and a table of tensors, each of a
 GGML type (float32, float16, bfloat16, or one of the block quantizations: Q8_0 is 32
@@ -16,7 +16,8 @@ the K-quants super-blocks of 256). The container is read by the format's own lib
 - the llama architecture's query/key row permutation undone: llama.cpp's converter
   reorders each head's rows from Hugging Face's half-split rotary layout (pair i is
   dims i and i + D/2, tinylm's layout too) into the interleaved one (pair i is dims 2i
-  and 2i + 1); :func:`unpermute_rows` is the inverse. qwen2 and gpt2 are not permuted;
+  and 2i + 1); :func:`unpermute_rows` is the inverse. qwen2, qwen3 and gpt2 are not
+  permuted (qwen3 is qwen2 without the QKV biases and with QK-norm: tinylm's ``qk_norm``);
 - ``keep_quantized``: Q8_0, Q4_0 and Q4_1 block weights of the blocks' Linear layers
   kept as :class:`~tinylm.layers.blocks.BlockLinear`, the file's bytes as they are (no
   round trip through float32), bit-exact with their dequantized floats.
@@ -42,7 +43,7 @@ from tinylm.layers import registry
 from tinylm.layers.blocks import TYPES as BLOCK_TYPES
 
 #: The architectures (``general.architecture``) tinylm imports.
-ARCHITECTURES = ("llama", "qwen2", "gpt2")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gpt2")
 
 #: The GGML tensor types tinylm dequantizes (by name, as ``GGMLQuantizationType``).
 TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K",
@@ -69,7 +70,7 @@ _KEYS = {
              "attention.head_count", "attention.head_count_kv",
              "attention.layer_norm_epsilon", "vocab_size"},
 }
-_KEYS["qwen2"] = _KEYS["llama"] - {"tensor_data_layout"}
+_KEYS["qwen2"] = _KEYS["qwen3"] = _KEYS["llama"] - {"tensor_data_layout"}
 
 # Keys that name a feature tinylm does not implement: which, for the refusal.
 _ROPE_SCALING = "rope scaling (tinylm implements plain RoPE only)"
@@ -275,6 +276,7 @@ def _config(path: Path, arch: str, fields: dict[str, Any], tensors: dict[str, An
                               f"rotates (and attends with) whole heads only")
         return ModelConfig.from_dict(dict(
             **common, head_dim=D, bias=False, qkv_bias=arch == "qwen2", norm="rmsnorm",
+            qk_norm=arch == "qwen3",
             norm_eps=float(fields.get(p + "attention.layer_norm_rms_epsilon", 1e-5)),
             position="rope", rope_theta=float(fields.get(p + "rope.freq_base", 10000.0)),
             mlp="swiglu", ffn_hidden=ffn))
@@ -312,6 +314,8 @@ def _rows(arch: str, config: ModelConfig) -> list[tuple[str, str, str]]:
             continue
         pairs.append(("ffn_gate", "ffn.gate"))
         rows += [(f"{b}{g}.weight", f"{o}{t}.weight", "") for g, t in pairs]
+        if config.qk_norm:  # qwen3: RMSNorm over each head's query and key
+            rows += [(f"{b}attn_{p}_norm.weight", f"{o}attn.{p}_norm.weight", "") for p in "qk"]
         kinds = ("weight", "bias") if config.qkv_bias else ("weight",)
         rows += [(f"{b}attn_{part}.{w}", f"{o}attn.qkv.{w}", part) for part in "qkv"
                  for w in kinds]
