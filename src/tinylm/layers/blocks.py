@@ -36,8 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tinylm.core.errors import CheckpointError, ConfigError
-from tinylm.layers.dense import dense_linear
+from tinylm.core.errors import ConfigError
+from tinylm.layers.dense import dense_linear, replace_named_layers
 
 QK = 32  # weights per block
 #: type name -> (GGML type id, bytes per block)
@@ -235,23 +235,9 @@ def structure_of(model: nn.Module) -> dict[str, dict[str, Any]]:
 def apply_structure(model: nn.Module, layers: Any) -> nn.Module:
     """Replace the named Linear layers by empty BlockLinear ones (config.json's "blocks"
     entry); loading the state dict then fills the blocks and the bias."""
-    if not isinstance(layers, dict):
-        raise CheckpointError(f"config.json's \"blocks\" entry must map layer names to "
-                              f"block types, got {layers!r}; the checkpoint is corrupt")
-    for name, scheme in layers.items():
-        try:
-            layer = model.get_submodule(name)
-        except AttributeError:
-            layer = None
-        if not isinstance(layer, (nn.Linear, BlockLinear)) or not isinstance(scheme, dict):
-            raise CheckpointError(f"config.json's \"blocks\" entry names {name!r}, which is "
-                                  f"not a linear layer of this model (or has no type); the "
-                                  f"checkpoint is corrupt or mixes files from different models")
-        try:
-            new = BlockLinear(layer.in_features, layer.out_features, scheme.get("type"),
-                              bias=layer.bias is not None)
-        except ConfigError as exc:
-            raise CheckpointError(f"config.json's block type of {name!r} is invalid ({exc}); "
-                                  f"the checkpoint is corrupt") from exc
-        model.set_submodule(name, new)
-    return model
+    def build(layer: nn.Module, name: str, scheme: Any) -> BlockLinear:
+        if not isinstance(scheme, dict):
+            raise ConfigError(f"a block scheme must be an object, got {scheme!r}")
+        return BlockLinear(layer.in_features, layer.out_features, scheme.get("type"),
+                           bias=layer.bias is not None)
+    return replace_named_layers(model, layers, "blocks", BlockLinear, build)

@@ -1,9 +1,15 @@
-"""A replaced layer made plain again: the one way every kind builds its dense ``nn.Linear``."""
+"""A replaced layer made plain again: the one way every kind builds its dense ``nn.Linear``;
+and the one way a checkpoint's config.json section rebuilds its replaced layers."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from torch import Tensor, nn
+
+from tinylm.core.errors import CheckpointError, ConfigError
 
 
 def dense_linear(weight: Tensor, bias: Tensor | None) -> nn.Linear:
@@ -17,3 +23,31 @@ def dense_linear(weight: Tensor, bias: Tensor | None) -> nn.Linear:
         if bias is not None:
             layer.bias.copy_(bias)
     return layer
+
+
+def replace_named_layers(model: nn.Module, entries: Any, section: str, kind: type,
+                         build: Callable[[nn.Module, str, Any], nn.Module]) -> nn.Module:
+    """Apply config.json's ``section`` entry ({layer name: its settings}) to ``model``:
+    each named layer (an ``nn.Linear``, or already a ``kind``) becomes
+    ``build(layer, name, settings)``, uninitialised (loading the state dict fills it).
+    A malformed entry, a name that is not such a layer, or settings ``build`` refuses
+    (a ConfigError, or its own CheckpointError) is one CheckpointError."""
+    if not isinstance(entries, dict):
+        raise CheckpointError(f"config.json's \"{section}\" entry must map layer names to "
+                              f"their settings, got {entries!r}; the checkpoint is corrupt")
+    for name, settings in entries.items():
+        try:
+            layer = model.get_submodule(name)
+        except AttributeError:
+            layer = None
+        if not isinstance(layer, (nn.Linear, kind)):
+            raise CheckpointError(f"config.json's \"{section}\" entry names {name!r}, which "
+                                  f"is not a linear layer of this model; the checkpoint is "
+                                  f"corrupt or mixes files from different models")
+        try:
+            new = build(layer, name, settings)
+        except ConfigError as exc:
+            raise CheckpointError(f"config.json's \"{section}\" settings of {name!r} are "
+                                  f"invalid ({exc}); the checkpoint is corrupt") from exc
+        model.set_submodule(name, new)
+    return model

@@ -39,6 +39,7 @@ import contextlib
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -47,7 +48,7 @@ from torch import Tensor, nn
 from tinylm.core.checks import check_fraction
 from tinylm.core.errors import CheckpointError, ConfigError
 from tinylm.layers.defaults import DEFAULT_LAYERS as DEFAULT_LAYERS  # compress's defaults
-from tinylm.layers.dense import dense_linear
+from tinylm.layers.dense import dense_linear, replace_named_layers
 
 # --- the math as small pure functions ---------------------------------------------------
 
@@ -282,24 +283,12 @@ def apply_structure(model: nn.Module, ranks: dict[str, int]) -> nn.Module:
     ``ranks`` is config.json's "lowrank" entry, e.g. {"blocks.0.attn.qkv": 24}. Used when
     loading a compressed checkpoint: the state dict then fills W1, W2 and bias.
     """
-    if not isinstance(ranks, dict):
-        raise CheckpointError(f"config.json's \"lowrank\" entry must map layer names to "
-                              f"ranks, got {ranks!r}; the checkpoint is corrupt")
-    for name, rank in ranks.items():
-        try:
-            layer = model.get_submodule(name)
-        except AttributeError:
-            layer = None
-        if not isinstance(layer, (nn.Linear, LowRankLinear)):
-            raise CheckpointError(f"config.json's \"lowrank\" entry names {name!r}, which is "
-                                  f"not a linear layer of this model; the checkpoint is "
-                                  f"corrupt or mixes files from different models")
+    def build(layer: nn.Module, name: str, rank: Any) -> LowRankLinear:
         full = min(layer.in_features, layer.out_features)
         if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= full:
             raise CheckpointError(f"config.json gives {name!r} rank {rank!r}, outside "
                                   f"[1, {full}]; the checkpoint is corrupt")
         ref = layer.W1 if isinstance(layer, LowRankLinear) else layer.weight
-        model.set_submodule(name, LowRankLinear(
-            layer.in_features, layer.out_features, rank, bias=layer.bias is not None,
-            device=ref.device, dtype=ref.dtype))
-    return model
+        return LowRankLinear(layer.in_features, layer.out_features, rank,
+                             bias=layer.bias is not None, device=ref.device, dtype=ref.dtype)
+    return replace_named_layers(model, ranks, "lowrank", LowRankLinear, build)

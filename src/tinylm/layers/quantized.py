@@ -39,8 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tinylm.core.errors import CheckpointError, ConfigError
-from tinylm.layers.dense import dense_linear
+from tinylm.core.errors import ConfigError
+from tinylm.layers.dense import dense_linear, replace_named_layers
 
 SUPPORTED_BITS = range(2, 9)  # stored in int8 whatever the bit width
 
@@ -192,27 +192,13 @@ def structure_of(model: nn.Module) -> dict[str, dict[str, Any]]:
 def apply_structure(model: nn.Module, layers: Any) -> nn.Module:
     """Replace the named Linear layers by empty QuantizedLinear ones (config.json's
     "quantize" entry); loading the state dict then fills qweight, scale and bias."""
-    if not isinstance(layers, dict):
-        raise CheckpointError(f"config.json's \"quantize\" entry must map layer names to "
-                              f"schemes, got {layers!r}; the checkpoint is corrupt")
-    for name, scheme in layers.items():
-        try:
-            layer = model.get_submodule(name)
-        except AttributeError:
-            layer = None
-        if not isinstance(layer, (nn.Linear, QuantizedLinear)) or not isinstance(scheme, dict):
-            raise CheckpointError(f"config.json's \"quantize\" entry names {name!r}, which is "
-                                  f"not a linear layer of this model (or has no scheme); the "
-                                  f"checkpoint is corrupt or mixes files from different models")
-        try:
-            new = QuantizedLinear(layer.in_features, layer.out_features, scheme.get("bits"),
-                                  scheme.get("group_size"), bias=layer.bias is not None,
-                                  minimum=scheme.get("minimum", False))
-        except ConfigError as exc:
-            raise CheckpointError(f"config.json's quantization of {name!r} is invalid "
-                                  f"({exc}); the checkpoint is corrupt") from exc
-        model.set_submodule(name, new)
-    return model
+    def build(layer: nn.Module, name: str, scheme: Any) -> QuantizedLinear:
+        if not isinstance(scheme, dict):
+            raise ConfigError(f"a scheme must be an object, got {scheme!r}")
+        return QuantizedLinear(layer.in_features, layer.out_features, scheme.get("bits"),
+                               scheme.get("group_size"), bias=layer.bias is not None,
+                               minimum=scheme.get("minimum", False))
+    return replace_named_layers(model, layers, "quantize", QuantizedLinear, build)
 
 
 def dequantized(model: nn.Module) -> nn.Module:
