@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import sys
 import tempfile
 from pathlib import Path
 
@@ -32,7 +31,7 @@ import llama_cpp
 import numpy as np
 import torch
 
-from report import write_section
+from report import closing_lines, write_section
 from tinylm.cli import main as tinylm
 from tinylm.data.chat import render_chat
 from tinylm.io.checkpoint import load_checkpoint
@@ -143,8 +142,7 @@ def table(rows: list[dict], args: argparse.Namespace, load: float) -> str:
         lines.append(f"| {r['model']} ({r['n']} tokens) | {r['type']} | {r['mb']:.1f} | "
                      f"{r['max']:.4f} | {r['mean']:.4f} | {r['top1']:.3f} | {r['own']:.4f} | "
                      f"{r['spread']:.2f} | {greedy} |")
-    lines += ["", "Command: `" + " ".join(["python", "benchmarks/gguf_export.py",
-                                           *sys.argv[1:]]) + "`"]
+    lines += closing_lines("benchmarks/gguf_export.py")
     return "\n".join(lines)
 
 

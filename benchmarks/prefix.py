@@ -26,7 +26,7 @@ from pathlib import Path
 import httpx
 import torch
 
-from report import write_section
+from report import closing_lines, write_section
 from serve import one_request, start_server
 from tinylm.data.corpora import load_corpus
 from tinylm.io.checkpoint import load_tokenizer_of, resolve_checkpoint_dir
@@ -100,11 +100,7 @@ def report(args, rows: dict, load: float) -> str:
         f"document costs {on['first'] / off['first']:.2f}x the uncached one (cloning its "
         f"blocks into the cache).",
     ]
-    if load > (os.cpu_count() or 1):
-        lines += ["", f"(The machine was busy — load average {load:.1f} on "
-                      f"{os.cpu_count()} cores — so these figures are noisy.)"]
-    lines += ["", "Command: `" + " ".join(["python", "benchmarks/prefix.py", *sys.argv[1:]])
-              + "`"]
+    lines += closing_lines("benchmarks/prefix.py", load)
     return "\n".join(lines)
 
 

@@ -25,3 +25,18 @@ def write_section(name: str, heading: str, body: str, path: Path = BENCHMARKS_MD
         text = text.rstrip("\n") + f"\n\n## {heading}\n\n{block}\n"
     path.write_text(text)
     return path
+
+
+def closing_lines(script: str, load: float | None = None) -> list[str]:
+    """The lines that end a section: a note when ``load`` (the load average at the start)
+    was over the machine's cores, and the command that made it, with this run's
+    arguments (``script``: e.g. "benchmarks/prefix.py")."""
+    import os
+    import sys
+
+    cores = os.cpu_count() or 1
+    lines = []
+    if load is not None and load > cores:
+        lines += ["", f"(The machine was busy — load average {load:.1f} on {cores} cores — "
+                      f"so these figures are noisy; rerun on a quiet machine.)"]
+    return lines + ["", "Command: `" + " ".join(["python", script, *sys.argv[1:]]) + "`"]

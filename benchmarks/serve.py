@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from report import write_section
+from report import closing_lines, write_section
 from tinylm.core.config import ModelConfig, read_toml
 from tinylm.core.model import GPT
 from tinylm.data.corpora import load_corpus
@@ -202,11 +202,8 @@ def main() -> int:
         lines.append(f"| {r['clients']} | {r['tps']:.1f} | {s['tps']:.1f} | "
                      f"{r['tps'] / s['tps']:.2f}x | {r['p50'] * 1e3:.0f} / {r['p99'] * 1e3:.0f} "
                      f"| {s['p50'] * 1e3:.0f} / {s['p99'] * 1e3:.0f} |")
-    if load > (os.cpu_count() or 1):
-        lines += ["", f"(The machine was busy — load average {load:.1f} on {os.cpu_count()} "
-                      f"cores — so these figures are noisy; rerun on a quiet machine.)"]
     lines += ["", "![serving throughput](benchmarks/serve.png)",
-              "", "Command: `" + " ".join(["python", "benchmarks/serve.py", *sys.argv[1:]]) + "`"]
+              *closing_lines("benchmarks/serve.py", load)]
     text = "\n".join(lines)
     print(text)
     if not args.no_write:

@@ -20,14 +20,13 @@ import json
 import os
 import platform
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from report import write_section
+from report import closing_lines, write_section
 from serve import random_demo_checkpoint, start_server
 
 SETTINGS = (("none", None), ("chosen token only", 0), ("top 5", 5), ("top 20", 20))
@@ -112,11 +111,7 @@ def main() -> int:
         med = statistics.median(runs[name])
         lines.append(f"| {name} | {med:.1f} | {', '.join(f'{v:.0f}' for v in runs[name])} "
                      f"| {med / base:.2f}x |")
-    if load > (os.cpu_count() or 1):
-        lines += ["", f"(The machine was busy — load average {load:.1f} on {os.cpu_count()} "
-                      f"cores — so these figures are noisy; rerun on a quiet machine.)"]
-    lines += ["", "Command: `" + " ".join(["python", "benchmarks/serve_logprobs.py",
-                                           *sys.argv[1:]]) + "`"]
+    lines += closing_lines("benchmarks/serve_logprobs.py", load)
     text = "\n".join(lines)
     print(text)
     if not args.no_write:

@@ -31,7 +31,7 @@ import httpx
 import torch
 
 from prefix import DEFAULT_GGUF, metric
-from report import write_section
+from report import closing_lines, write_section
 from serve import start_server
 from tinylm.io.checkpoint import load_tokenizer_of, resolve_checkpoint_dir
 
@@ -136,11 +136,7 @@ def report(args, plain: dict, spec: dict, load: float) -> str:
         ratio = spec[kind]["tps"] / plain[kind]["tps"]
         verdict = f"{ratio:.2f}x as fast" if ratio >= 1 else f"{1 / ratio:.2f}x slower"
         lines.append(f"- {kind}: {verdict} with speculation.")
-    if load > (os.cpu_count() or 1):
-        lines += ["", f"(The machine was busy — load average {load:.1f} on "
-                      f"{os.cpu_count()} cores — so these figures are noisy.)"]
-    lines += ["", "Command: `" + " ".join(["python", "benchmarks/speculate.py", *sys.argv[1:]])
-              + "`"]
+    lines += closing_lines("benchmarks/speculate.py", load)
     return "\n".join(lines)
 
 

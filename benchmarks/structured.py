@@ -30,7 +30,7 @@ from unittest import mock
 
 import torch
 
-from report import write_section
+from report import closing_lines, write_section
 from tinylm.core.config import ModelConfig, read_toml
 from tinylm.core.model import GPT
 from tinylm.data.corpora import load_corpus
@@ -152,11 +152,7 @@ def main() -> int:
         lines.append(f"| {r['model']} | {case} | {r['free_tps']:.1f} | {r['held_tps']:.1f} | "
                      f"{r['free_ms']:.2f} | {r['held_ms']:.2f} | "
                      f"{r['held_ms'] / r['free_ms'] - 1:+.0%} | {r['mask_ms']:.3f} |")
-    if load > (os.cpu_count() or 1):
-        lines += ["", f"(The machine was busy — load average {load:.1f} on {os.cpu_count()} "
-                      f"cores — so these figures are noisy; rerun on a quiet machine.)"]
-    lines += ["", "Command: `" + " ".join(["python", "benchmarks/structured.py",
-                                           *sys.argv[1:]]) + "`"]
+    lines += closing_lines("benchmarks/structured.py", load)
     text = "\n".join(lines)
     print(text)
     if not args.no_write:
