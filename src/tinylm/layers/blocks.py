@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tinylm.core.errors import ConfigError
-from tinylm.layers.dense import dense_linear, replace_named_layers
+from tinylm.layers.dense import DequantizingLinear, replace_named_layers
 
 QK = 32  # weights per block
 #: type name -> (GGML type id, bytes per block)
@@ -168,7 +168,7 @@ def kernel_product(x: Tensor, blocks: Tensor, block_type: str) -> Tensor:
 # --- the module ---------------------------------------------------------------------------------
 
 
-class BlockLinear(nn.Module):
+class BlockLinear(DequantizingLinear):
     """y = x·Wᵀ + b with W stored as GGUF blocks of ``block_type`` (Q4_0, Q4_1, Q8_0).
 
     ``blocks`` (O, ceil(I/32)·bytes) uint8 is a buffer (not trained), the bytes of a GGUF
@@ -209,14 +209,6 @@ class BlockLinear(nn.Module):
     def quantized_weights(self) -> int:
         """The weights the blocks hold (O·I; the padding of a last short block excluded)."""
         return self.out_features * self.in_features
-
-    def forward(self, x: Tensor) -> Tensor:
-        return F.linear(x, self.weight.to(x.dtype),
-                        None if self.bias is None else self.bias.to(x.dtype))
-
-    def to_linear(self) -> nn.Linear:
-        """An ``nn.Linear`` holding the dequantized weight (same function)."""
-        return dense_linear(self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

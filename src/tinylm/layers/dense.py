@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tinylm.core.errors import CheckpointError, ConfigError
@@ -23,6 +24,20 @@ def dense_linear(weight: Tensor, bias: Tensor | None) -> nn.Linear:
         if bias is not None:
             layer.bias.copy_(bias)
     return layer
+
+
+class DequantizingLinear(nn.Module):
+    """A linear layer that stores its weight in another form (int8 codes, GGUF blocks) and
+    computes with it dequantized: a subclass gives ``weight`` (O, I, the dequantized
+    weight) and ``bias``; its forward is ``nn.Linear``'s math in the input's dtype."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight.to(x.dtype),
+                        None if self.bias is None else self.bias.to(x.dtype))
+
+    def to_linear(self) -> nn.Linear:
+        """An ``nn.Linear`` holding the dequantized weight (same function)."""
+        return dense_linear(self.weight, self.bias)
 
 
 def replace_named_layers(model: nn.Module, entries: Any, section: str, kind: type,

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tinylm.core.errors import ConfigError
-from tinylm.layers.dense import dense_linear, replace_named_layers
+from tinylm.layers.dense import DequantizingLinear, replace_named_layers
 
 SUPPORTED_BITS = range(2, 9)  # stored in int8 whatever the bit width
 
@@ -108,7 +108,7 @@ def dequantize_weight(q: Tensor, scale: Tensor, group_size: int | None = None,
 # --- the module ---------------------------------------------------------------------------
 
 
-class QuantizedLinear(nn.Module):
+class QuantizedLinear(DequantizingLinear):
     """y = x·(q·s + m)ᵀ + b: a Linear layer whose weight is int8 integers times fp32
     scales (plus, with ``minimum=True``, a per-group fp32 minimum m; without: m = 0).
 
@@ -156,14 +156,6 @@ class QuantizedLinear(nn.Module):
     def weight(self) -> Tensor:
         """The dequantized weight in ``nn.Linear``'s (O, I) orientation, q·s (+ m)."""
         return dequantize_weight(self.qweight, self.scale, self.group_size, self.minimum)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return F.linear(x, self.weight.to(x.dtype),
-                        None if self.bias is None else self.bias.to(x.dtype))
-
-    def to_linear(self) -> nn.Linear:
-        """An ``nn.Linear`` holding the dequantized weight (same function)."""
-        return dense_linear(self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
