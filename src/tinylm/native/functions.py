@@ -226,55 +226,89 @@ class BlockFn(torch.autograd.Function):
                 ln2_w: Tensor | None, ln2_b: Tensor | None, w_up: Tensor,
                 b_up: Tensor | None, w_down: Tensor, b_down: Tensor | None,
                 lib: Library) -> Tensor:
-        B, C, E = x.shape
-        x0 = x.contiguous().view(-1, E)  # (B·C, E)
-        # each LayerNorm pass also starts its branch's residual sum: x + b_o, x1 + b_down
-        a_in, mu1, rs1, x1 = lib.layer_norm_residual(x0, ln1_w, ln1_b, eps1, b_out)
-        qkv = (a_in @ w_qkv.t()).view(B, C, w_qkv.shape[0])  # (B, C, 3·H·D)
-        r, lse = lib.causal_attention(qkv, n_head, b_qkv)  # (B, C, H·D), (B, H, C)
-        r2 = r.view(B * C, -1)
-        x1.addmm_(r2, w_out.t())  # x1 = x + b_o + R·W_oᵀ
-        f_in, mu2, rs2, y = lib.layer_norm_residual(x1, ln2_w, ln2_b, eps2, b_down)
-        h = f_in @ w_up.t()  # (B·C, 4E)
-        g = lib.bias_gelu_(h, b_up, SCRATCH.get("ffn_act", tuple(h.shape)))  # h += b_up
-        y.addmm_(g, w_down.t())  # y = x1 + b_down + GELU(h)·W_downᵀ
-        ctx.save_for_backward(x0, mu1, rs1, a_in, qkv, r2, lse, x1, mu2, rs2, f_in, h,
-                              ln1_w, w_qkv, w_out, ln2_w, w_up, w_down)
-        ctx.n_head, ctx.shape, ctx.lib = n_head, (B, C), lib
+        y, acts = block_forward(lib, x, n_head, eps1, eps2, ln1_w, ln1_b, w_qkv, b_qkv,
+                                w_out, b_out, ln2_w, ln2_b, w_up, b_up, w_down, b_down)
+        ctx.save_for_backward(x, *acts, ln1_w, w_qkv, w_out, ln2_w, w_up, w_down)
+        ctx.n_head, ctx.lib = n_head, lib
         ctx.biases = (b_qkv is not None, b_out is not None, b_up is not None,
                       b_down is not None)
-        return y.view(B, C, E)
+        return y
 
     @staticmethod
     def backward(ctx, grad_y: Tensor) -> tuple[Tensor | None, ...]:
-        (x0, mu1, rs1, a_in, qkv, r2, lse, x1, mu2, rs2, f_in, h,
-         ln1_w, w_qkv, w_out, ln2_w, w_up, w_down) = ctx.saved_tensors
-        need, lib = ctx.needs_input_grad, ctx.lib
-        has_b_qkv, has_b_out, has_b_up, has_b_down = ctx.biases
-        gy = grad_y.contiguous().view(x0.shape)  # (B·C, E)
-        # FFN: y = x1 + GELU(f_in·W_upᵀ + b_up)·W_downᵀ + b_down
-        grad_f_in, grad_w_up, grad_b_up, grad_w_down = ffn_backward(
-            lib, gy, f_in, h, w_up, w_down, (True, need[12], has_b_up and need[13], need[14]),
-            SCRATCH)
-        # + gy: the residual path; b_down's gradient (gy summed over rows) in that pass
-        grad_b_down = torch.empty(gy.shape[1]) if has_b_down and need[15] else None
-        grad_x1, grad_ln2_w, grad_ln2_b = lib.layer_norm_backward(
-            grad_f_in, x1, ln2_w, mu2, rs2, ln2_w is not None and need[10], need[11], gy,
-            grad_b_down)
-        # attention: x1 = x + R·W_oᵀ + b_out, R = attention(LN1(x)·W_qkvᵀ + b_qkv); the
-        # FFN's buffers are dead now: dL/dR and dL/dqkv are views of them
-        grad_w_out = grad_x1.t() @ r2 if need[8] else None
-        grad_r = torch.mm(grad_x1, w_out, out=SCRATCH.get("attn_grad", tuple(r2.shape),
-                                                          within="ffn_act"))
-        grad_a_in, grad_w_qkv, grad_b_qkv = qkv_attention_backward(  # (B, C, H·D) grad_r
-            lib, grad_r.view(*ctx.shape, -1), a_in, w_qkv, qkv, r2.view(*ctx.shape, -1), lse,
-            ctx.n_head, (True, need[6], has_b_qkv and need[7]),
-            SCRATCH.get("qkv_grad", tuple(qkv.shape), within="ffn_grad"))
-        # + grad_x1: the residual path, and b_out's gradient (grad_x1 summed) with it
-        grad_b_out = torch.empty(gy.shape[1]) if has_b_out and need[9] else None
-        grad_x, grad_ln1_w, grad_ln1_b = lib.layer_norm_backward(
-            grad_a_in, x0, ln1_w, mu1, rs1, ln1_w is not None and need[4], need[5], grad_x1,
-            grad_b_out)
-        return (grad_x.view(grad_y.shape), None, None, None, grad_ln1_w, grad_ln1_b,
-                grad_w_qkv, grad_b_qkv, grad_w_out, grad_b_out, grad_ln2_w, grad_ln2_b,
-                grad_w_up, grad_b_up, grad_w_down, grad_b_down, None)
+        saved, need = ctx.saved_tensors, ctx.needs_input_grad
+        grads = block_backward(ctx.lib, grad_y, saved[0], saved[1:12], saved[12:],
+                               ctx.n_head, ctx.biases, (need[0], *need[4:16]))
+        return (grads[0], None, None, None, *grads[1:], None)
+
+
+#: The block's activations kept for backward, in :func:`block_forward`'s order.
+BLOCK_SAVED = ("mu1", "rs1", "a_in", "qkv", "r2", "lse", "x1", "mu2", "rs2", "f_in", "h")
+
+
+def block_forward(lib: Library, x: Tensor, n_head: int, eps1: float, eps2: float,
+                  ln1_w: Tensor | None, ln1_b: Tensor | None, w_qkv: Tensor,
+                  b_qkv: Tensor | None, w_out: Tensor, b_out: Tensor | None,
+                  ln2_w: Tensor | None, ln2_b: Tensor | None, w_up: Tensor,
+                  b_up: Tensor | None, w_down: Tensor, b_down: Tensor | None
+                  ) -> tuple[Tensor, tuple[Tensor, ...]]:
+    """:class:`BlockFn`'s forward: (y (B, C, E), the activations backward needs, in
+    :data:`BLOCK_SAVED` order). Every returned tensor is new (none is a view of x or a
+    :class:`Scratch` buffer), so the torch.library op (tinylm.native.customops) returns
+    them as they are."""
+    B, C, E = x.shape
+    x0 = x.contiguous().view(-1, E)  # (B·C, E)
+    # each LayerNorm pass also starts its branch's residual sum: x + b_o, x1 + b_down
+    a_in, mu1, rs1, x1 = lib.layer_norm_residual(x0, ln1_w, ln1_b, eps1, b_out)
+    qkv = (a_in @ w_qkv.t()).view(B, C, w_qkv.shape[0])  # (B, C, 3·H·D)
+    r, lse = lib.causal_attention(qkv, n_head, b_qkv)  # (B, C, H·D), (B, H, C)
+    r2 = r.view(B * C, -1)
+    x1.addmm_(r2, w_out.t())  # x1 = x + b_o + R·W_oᵀ
+    f_in, mu2, rs2, y = lib.layer_norm_residual(x1, ln2_w, ln2_b, eps2, b_down)
+    h = f_in @ w_up.t()  # (B·C, 4E)
+    g = lib.bias_gelu_(h, b_up, SCRATCH.get("ffn_act", tuple(h.shape)))  # h += b_up
+    y.addmm_(g, w_down.t())  # y = x1 + b_down + GELU(h)·W_downᵀ
+    return y.view(B, C, E), (mu1, rs1, a_in, qkv, r2, lse, x1, mu2, rs2, f_in, h)
+
+
+def block_backward(lib: Library, grad_y: Tensor, x: Tensor, acts: tuple[Tensor, ...],
+                   weights: tuple[Tensor | None, ...], n_head: int,
+                   biases: tuple[bool, bool, bool, bool], need: tuple[bool, ...]
+                   ) -> tuple[Tensor | None, ...]:
+    """:class:`BlockFn`'s backward from dL/dy: the gradients of (x, ln1_w, ln1_b, w_qkv,
+    b_qkv, w_out, b_out, ln2_w, ln2_b, w_up, b_up, w_down, b_down), each only where
+    ``need`` (in that order) says so. ``acts`` are :func:`block_forward`'s, ``weights``
+    (ln1_w, w_qkv, w_out, ln2_w, w_up, w_down), ``biases`` whether (b_qkv, b_out, b_up,
+    b_down) exist."""
+    mu1, rs1, a_in, qkv, r2, lse, x1, mu2, rs2, f_in, h = acts
+    ln1_w, w_qkv, w_out, ln2_w, w_up, w_down = weights
+    has_b_qkv, has_b_out, has_b_up, has_b_down = biases
+    shape = tuple(x.shape[:2])
+    x0 = x.contiguous().view(x1.shape)
+    gy = grad_y.contiguous().view(x1.shape)  # (B·C, E)
+    # FFN: y = x1 + GELU(f_in·W_upᵀ + b_up)·W_downᵀ + b_down
+    grad_f_in, grad_w_up, grad_b_up, grad_w_down = ffn_backward(
+        lib, gy, f_in, h, w_up, w_down, (True, need[9], has_b_up and need[10], need[11]),
+        SCRATCH)
+    # + gy: the residual path; b_down's gradient (gy summed over rows) in that pass
+    grad_b_down = torch.empty(gy.shape[1]) if has_b_down and need[12] else None
+    grad_x1, grad_ln2_w, grad_ln2_b = lib.layer_norm_backward(
+        grad_f_in, x1, ln2_w, mu2, rs2, ln2_w is not None and need[7], need[8], gy,
+        grad_b_down)
+    # attention: x1 = x + R·W_oᵀ + b_out, R = attention(LN1(x)·W_qkvᵀ + b_qkv); the
+    # FFN's buffers are dead now: dL/dR and dL/dqkv are views of them
+    grad_w_out = grad_x1.t() @ r2 if need[5] else None
+    grad_r = torch.mm(grad_x1, w_out, out=SCRATCH.get("attn_grad", tuple(r2.shape),
+                                                      within="ffn_act"))
+    grad_a_in, grad_w_qkv, grad_b_qkv = qkv_attention_backward(  # (B, C, H·D) grad_r
+        lib, grad_r.view(*shape, -1), a_in, w_qkv, qkv, r2.view(*shape, -1), lse,
+        n_head, (True, need[3], has_b_qkv and need[4]),
+        SCRATCH.get("qkv_grad", tuple(qkv.shape), within="ffn_grad"))
+    # + grad_x1: the residual path, and b_out's gradient (grad_x1 summed) with it
+    grad_b_out = torch.empty(gy.shape[1]) if has_b_out and need[6] else None
+    grad_x, grad_ln1_w, grad_ln1_b = lib.layer_norm_backward(
+        grad_a_in, x0, ln1_w, mu1, rs1, ln1_w is not None and need[1], need[2], grad_x1,
+        grad_b_out)
+    return (grad_x.view(grad_y.shape), grad_ln1_w, grad_ln1_b, grad_w_qkv, grad_b_qkv,
+            grad_w_out, grad_b_out, grad_ln2_w, grad_ln2_b, grad_w_up, grad_b_up,
+            grad_w_down, grad_b_down)
