@@ -118,32 +118,50 @@ class FeedForwardFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, w_up: Tensor, b_up: Tensor | None, w_down: Tensor,
                 b_down: Tensor | None, lib: Library | None) -> Tensor:
-        x2 = x.reshape(-1, x.shape[-1])  # (B, C, E) -> (B·C, E)
-        h = x2 @ w_up.t()  # (B·C, E)·(E, 4E) -> (B·C, 4E)
-        g = bias_gelu_(lib, h, b_up)  # h += b_up in place; g = GELU(h)
-        y = g @ w_down.t()  # (B·C, 4E)·(4E, E) -> (B·C, E)
-        if b_down is not None:
-            y += b_down
-        ctx.save_for_backward(x2, h, w_up, w_down)
+        y, h = ffn_forward(lib, x, w_up, b_up, w_down, b_down)
+        ctx.save_for_backward(x, h, w_up, w_down)
         ctx.biases, ctx.lib = (b_up is not None, b_down is not None), lib
-        return y.view(*x.shape[:-1], y.shape[-1])  # -> (B, C, E)
+        return y
 
     @staticmethod
     def backward(ctx, grad_y: Tensor) -> tuple[Tensor | None, ...]:
-        x2, h, w_up, w_down = ctx.saved_tensors
-        # Under autocast h is bf16 while x and the weights stay fp32; backward runs
-        # outside autocast, so compute in h's dtype (no-ops in fp32). Autograd casts
-        # each returned gradient back to its input's dtype.
-        dt = h.dtype
-        x2, w_up, w_down = x2.to(dt), w_up.to(dt), w_down.to(dt)
-        gy = grad_y.to(dt).reshape(-1, grad_y.shape[-1])  # (B, C, E) -> (B·C, E)
         need = ctx.needs_input_grad
-        grad_x2, grad_w_up, grad_b_up, grad_w_down = ffn_backward(
-            ctx.lib, gy, x2, h, w_up, w_down,
-            (need[0], need[1], ctx.biases[0] and need[2], need[3]))
-        grad_b_down = gy.sum(0) if ctx.biases[1] and need[4] else None  # (E,)
-        grad_x = grad_x2.view(grad_y.shape[:-1] + (w_up.shape[1],)) if need[0] else None
-        return grad_x, grad_w_up, grad_b_up, grad_w_down, grad_b_down, None
+        grads = ffn_step_backward(ctx.lib, grad_y, *ctx.saved_tensors,
+                                  (need[0], need[1], ctx.biases[0] and need[2], need[3],
+                                   ctx.biases[1] and need[4]))
+        return (*grads, None)
+
+
+def ffn_forward(lib: Library | None, x: Tensor, w_up: Tensor, b_up: Tensor | None,
+                w_down: Tensor, b_down: Tensor | None) -> tuple[Tensor, Tensor]:
+    """:class:`FeedForwardFn`'s forward: (y (B, C, E), h = x·W_upᵀ + b_up (B·C, 4E), kept
+    for backward); both new tensors."""
+    x2 = x.reshape(-1, x.shape[-1])  # (B, C, E) -> (B·C, E)
+    h = x2 @ w_up.t()  # (B·C, E)·(E, 4E) -> (B·C, 4E)
+    g = bias_gelu_(lib, h, b_up)  # h += b_up in place; g = GELU(h)
+    y = g @ w_down.t()  # (B·C, 4E)·(4E, E) -> (B·C, E)
+    if b_down is not None:
+        y += b_down
+    return y.view(*x.shape[:-1], y.shape[-1]), h  # -> (B, C, E)
+
+
+def ffn_step_backward(lib: Library | None, grad_y: Tensor, x: Tensor, h: Tensor,
+                      w_up: Tensor, w_down: Tensor, need: tuple[bool, ...]
+                      ) -> tuple[Tensor | None, ...]:
+    """:class:`FeedForwardFn`'s backward: the gradients of (x, w_up, b_up, w_down,
+    b_down), each only where ``need`` says so, from dL/dy and :func:`ffn_forward`'s h."""
+    # Under autocast h is bf16 while x and the weights stay fp32; backward runs
+    # outside autocast, so compute in h's dtype (no-ops in fp32). Autograd casts
+    # each returned gradient back to its input's dtype.
+    dt = h.dtype
+    x2 = x.reshape(-1, x.shape[-1]).to(dt)
+    w_up, w_down = w_up.to(dt), w_down.to(dt)
+    gy = grad_y.to(dt).reshape(-1, grad_y.shape[-1])  # (B, C, E) -> (B·C, E)
+    grad_x2, grad_w_up, grad_b_up, grad_w_down = ffn_backward(
+        lib, gy, x2, h, w_up, w_down, need[:4])
+    grad_b_down = gy.sum(0) if need[4] else None  # (E,)
+    grad_x = grad_x2.view(grad_y.shape[:-1] + (w_up.shape[1],)) if need[0] else None
+    return grad_x, grad_w_up, grad_b_up, grad_w_down, grad_b_down
 
 
 def qkv_attention_backward(lib: Library, grad_r: Tensor, x2: Tensor, w_qkv: Tensor,
@@ -175,29 +193,50 @@ class CausalAttentionFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, w_qkv: Tensor, b_qkv: Tensor | None, w_out: Tensor,
                 b_out: Tensor | None, n_head: int, lib: Library) -> Tensor:
-        x2 = x.reshape(-1, x.shape[-1])  # (B, C, E) -> (B·C, E)
-        qkv = (x2 @ w_qkv.t()).view(*x.shape[:-1], w_qkv.shape[0])  # -> (B, C, 3·H·D)
-        r, lse = lib.causal_attention(qkv, n_head, b_qkv)  # (B, C, H·D), (B, H, C)
-        y = r.view(-1, r.shape[-1]) @ w_out.t()  # (B·C, H·D)·(H·D, E) -> (B·C, E)
-        if b_out is not None:
-            y += b_out
-        ctx.save_for_backward(x2, w_qkv, qkv, r, lse, w_out)
+        y, qkv, r, lse = attention_forward(lib, x, w_qkv, b_qkv, w_out, b_out, n_head)
+        ctx.save_for_backward(x, w_qkv, qkv, r, lse, w_out)
         ctx.n_head, ctx.has_bias, ctx.lib = n_head, b_qkv is not None, lib
-        return y.view(*x.shape[:-1], y.shape[-1])
+        return y
 
     @staticmethod
     def backward(ctx, grad_y: Tensor) -> tuple[Tensor | None, ...]:
-        x2, w_qkv, qkv, r, lse, w_out = ctx.saved_tensors
         need = ctx.needs_input_grad
-        gy = grad_y.reshape(-1, grad_y.shape[-1])  # (B·C, E)
-        grad_w_out = gy.t() @ r.view(-1, r.shape[-1]) if need[3] else None  # (E, H·D)
-        grad_b_out = gy.sum(0) if need[4] else None
-        grad_r = (gy @ w_out).view(r.shape)  # (B·C, E)·(E, H·D) -> (B, C, H·D)
-        grad_x2, grad_w_qkv, grad_b_qkv = qkv_attention_backward(
-            ctx.lib, grad_r, x2, w_qkv, qkv, r, lse, ctx.n_head,
-            (need[0], need[1], ctx.has_bias and need[2]))
-        grad_x = grad_x2.view(*grad_y.shape[:-1], x2.shape[1]) if need[0] else None
-        return grad_x, grad_w_qkv, grad_b_qkv, grad_w_out, grad_b_out, None, None
+        grads = attention_backward(ctx.lib, grad_y, *ctx.saved_tensors, ctx.n_head,
+                                   (need[0], need[1], ctx.has_bias and need[2], need[3],
+                                    need[4]))
+        return (*grads, None, None)
+
+
+def attention_forward(lib: Library, x: Tensor, w_qkv: Tensor, b_qkv: Tensor | None,
+                      w_out: Tensor, b_out: Tensor | None, n_head: int
+                      ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """:class:`CausalAttentionFn`'s forward: (y (B, C, E), and what backward needs: qkv
+    (B, C, 3·H·D, the bias added), the heads' outputs R (B, C, H·D), their log-sum-exp
+    (B, H, C)); each a new tensor."""
+    x2 = x.reshape(-1, x.shape[-1])  # (B, C, E) -> (B·C, E)
+    qkv = (x2 @ w_qkv.t()).view(*x.shape[:-1], w_qkv.shape[0])  # -> (B, C, 3·H·D)
+    r, lse = lib.causal_attention(qkv, n_head, b_qkv)  # (B, C, H·D), (B, H, C)
+    y = r.view(-1, r.shape[-1]) @ w_out.t()  # (B·C, H·D)·(H·D, E) -> (B·C, E)
+    if b_out is not None:
+        y += b_out
+    return y.view(*x.shape[:-1], y.shape[-1]), qkv, r, lse
+
+
+def attention_backward(lib: Library, grad_y: Tensor, x: Tensor, w_qkv: Tensor, qkv: Tensor,
+                       r: Tensor, lse: Tensor, w_out: Tensor, n_head: int,
+                       need: tuple[bool, bool, bool, bool, bool]
+                       ) -> tuple[Tensor | None, ...]:
+    """:class:`CausalAttentionFn`'s backward: the gradients of (x, w_qkv, b_qkv, w_out,
+    b_out), each only where ``need`` says so, from :func:`attention_forward`'s tensors."""
+    x2 = x.reshape(-1, x.shape[-1])
+    gy = grad_y.reshape(-1, grad_y.shape[-1])  # (B·C, E)
+    grad_w_out = gy.t() @ r.view(-1, r.shape[-1]) if need[3] else None  # (E, H·D)
+    grad_b_out = gy.sum(0) if need[4] else None
+    grad_r = (gy @ w_out).view(r.shape)  # (B·C, E)·(E, H·D) -> (B, C, H·D)
+    grad_x2, grad_w_qkv, grad_b_qkv = qkv_attention_backward(
+        lib, grad_r, x2, w_qkv, qkv, r, lse, n_head, (need[0], need[1], need[2]))
+    grad_x = grad_x2.view(*grad_y.shape[:-1], x2.shape[1]) if need[0] else None
+    return grad_x, grad_w_qkv, grad_b_qkv, grad_w_out, grad_b_out
 
 
 class BlockFn(torch.autograd.Function):
