@@ -72,7 +72,7 @@ from tinylm.layers.registry import (
     training_classes,
     training_weight,
 )
-from tinylm.native import decoding, ops, variants
+from tinylm.native import customops, decoding, ops, variants
 from tinylm.native.functions import BlockFn, CausalAttentionFn, FeedForwardFn
 
 log = logging.getLogger("tinylm.native")
@@ -346,8 +346,14 @@ class NativeFeedForward(FeedForward):
         if not (ops.enabled() and _same(self._parts(), self._tinylm_parts)):
             return super().forward(x)
         lib = ops.loaded() if _cpu_float32(x) else None
-        y = FeedForwardFn.apply(x, weight_of(self.up), self.up.bias, weight_of(self.down),
-                                self.down.bias, lib)  # (B, C, E) -> (B, C, E)
+        if torch.compiler.is_compiling():  # the custom op; elsewhere the reference, compiled
+            if lib is None:
+                return super().forward(x)
+            y = customops.ffn(x, weight_of(self.up), self.up.bias, weight_of(self.down),
+                              self.down.bias)[0]
+        else:
+            y = FeedForwardFn.apply(x, weight_of(self.up), self.up.bias,
+                                    weight_of(self.down), self.down.bias, lib)  # (B, C, E)
         return self.drop(y) if self.drop.training and self.drop.p > 0 else y
 
 
@@ -374,6 +380,9 @@ class NativeAttention(MultiHeadAttention):
         lib = self.native_lib(x) if cache is None and not return_weights else None
         if lib is None:
             return super().forward(x, cache, layer, return_weights=return_weights)
+        if torch.compiler.is_compiling():  # inside a graph: the custom op
+            return customops.attention(x, weight_of(self.qkv), self.qkv.bias,
+                                       weight_of(self.out), self.out.bias, self.n_head)[0]
         return CausalAttentionFn.apply(x, weight_of(self.qkv), self.qkv.bias,
                                        weight_of(self.out), self.out.bias, self.n_head, lib)
 
@@ -407,12 +416,20 @@ class NativeBlock(Block):
             return super().forward(x, cache, layer, return_weights)
         if not torch.is_grad_enabled():
             layout, tensors = _variant_args(self, x)
+            if torch.compiler.is_compiling():  # inside a graph: the custom op
+                return customops.block_inference(x, *customops.layout_args(layout),
+                                                 list(tensors))
             return variants.block_inference(lib, layout, x, *tensors)
         return self._fused(x, lib)
 
     def _fused(self, x: Tensor, lib: ops.Library) -> Tensor:
         """The block as one autograd step on ``lib``."""
         attn, ffn, ln1, ln2 = self.attn, self.ffn, self.ln1, self.ln2
+        if torch.compiler.is_compiling():  # inside a graph: the custom op
+            return customops.block(
+                x, attn.n_head, ln1.eps, ln2.eps, ln1.weight, ln1.bias, weight_of(attn.qkv),
+                attn.qkv.bias, weight_of(attn.out), attn.out.bias, ln2.weight, ln2.bias,
+                weight_of(ffn.up), ffn.up.bias, weight_of(ffn.down), ffn.down.bias)[0]
         return BlockFn.apply(  # LayerNorm weight/bias may be None
             x, attn.n_head, ln1.eps, ln2.eps, ln1.weight, ln1.bias, weight_of(attn.qkv),
             attn.qkv.bias, weight_of(attn.out), attn.out.bias, ln2.weight, ln2.bias,
@@ -433,6 +450,9 @@ class NativeVariantBlock(NativeBlock):
 
     def _fused(self, x: Tensor, lib: ops.Library) -> Tensor:
         layout, tensors = _variant_args(self, x)
+        if torch.compiler.is_compiling():  # inside a graph: the custom op
+            return customops.variant_block(x, *customops.layout_args(layout),
+                                           list(tensors))[0]
         return variants.VariantBlockFn.apply(x, layout, lib, *tensors)
 
 
