@@ -46,8 +46,18 @@ def _lib() -> ops.Library:
 
 
 def _grads(grads: tuple[Tensor | None, ...], like: Tensor) -> list[Tensor]:
-    """An op's gradient list: each gradient, or an empty tensor for None."""
-    return [g if g is not None else like.new_empty(_EMPTY) for g in grads]
+    """An op's gradient list: each gradient, or an empty tensor for None; a gradient that
+    shares memory with an earlier one (QK-norm's two gains come as rows of one tensor)
+    is copied, as an op's outputs may not alias each other."""
+    out, seen = [], set()
+    for g in grads:
+        if g is None:
+            g = like.new_empty(_EMPTY)
+        elif g.untyped_storage().data_ptr() in seen:
+            g = g.clone()
+        seen.add(g.untyped_storage().data_ptr())
+        out.append(g)
+    return out
 
 
 def _nones(grads: list[Tensor], need: tuple[bool, ...]) -> list[Tensor | None]:
@@ -143,6 +153,18 @@ def _layout(n_head: int, n_kv_head: int, norm: str, mlp: str, eps1: float, eps2:
     return variants.Layout(n_head, n_kv_head, norm, mlp, eps1, eps2, qk_eps)
 
 
+def block_tensors(x: Tensor, tensors: tuple[Tensor | None, ...]) -> list[Tensor]:
+    """A block's tensors (``variants.TENSORS`` order) as the ops take them: an empty
+    tensor for a missing one (a ``Tensor?[]`` argument would carry no gradients)."""
+    return [t if t is not None else x.new_empty(_EMPTY) for t in tensors]
+
+
+def _present(tensors: list[Tensor]) -> dict[str, Tensor | None]:
+    """The block's tensors by name, None for the empty placeholders."""
+    return {name: t if t.numel() else None
+            for name, t in zip(variants.TENSORS, tensors, strict=True)}
+
+
 def layout_args(layout: variants.Layout) -> tuple:
     """A :class:`~tinylm.native.variants.Layout` as the ops' arguments."""
     return (layout.n_head, layout.n_kv_head, layout.norm, layout.mlp, layout.eps1,
@@ -150,15 +172,14 @@ def layout_args(layout: variants.Layout) -> tuple:
 
 
 @torch.library.custom_op("tinylm::variant_block", mutates_args=(),
-                         schema=f"(Tensor x, {_LAYOUT_ARGS}, Tensor?[] tensors) -> Tensor[]")
+                         schema=f"(Tensor x, {_LAYOUT_ARGS}, Tensor[] tensors) -> Tensor[]")
 def variant_block(x: Tensor, n_head: int, n_kv_head: int, norm: str, mlp: str, eps1: float,
                   eps2: float, qk_eps: float, tensors: list[Tensor | None]) -> list[Tensor]:
     """[y, a_in, qk, rs_qk, att_in, r2, lse, x1, f_in, *norm statistics, *kept] of
     :func:`tinylm.native.variants.block_forward` (``tensors`` in ``variants.TENSORS``
     order; qk and rs_qk empty where the layout has neither QK-norm, RoPE nor GQA)."""
     layout = _layout(n_head, n_kv_head, norm, mlp, eps1, eps2, qk_eps)
-    t = dict(zip(variants.TENSORS, tensors, strict=True))
-    y, main, (st1, st2, kept) = variants.block_forward(_lib(), layout, x, t)
+    y, main, (st1, st2, kept) = variants.block_forward(_lib(), layout, x, _present(tensors))
     _x0, a_in, qk, rs_qk, *rest = main
     empty = x.new_empty(_EMPTY)
     return [y, a_in, qk if qk is not None else empty,
@@ -172,22 +193,22 @@ def _rewritten(n_head: int, n_kv_head: int, t: dict[str, Tensor | None]) -> bool
 
 @variant_block.register_fake
 def _variant_block_fake(x, n_head, n_kv_head, norm, mlp, eps1, eps2, qk_eps, tensors):
-    t = dict(zip(variants.TENSORS, tensors, strict=True))
+    t = _present(tensors)
     B, C, E = x.shape
     N, W, HD, F_ = B * C, t["w_qkv"].shape[0], t["w_out"].shape[1], t["w_up"].shape[0]
     e = x.new_empty
     qk = (e(B, C, W), e(B, C, n_head + n_kv_head)) if _rewritten(n_head, n_kv_head, t) \
         else (e(_EMPTY), e(_EMPTY))
     att_in = e(B, C, 3 * HD) if _rewritten(n_head, n_kv_head, t) else e(B, C, W)
-    stats = (e(N), e(N)) if norm == "layernorm" else (e(N),)
-    kept = (e(N, F_), e(N, F_)) if mlp == "swiglu" else (e(N, F_),)
+    stats = [e(N) for _ in range(2 * (2 if norm == "layernorm" else 1))]  # both norms'
+    kept = [e(N, F_) for _ in range(2 if mlp == "swiglu" else 1)]
     return [e(B, C, E), e(N, E), *qk, att_in, e(N, HD), e(B, n_head, C), e(N, E), e(N, E),
-            *stats, *stats, *kept]
+            *stats, *kept]
 
 
 @torch.library.custom_op(
     "tinylm::variant_block_backward", mutates_args=(),
-    schema=f"(Tensor grad_y, Tensor x, Tensor[] saved, Tensor?[] tensors, {_LAYOUT_ARGS}, "
+    schema=f"(Tensor grad_y, Tensor x, Tensor[] saved, Tensor[] tensors, {_LAYOUT_ARGS}, "
            "bool[] need) -> Tensor[]")
 def variant_block_backward(grad_y: Tensor, x: Tensor, saved: list[Tensor],
                            tensors: list[Tensor | None], n_head: int, n_kv_head: int,
@@ -196,7 +217,7 @@ def variant_block_backward(grad_y: Tensor, x: Tensor, saved: list[Tensor],
     """The gradients of (x, *tensors) (:func:`tinylm.native.variants.block_backward`)
     from :func:`variant_block`'s saved outputs."""
     layout = _layout(n_head, n_kv_head, norm, mlp, eps1, eps2, qk_eps)
-    t = dict(zip(variants.TENSORS, tensors, strict=True))
+    t = _present(tensors)
     a_in, qk, rs_qk, att_in, r2, lse, x1, f_in, *rest = saved
     n = 2 if norm == "layernorm" else 1
     rewritten = _rewritten(n_head, n_kv_head, t)
@@ -211,8 +232,7 @@ def variant_block_backward(grad_y: Tensor, x: Tensor, saved: list[Tensor],
 @variant_block_backward.register_fake
 def _variant_block_backward_fake(grad_y, x, saved, tensors, n_head, n_kv_head, norm, mlp,
                                  eps1, eps2, qk_eps, need):
-    shapes = [tuple(x.shape)] + [tuple(t.shape) if t is not None else _EMPTY
-                                 for t in tensors]
+    shapes = [tuple(x.shape)] + [tuple(t.shape) for t in tensors]
     return [x.new_empty(s if n else _EMPTY) for s, n in zip(shapes, need, strict=True)]
 
 
@@ -226,7 +246,10 @@ def _variant_setup(ctx, inputs, output) -> None:
 def _variant_autograd(ctx, grads: list[Tensor | None]) -> tuple[Tensor | None, ...]:
     saved = ctx.saved_tensors
     x, acts, tensors = saved[0], saved[1:-ctx.n_tensors], saved[-ctx.n_tensors:]
-    need = [ctx.needs_input_grad[0], *ctx.needs_input_grad[-1]]  # x, then one per tensor
+    need = [ctx.needs_input_grad[0]] + [  # the RoPE tables are constants
+        bool(f) and t.numel() > 0 and name not in ("cos", "sin")
+        for f, t, name in zip(ctx.needs_input_grad[-1], tensors, variants.TENSORS,
+                              strict=True)]
     got = _nones(variant_block_backward(grads[0], x, list(acts), list(tensors),
                                         *ctx.layout, need), tuple(need))
     return (got[0], *(None,) * len(ctx.layout), got[1:])
@@ -236,13 +259,14 @@ variant_block.register_autograd(_variant_autograd, setup_context=_variant_setup)
 
 
 @torch.library.custom_op("tinylm::block_inference", mutates_args=(),
-                         schema=f"(Tensor x, {_LAYOUT_ARGS}, Tensor?[] tensors) -> Tensor")
+                         schema=f"(Tensor x, {_LAYOUT_ARGS}, Tensor[] tensors) -> Tensor")
 def block_inference(x: Tensor, n_head: int, n_kv_head: int, norm: str, mlp: str,
                     eps1: float, eps2: float, qk_eps: float, tensors: list[Tensor | None]
                     ) -> Tensor:
     """:func:`tinylm.native.variants.block_inference` (evaluation: no gradients)."""
     return variants.block_inference(_lib(), _layout(n_head, n_kv_head, norm, mlp, eps1,
-                                                    eps2, qk_eps), x, *tensors)
+                                                    eps2, qk_eps), x,
+                                    *_present(tensors).values())
 
 
 @block_inference.register_fake

@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -72,7 +73,7 @@ from tinylm.layers.registry import (
     training_classes,
     training_weight,
 )
-from tinylm.native import customops, decoding, ops, variants
+from tinylm.native import build, customops, decoding, ops, variants
 from tinylm.native.functions import BlockFn, CausalAttentionFn, FeedForwardFn
 
 log = logging.getLogger("tinylm.native")
@@ -418,7 +419,7 @@ class NativeBlock(Block):
             layout, tensors = _variant_args(self, x)
             if torch.compiler.is_compiling():  # inside a graph: the custom op
                 return customops.block_inference(x, *customops.layout_args(layout),
-                                                 list(tensors))
+                                                 customops.block_tensors(x, tensors))
             return variants.block_inference(lib, layout, x, *tensors)
         return self._fused(x, lib)
 
@@ -452,7 +453,7 @@ class NativeVariantBlock(NativeBlock):
         layout, tensors = _variant_args(self, x)
         if torch.compiler.is_compiling():  # inside a graph: the custom op
             return customops.variant_block(x, *customops.layout_args(layout),
-                                           list(tensors))[0]
+                                           customops.block_tensors(x, tensors))[0]
         return variants.VariantBlockFn.apply(x, layout, lib, *tensors)
 
 
@@ -460,8 +461,11 @@ def _variant_args(block: Block, x: Tensor) -> tuple[variants.Layout, tuple]:
     """(layout, tensors in variants.TENSORS order) of ``block`` (any layout the variants'
     block takes, GPT-2's too) for VariantBlockFn and block_inference on input x."""
     attn, ffn, ln1, ln2 = block.attn, block.ffn, block.ln1, block.ln2
-    cos, sin = variants.rope_tables(x.shape[1], attn.head_dim, attn.rope_theta,
-                                    x.device) if attn.rope_theta is not None else (None, None)
+    # inside a graph the tables are computed there (dynamo ignores the lru_cache)
+    tables = variants.rope_tables.__wrapped__ if torch.compiler.is_compiling() \
+        else variants.rope_tables
+    cos, sin = tables(x.shape[1], attn.head_dim, attn.rope_theta,
+                      x.device) if attn.rope_theta is not None else (None, None)
     gate = getattr(ffn, "gate", None)
     mlp = "swiglu" if gate is not None else (
         "relu2" if type(ffn.act) is ReLUSquared else "gelu")
@@ -539,11 +543,45 @@ class Plan:
             return decoding.NativeCacheDecoder(self.model, batch_size, self.lib)
         return Decoder(self.model, batch_size)
 
+    @property
+    def compiled_path(self) -> str:
+        """What ``torch.compile`` of this plan's model puts in its graph: "native custom
+        ops" (CPU: the accelerated modules call tinylm.native.customops) or "reference"
+        (elsewhere, e.g. CUDA: the accelerated modules run their reference forward
+        inside a graph, which inductor fuses)."""
+        native = self.lib is not None and self.eligibility.native and \
+            bool(self.paths & {"block", "attention", "ffn"})
+        return "native custom ops" if native else "reference"
+
+    def compile(self, module: nn.Module) -> nn.Module:
+        """``torch.compile(module)`` (this plan's model, or a wrapper of it such as DDP):
+        the one place a compiled model is made. Inductor's artefacts go to tinylm's
+        private cache folder (:func:`use_compile_cache`), reused by later runs."""
+        use_compile_cache()
+        return torch.compile(module)
+
     def __enter__(self) -> Plan:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.restore()
+
+
+def use_compile_cache() -> str | None:
+    """Point inductor's caches (its FX graph cache, on by default, and its generated code)
+    at ``$XDG_CACHE_HOME/tinylm/inductor`` (private to this user, as the kernels' folder)
+    unless ``TORCHINDUCTOR_CACHE_DIR`` is set; torch's default is a folder under /tmp.
+    Returns the folder in use (None: torch's default, where the private one cannot be
+    made)."""
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+        return os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    try:
+        folder = build.private_folder(build.compile_cache_root())
+    except build.NativeUnavailable as e:  # UnsafeCache included
+        log.warning("torch.compile's cache stays in torch's default folder: %s", e)
+        return None
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
+    return str(folder)
 
 
 def plan(model: nn.Module, device: torch.device | str | None = None) -> Plan:
