@@ -233,7 +233,11 @@ TRAIN = dict(batch_size=4, lr=1e-3, warmup_steps=0, max_steps=4, eval_every=1000
 
 def test_compiled_training_equals_eager(lib, data_dir, tmp_path, caplog) -> None:
     caplog.set_level(logging.INFO, logger="tinylm")
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
     user_cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if user_cache == default_cache_dir():  # torch's own, written back by torch
+        user_cache = None
     runs = {}
     for compiled in (False, True):
         out = tmp_path / f"compile-{compiled}"
@@ -276,6 +280,11 @@ def test_the_compile_cache_is_a_private_tinylm_folder(tmp_path, monkeypatch, cap
     assert stat.S_IMODE(folder.stat().st_mode) == 0o700
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))  # the user's wins
     assert native_plan.use_compile_cache() == str(tmp_path / "mine")
+    from torch._inductor.runtime.cache_dir_utils import cache_dir, default_cache_dir
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())  # as torch sets it
+    assert native_plan.use_compile_cache() == str(folder)
+    assert cache_dir() == str(folder)  # where inductor now writes
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
     folder.chmod(0o777)  # writable by others: not used, torch's default stays
     assert native_plan.use_compile_cache() is None

@@ -570,11 +570,16 @@ class Plan:
 def use_compile_cache() -> str | None:
     """Point inductor's caches (its FX graph cache, on by default, and its generated code)
     at ``$XDG_CACHE_HOME/tinylm/inductor`` (private to this user, as the kernels' folder)
-    unless ``TORCHINDUCTOR_CACHE_DIR`` is set; torch's default is a folder under /tmp.
+    unless ``TORCHINDUCTOR_CACHE_DIR`` names another folder than torch's default, a
+    folder under /tmp shared by every program of the user (torch writes it into the
+    variable on first use).
     Returns the folder in use (None: torch's default, where the private one cannot be
     made)."""
-    if os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
-        return os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")  # torch writes its default there
+    if chosen and os.path.abspath(chosen) != os.path.abspath(default_cache_dir()):
+        return chosen
     try:
         folder = build.private_folder(build.compile_cache_root())
     except build.NativeUnavailable as e:  # UnsafeCache included
