@@ -191,6 +191,54 @@ def throughput(shape: str, B: int, repeats: int, steps: int, block_s: float = 1.
     return out
 
 
+#: What a profiled op's self time is counted as (the rest: "other").
+GEMMS = ("aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm")
+NATIVE = ("BlockFn", "BlockFnBackward", "VariantBlockFn", "VariantBlockFnBackward",
+          "tinylm::block", "tinylm::block_backward", "tinylm::variant_block",
+          "tinylm::variant_block_backward")  # ctypes kernels + their Python, in these ranges
+
+
+def profile(shape: str, B: int, rate: float, steps: int = 5) -> str:
+    """Where tinylm's step goes (torch.profiler, self times per step), eager and compiled:
+    the GEMMs, the native kernels (the time inside tinylm's block steps that is not a
+    GEMM), the optimizer and the rest; and the ceiling it implies (a step of the GEMMs
+    alone, and at the measured matmul rate)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    config = model_config(shape)
+    torch.manual_seed(0)
+    ref = GPT(config)
+    x, y = batch(config, B)
+    flops = flops_per_token(ref) * B * config.context_length
+    lines = [f"Profile of tinylm's {shape} B={B} step (self CPU time per step, "
+             f"torch.profiler, mean of {steps} steps):", "",
+             "| mode | step ms | GEMMs ms | native kernels ms | AdamW ms | other ms | "
+             "GEMM share | step at GEMMs only | GEMMs at the matmul rate |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for mode in MODES:
+        _model, step = build("tinylm", config, same_as=ref, compiled=mode == "compiled")
+        for _ in range(3):
+            step(x, y)
+        t = time.perf_counter()
+        with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                step(x, y)
+        wall = (time.perf_counter() - t) / steps
+        cat = {"gemm": 0.0, "native": 0.0, "adamw": 0.0, "other": 0.0}
+        for e in prof.key_averages():
+            kind = "gemm" if e.key in GEMMS else "native" if e.key in NATIVE else \
+                "adamw" if e.key == "aten::_fused_adamw_" else "other"
+            cat[kind] += e.self_cpu_time_total / 1e6 / steps  # s per step
+        total = sum(cat.values())
+        lines.append(f"| {mode} | {total * 1e3:.1f} (wall {wall * 1e3:.1f}) | "
+                     f"{cat['gemm'] * 1e3:.1f} | {cat['native'] * 1e3:.1f} | "
+                     f"{cat['adamw'] * 1e3:.1f} | {cat['other'] * 1e3:.1f} | "
+                     f"{cat['gemm'] / total:.0%} | {total / cat['gemm']:.2f}× faster | "
+                     f"{total / (flops / rate):.2f}× faster |")
+    return "\n".join(lines)
+
+
 def _status_bytes(field: str) -> int:
     """VmRSS (now) or VmHWM (peak) of this process; unlike ru_maxrss, VmHWM starts afresh
     at exec, so a child does not inherit its parent's peak."""
@@ -299,7 +347,14 @@ def main() -> None:
                         help="SHAPE:B,... of the throughput table (default: %(default)s)")
     parser.add_argument("--memory-child", nargs=3, metavar=("KIND", "SHAPE", "B"),
                         help=argparse.SUPPRESS)
+    parser.add_argument("--profile", metavar="SHAPE:B",
+                        help="print where tinylm's step goes (eager, compiled) and exit")
     args = parser.parse_args()
+    if args.profile:
+        torch.set_num_threads(args.threads)
+        shape, B = args.profile.split(":")
+        print(profile(shape, int(B), matmul_rate()))
+        return
     if args.memory_child:
         kind, shape, B = args.memory_child
         memory_child(kind, shape, int(B), args.threads)

@@ -57,6 +57,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -575,10 +576,8 @@ def use_compile_cache() -> str | None:
     variable on first use).
     Returns the folder in use (None: torch's default, where the private one cannot be
     made)."""
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
     chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")  # torch writes its default there
-    if chosen and os.path.abspath(chosen) != os.path.abspath(default_cache_dir()):
+    if chosen and not _torch_default_cache(chosen):
         return chosen
     try:
         folder = build.private_folder(build.compile_cache_root())
@@ -587,6 +586,15 @@ def use_compile_cache() -> str | None:
         return None
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
     return str(folder)
+
+
+def _torch_default_cache(folder: str) -> bool:
+    """Whether ``folder`` is torch's default inductor cache (``torchinductor_<user>`` in
+    the temporary folder), which torch writes into TORCHINDUCTOR_CACHE_DIR on first use
+    (importing torch._inductor to ask it would cost seconds)."""
+    path = os.path.abspath(folder)
+    return os.path.dirname(path) == os.path.abspath(tempfile.gettempdir()) and \
+        os.path.basename(path).startswith("torchinductor_")
 
 
 def plan(model: nn.Module, device: torch.device | str | None = None) -> Plan:
