@@ -297,3 +297,14 @@ def test_the_plan_says_what_the_graph_holds(lib) -> None:
     with native.disabled():
         assert native.accelerate(_model("gpt2"), "cpu").compiled_path == "reference"
     assert native.accelerate(_model("gpt2").double(), "cpu").compiled_path == "reference"
+
+
+def test_off_the_native_kernels_the_reference_model_is_traced(lib) -> None:
+    """Where the native kernels do not run (here float64; on CUDA likewise) the
+    accelerated FFN runs its reference forward inside the graph: no tinylm op, no break."""
+    model = _model("gpt2").double()
+    plan = native.accelerate(model, "cpu")
+    assert plan.paths == {"ffn"} and plan.compiled_path == "reference"
+    explained = torch._dynamo.explain(model.loss)(*_batch())
+    assert explained.graph_break_count == 0, explained.break_reasons
+    assert "torch.ops.tinylm" not in explained.graphs[0].code
