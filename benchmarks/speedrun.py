@@ -2,7 +2,8 @@
 per architecture preset (``tinylm train --arch``), side by side in one run.
 
     python benchmarks/speedrun.py --input /path/to/tinyshakespeare/input.txt \\
-        [--arch gpt2,llama,modern] [--target 1.886] [--runs 3] [--no-write]
+        [--arch gpt2,llama,modern] [--compile off|on|both] [--target 1.886] [--runs 3]
+        [--no-write]
 
 Every preset gets the same data, shapes (``MODEL``), optimizer and schedule; runs are
 interleaved (seed 0 of each preset, then seed 1, ...) so a change in machine load
@@ -23,15 +24,21 @@ paths ``train()`` applies (``tinylm.acceleration.accelerate``: the fused native 
 where the layout has one), ``get_batch``, the optimizer builder (``optimizer="muon"``),
 the warm-up + cosine ``lr_at`` and ``evaluate``. ``train()`` has no stop-at-target and
 writes checkpoints, metrics and a plot at every evaluation, which would be timed here;
-the step itself is the same.
+the step itself is the same. With ``--compile on`` (or ``both``: each preset eager and
+compiled, interleaved) the training step's loss function is ``torch.compile``d through the
+plan (``Plan.compile``: what ``tinylm train --compile`` uses, the native kernels as custom
+ops inside the graph); the clock includes the compile warm-up (the first step, also
+reported apart), evaluations stay eager.
 Prints a table, writes benchmarks/speedrun.png and the BENCHMARKS.md section
-between ``<!-- bench:speedrun -->`` markers; median over ``--runs`` (seeds 0, 1, ...).
+between ``<!-- bench:speedrun -->`` markers (with ``--compile on|both``: the section
+``<!-- bench:speedrun-compile -->``, no plot); median over ``--runs`` (seeds 0, 1, ...).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -60,31 +67,35 @@ TRAIN = dict(optimizer="muon", lr=3e-3, batch_size=12, warmup_steps=100, max_ste
 
 
 def run_once(data, target: float, seed: int, eval_every: int, threads: int,
-             arch: str = "gpt2") -> dict:
-    """One timed run of preset ``arch``; returns the time to target and the loss history."""
+             arch: str = "gpt2", compiled: bool = False) -> dict:
+    """One timed run of preset ``arch`` (``compiled``: its loss under torch.compile);
+    returns the time to target, the first step's time and the loss history."""
     torch.set_num_threads(threads)
     cfg = TrainConfig(**TRAIN, seed=seed)
     t0 = time.perf_counter()
     torch.manual_seed(seed)
     model = GPT(ModelConfig(vocab_size=data.vocab_size, **resolve_arch(arch, MODEL))).train()
-    acceleration.accelerate(model, "cpu")  # the fast paths train() takes (tinylm.native)
+    plan = acceleration.accelerate(model, "cpu")  # the fast paths train() takes (tinylm.native)
+    loss_fn = plan.compile(model.loss) if compiled else model.loss
     optimizer = build_optimizer(model, cfg, torch.device("cpu"))
     params = [p for g in optimizer.param_groups for p in g["params"]]
     gen = torch.Generator().manual_seed(seed)
     B, C = cfg.batch_size, model.config.context_length
-    ema, last_val, eval_s = None, float("inf"), 0.0
+    ema, last_val, eval_s, first = None, float("inf"), 0.0, None
     train_curve, val_curve, reached = [], [], None
     for step in range(cfg.max_steps):
         lr = lr_at(step, lr=cfg.lr, warmup_steps=cfg.warmup_steps,
                    total_steps=cfg.max_steps, min_lr_ratio=cfg.min_lr_ratio)
         set_lr(optimizer, lr)
+        t_step = time.perf_counter()
         x, y = get_batch(data.train, B, C, gen)  # (B, C), (B, C)
-        loss = model.loss(x, y)
+        loss = loss_fn(x, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         value = loss.item()
+        first = first if first is not None else time.perf_counter() - t_step
         ema = value if ema is None else 0.95 * ema + 0.05 * value
         train_curve.append((step + 1, time.perf_counter() - t0, value))
         every = eval_every // 2 if last_val < target + 0.03 else eval_every
@@ -96,7 +107,9 @@ def run_once(data, target: float, seed: int, eval_every: int, threads: int,
             if last_val <= target:
                 reached = time.perf_counter() - t0
                 break
-    return {"arch": arch, "seed": seed, "seconds": reached, "steps": step + 1, "val_loss": last_val,
+    return {"arch": arch, "compiled": compiled, "seed": seed, "seconds": reached,
+            "steps": step + 1, "val_loss": last_val, "first_step_s": first,
+            "load": os.getloadavg()[0],
             "eval_seconds": eval_s, "evaluations": len(val_curve),
             "train": train_curve, "val": val_curve}
 
@@ -131,6 +144,10 @@ def plot(runs: list[dict], target: float, out: Path) -> None:
     plt.close(fig)
 
 
+def _label(run: dict) -> str:
+    return run["arch"] + (" --compile" if run["compiled"] else "")
+
+
 def _median(runs: list[dict]) -> float | None:
     times = [r["seconds"] for r in runs]
     return statistics.median(times) if times and all(t is not None for t in times) else None
@@ -153,27 +170,32 @@ def render(runs: list[dict], target: float, args: argparse.Namespace, vocab: int
             f"`{a}` = " + ", ".join(f"{k}={v}" for k, v in ARCH_PRESETS[a].items())
             for a in archs) + ".",
         "",
-        "| preset | run (seed) | seconds to ≤ target | steps | val loss | evaluations (s) |",
-        "|---|---|---|---|---|---|",
+        "| preset | run (seed) | seconds to ≤ target | steps | val loss | evaluations (s) "
+        "| first step (s) | load (1 min) at the end |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in runs:
         sec = f"{r['seconds']:.1f}" if r["seconds"] is not None else "not reached"
-        lines.append(f"| {r['arch']} | {r['seed']} | {sec} | {r['steps']} | "
-                     f"{r['val_loss']:.4f} | {r['evaluations']} ({r['eval_seconds']:.1f}) |")
-    lines += ["", f"| preset | median seconds to val loss ≤ {target} | speed-up vs gpt2 |",
-              "|---|---|---|"]
-    base = _median([r for r in runs if r["arch"] == "gpt2"])
-    for a in archs:
-        med = _median([r for r in runs if r["arch"] == a])
+        lines.append(f"| {_label(r)} | {r['seed']} | {sec} | {r['steps']} | "
+                     f"{r['val_loss']:.4f} | {r['evaluations']} ({r['eval_seconds']:.1f}) | "
+                     f"{r['first_step_s']:.1f} | {r['load']:.1f} |")
+    lines += ["", f"| preset | median seconds to val loss ≤ {target} | speed-up vs "
+              f"{_label(runs[0])} |", "|---|---|---|"]
+    labels = list(dict.fromkeys(_label(r) for r in runs))
+    base = _median([r for r in runs if _label(r) == labels[0]])
+    for label in labels:
+        med = _median([r for r in runs if _label(r) == label])
         ratio = f"{base / med:.2f}×" if med and base else "–"
-        lines.append(f"| {a} | " + (f"**{med:.1f} s**" if med is not None
-                                    else "**not reached**") + f" | {ratio} |")
+        lines.append(f"| {label} | " + (f"**{med:.1f} s**" if med is not None
+                                        else "**not reached**") + f" | {ratio} |")
     lines += ["", "(For scale: nanoGPT's shakespeare_char config trains a model of this "
               "kind for 2000 steps at batch 12; the steps column above is what each preset "
               "needed here.)", "",
-              "![speedrun loss curves](benchmarks/speedrun.png)", "",
+              *(["![speedrun loss curves](benchmarks/speedrun.png)", ""]
+                if args.compile == "off" else []),
               f"Command: `python benchmarks/speedrun.py --input "
-              f"data/tinyshakespeare/input.txt --arch {','.join(archs)} --target {target} "
+              f"data/tinyshakespeare/input.txt --arch {','.join(archs)} --compile "
+              f"{args.compile} --target {target} "
               f"--runs {args.runs}`"]
     return "\n".join(lines)
 
@@ -185,6 +207,8 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3, help="seeds per preset")
     parser.add_argument("--arch", default="gpt2,llama,modern",
                         help="comma-separated presets to race (tinylm train --arch)")
+    parser.add_argument("--compile", choices=("off", "on", "both"), default="off",
+                        help="the training step eager, compiled, or both interleaved")
     parser.add_argument("--eval-every", type=int, default=50)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--no-write", action="store_true", help="print only")
@@ -197,21 +221,25 @@ def main() -> None:
         unknown = [a for a in archs if a not in ARCH_PRESETS]
         if unknown:
             parser.error(f"unknown --arch {unknown[0]!r}; choose from {', '.join(ARCH_PRESETS)}")
+        modes = {"off": (False,), "on": (True,), "both": (False, True)}[args.compile]
         runs = []
         for seed in range(args.runs):  # interleaved: machine noise hits every preset alike
-            for arch in archs:
+            for arch, compiled in ((a, c) for a in archs for c in modes):
                 runs.append(run_once(data, args.target, seed, args.eval_every, args.threads,
-                                     arch))
+                                     arch, compiled))
                 r = runs[-1]
-                print(json.dumps({k: r[k] for k in ("arch", "seed", "seconds", "steps",
-                                                    "val_loss", "eval_seconds")}),
-                      file=sys.stderr)
+                print(json.dumps({k: r[k] for k in ("arch", "compiled", "seed", "seconds",
+                                                    "steps", "val_loss", "first_step_s",
+                                                    "eval_seconds")}), file=sys.stderr)
         table = render(runs, args.target, args, data.vocab_size, len(data.train),
                        len(data.val))
     print(table)
     if not args.no_write:
-        plot(runs, args.target, HERE / "speedrun.png")
-        write_section("speedrun", f"Speedrun: tiny Shakespeare to {args.target}", table)
+        if args.compile == "off":  # the presets' race
+            plot(runs, args.target, HERE / "speedrun.png")
+            write_section("speedrun", f"Speedrun: tiny Shakespeare to {args.target}", table)
+        else:  # compile on and off: a section of its own
+            write_section("speedrun-compile", "Speedrun with --compile on and off", table)
 
 
 if __name__ == "__main__":

@@ -1,19 +1,27 @@
-"""Training-step throughput, peak memory and MFU: tinylm vs Hugging Face GPT-2, in one run.
+"""Training-step throughput, peak memory and MFU: tinylm vs nanoGPT's model vs Hugging Face
+GPT-2, each eager and under ``torch.compile``, in one run.
 
     python benchmarks/train.py [--repeats 15] [--steps 10] [--threads N] [--no-write]
+        [--shapes 4x128,6x384] [--skip-memory]
 
-For each shape both models are built with the same weights (``tinylm.io.hf.to_hf``), both in
-train mode with dropout 0, fp32, the same thread count, the same batches and the same
-optimizer (``torch.optim.AdamW(fused=True)`` as tinylm trains, identical settings). One
-step is zero_grad (set_to_none) + forward + mean cross-entropy over all B·C positions + backward +
-optimizer step. Timings alternate tinylm/HF blocks so machine noise hits both alike;
+For each shape the three models are built with the same weights (nanoGPT's model by
+``benchmarks/nanogpt.from_tinylm``, HF's by ``tinylm.io.hf.to_hf``), all in train mode with
+dropout 0, fp32, the same thread count, the same batches and the same optimizer
+(``torch.optim.AdamW(fused=True)`` as tinylm trains, identical settings). One step is
+zero_grad (set_to_none) + forward + mean cross-entropy over all B·C positions + backward +
+optimizer step. tinylm runs with its fast paths (``tinylm.native.accelerate``, as
+``tinylm train`` applies them); compiled, each model's loss function (forward + loss) is
+``torch.compile``d with default settings -- tinylm's through its plan
+(``Plan.compile``, what ``tinylm train --compile`` uses: its native kernels as custom ops
+inside the graph) -- and its first step (the compile warm-up) is timed apart. Timings
+alternate the six (model, mode) variants block by block so machine noise hits all alike;
 the figure is the median step time over the repeats after warm-up.
 
 Peak memory is measured per (model, shape, batch) in a fresh subprocess each: the peak
 resident set size (VmHWM) during two training steps minus the RSS just before the
 model is built (so imported libraries do not count). MFU is model FLOPs per second
 (6·N per token for the matmul weights plus 12·L·C·E per token for attention, as in
-nanoGPT/PaLM) divided by the fp32 matmul rate measured at the start of the run.
+nanoGPT/PaLM) divided by the fp32 matmul rate measured at the start and end of the run.
 
 The vocabulary is 65 (the character vocabulary of tiny Shakespeare): both shapes are the
 nanoGPT shakespeare_char configurations this project trains on a CPU.
@@ -36,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import nanogpt  # noqa: E402
 from report import write_section  # noqa: E402
 from tinylm import native  # noqa: E402
 from tinylm.core.config import ModelConfig  # noqa: E402
@@ -56,14 +65,31 @@ def model_config(shape: str) -> ModelConfig:
                        n_head=n_head, n_embd=n_embd, dropout=0.0)
 
 
-def build(kind: str, config: ModelConfig, *, same_as: GPT | None = None):
-    """A model in train mode and its ``step(x, y) -> loss`` closure (optimizer included)."""
+MODELS = ("tinylm", "nanogpt", "hf")
+MODES = ("eager", "compiled")
+NAMES = {"tinylm": "tinylm", "nanogpt": "nanoGPT", "hf": "HF GPT-2"}
+
+
+def build(kind: str, config: ModelConfig, *, same_as: GPT | None = None,
+          compiled: bool = False):
+    """A model in train mode and its ``step(x, y) -> loss`` closure (optimizer included);
+    ``same_as``: a tinylm model whose weights it copies; ``compiled``: the loss function
+    (forward + loss) under torch.compile."""
     if kind == "tinylm":
         model = GPT(config)
-        native.accelerate(model, "cpu")  # the fast paths, as tinylm.training.loop applies them
+        if same_as is not None:
+            model.load_state_dict(same_as.state_dict())
+        plan = native.accelerate(model, "cpu")  # the fast paths, as tinylm.training applies them
 
         def loss_fn(x, y):
             return model.loss(x, y)
+        compile_fn = plan.compile  # tinylm train --compile: the plan decides the graph
+    elif kind == "nanogpt":
+        model = nanogpt.from_tinylm(same_as if same_as is not None else GPT(config))
+
+        def loss_fn(x, y):
+            return model(x, y)[1]  # nanoGPT's forward computes its loss
+        compile_fn = torch.compile
     else:
         from tinylm.io.hf import to_hf
 
@@ -72,6 +98,9 @@ def build(kind: str, config: ModelConfig, *, same_as: GPT | None = None):
         def loss_fn(x, y):  # the same objective: mean CE of row t against y[:, t]
             logits = model(input_ids=x, use_cache=False).logits  # (B, C, V)
             return F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
+        compile_fn = torch.compile
+    if compiled:
+        loss_fn = compile_fn(loss_fn)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), **OPTIMIZER)
 
@@ -82,6 +111,7 @@ def build(kind: str, config: ModelConfig, *, same_as: GPT | None = None):
         opt.step()
         return loss
 
+    step.loss_fn = loss_fn
     return model, step
 
 
@@ -116,35 +146,97 @@ def flops_per_token(model: GPT) -> float:
 
 
 def throughput(shape: str, B: int, repeats: int, steps: int, block_s: float = 1.0) -> dict:
-    """Median step time of both models, in alternating blocks of up to ``steps`` steps
-    (fewer when HF's step is long, so one block lasts about ``block_s`` seconds)."""
+    """Median step time of the six (model, mode) variants, in alternating blocks of up to
+    ``steps`` steps (fewer when the slowest step is long, so a block lasts about
+    ``block_s`` seconds); each compiled variant's first step (its warm-up) timed apart."""
     config = model_config(shape)
-    ours, step_ours = build("tinylm", config)
-    hf, step_hf = build("hf", config, same_as=ours)
+    torch.manual_seed(0)
+    ref = GPT(config)  # the weights every variant starts from
     x, y = batch(config, B)
-    with torch.no_grad():  # same weights, same function: the losses must agree
-        ref = F.cross_entropy(hf(input_ids=x).logits.reshape(-1, VOCAB), y.reshape(-1))
-        assert torch.allclose(ours.loss(x, y), ref, atol=1e-4), "models disagree"
-    times: dict[str, list[float]] = {"tinylm": [], "hf": []}
-    for _ in range(2):  # warm-up
-        step_ours(x, y)
+    variants, warmup = {}, {}
+    for kind in MODELS:
+        for mode in MODES:
+            model, step = build(kind, config, same_as=ref, compiled=mode == "compiled")
+            with torch.no_grad():  # same weights, same function: the losses must agree
+                loss = step.loss_fn(x, y) if mode == "eager" else None
+            t = time.perf_counter()
+            first = step(x, y)  # compiled: tracing + code generation (or the cache)
+            warmup[f"{kind}_{mode}"] = time.perf_counter() - t
+            check = loss if loss is not None else first
+            with torch.no_grad():
+                expected = ref.loss(x, y)
+            # nanoGPT's exact GELU against tinylm's and HF's tanh GELU: ~1e-4
+            assert torch.allclose(check, expected, atol=1e-3), (kind, mode, check, expected)
+            variants[f"{kind}_{mode}"] = step
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    slowest = 0.0
+    for step in variants.values():  # a second warm-up step each; the slowest sets the block
         t = time.perf_counter()
-        step_hf(x, y)
-    steps = max(1, min(steps, round(block_s / (time.perf_counter() - t))))
+        step(x, y)
+        slowest = max(slowest, time.perf_counter() - t)
+    steps = max(1, min(steps, round(block_s / slowest)))
     for _ in range(repeats):
-        for name, step in (("tinylm", step_ours), ("hf", step_hf)):
+        for name, step in variants.items():
             t = time.perf_counter()
             for _ in range(steps):
                 step(x, y)
             times[name].append((time.perf_counter() - t) / steps)
     tokens = B * config.context_length
     out = {"shape": shape, "B": B, "tokens_per_step": tokens,
-           "flops_per_step": flops_per_token(ours) * tokens,
-           "attn_implementation": getattr(hf.config, "_attn_implementation", "?")}
+           "flops_per_step": flops_per_token(ref) * tokens, "load": os.getloadavg()[0]}
     for name in times:
         out[f"{name}_step_s"] = statistics.median(times[name])
         out[f"{name}_tok_s"] = tokens / out[f"{name}_step_s"]
+        out[f"{name}_first_s"] = warmup[name]
     return out
+
+
+#: What a profiled op's self time is counted as (the rest: "other").
+GEMMS = ("aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm")
+NATIVE = ("BlockFn", "BlockFnBackward", "VariantBlockFn", "VariantBlockFnBackward",
+          "tinylm::block", "tinylm::block_backward", "tinylm::variant_block",
+          "tinylm::variant_block_backward")  # ctypes kernels + their Python, in these ranges
+
+
+def profile(shape: str, B: int, rate: float, steps: int = 5) -> str:
+    """Where tinylm's step goes (torch.profiler, self times per step), eager and compiled:
+    the GEMMs, the native kernels (the time inside tinylm's block steps that is not a
+    GEMM), the optimizer and the rest; and the ceiling it implies (a step of the GEMMs
+    alone, and at the measured matmul rate)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    config = model_config(shape)
+    torch.manual_seed(0)
+    ref = GPT(config)
+    x, y = batch(config, B)
+    flops = flops_per_token(ref) * B * config.context_length
+    lines = [f"Profile of tinylm's {shape} B={B} step (self CPU time per step, "
+             f"torch.profiler, mean of {steps} steps):", "",
+             "| mode | step ms | GEMMs ms | native kernels ms | AdamW ms | other ms | "
+             "GEMM share | step at GEMMs only | GEMMs at the matmul rate |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for mode in MODES:
+        _model, step = build("tinylm", config, same_as=ref, compiled=mode == "compiled")
+        for _ in range(3):
+            step(x, y)
+        t = time.perf_counter()
+        with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                step(x, y)
+        wall = (time.perf_counter() - t) / steps
+        cat = {"gemm": 0.0, "native": 0.0, "adamw": 0.0, "other": 0.0}
+        for e in prof.key_averages():
+            kind = "gemm" if e.key in GEMMS else "native" if e.key in NATIVE else \
+                "adamw" if e.key == "aten::_fused_adamw_" else "other"
+            cat[kind] += e.self_cpu_time_total / 1e6 / steps  # s per step
+        total = sum(cat.values())
+        lines.append(f"| {mode} | {total * 1e3:.1f} (wall {wall * 1e3:.1f}) | "
+                     f"{cat['gemm'] * 1e3:.1f} | {cat['native'] * 1e3:.1f} | "
+                     f"{cat['adamw'] * 1e3:.1f} | {cat['other'] * 1e3:.1f} | "
+                     f"{cat['gemm'] / total:.0%} | {total / cat['gemm']:.2f}× faster | "
+                     f"{total / (flops / rate):.2f}× faster |")
+    return "\n".join(lines)
 
 
 def _status_bytes(field: str) -> int:
@@ -179,7 +271,8 @@ def memory(kind: str, shape: str, B: int, threads: int) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def render(rate: float, rows: list[dict], mem: list[dict], threads: int) -> str:
+def render(rate: float, rows: list[dict], mem: list[dict], threads: int, command: str
+           ) -> str:
     import transformers
 
     lines = [
@@ -187,25 +280,47 @@ def render(rate: float, rows: list[dict], mem: list[dict], threads: int) -> str:
         f"torch {torch.__version__}, transformers {transformers.__version__}, "
         f"{threads} threads, fp32. Measured fp32 matmul rate (best square GEMM, "
         f"measured before and after the timings): "
-        f"**{rate / 1e9:.1f} GFLOP/s**.",
+        f"**{rate / 1e9:.1f} GFLOP/s**. Load average (1 min) at the end of each shape: "
+        + ", ".join(f"{r['shape']} {r['load']:.1f}" for r in rows) + ".",
         "",
         f"Vocabulary {VOCAB} (tiny Shakespeare characters). Same weights, fused AdamW "
-        f"(lr 3e-4, betas 0.9/0.95, wd 0.1) for both, dropout 0, train mode; HF GPT-2 uses "
-        f"its default attention implementation "
-        f"(`{rows[0]['attn_implementation'] if rows else '?'}`). Median step time after "
-        f"warm-up; MFU = model FLOPs/s ÷ matmul rate.",
+        f"(lr 3e-4, betas 0.9/0.95, wd 0.1) for all, dropout 0, train mode; nanoGPT's model "
+        f"as in its model.py (SDPA attention, exact GELU); HF GPT-2 with its default "
+        f"attention implementation. Compiled: `torch.compile` of each loss function "
+        f"(forward + loss), default settings; tinylm's through its plan (native kernels "
+        f"as custom ops in the graph). Median step time after warm-up; MFU = model "
+        f"FLOPs/s ÷ matmul rate; warm-up = the first compiled step (tracing and code "
+        f"generation, or inductor's cache).",
         "",
-        "| shape (L×E, C) | B | tinylm tok/s | HF tok/s | tinylm / HF | tinylm MFU | HF MFU |",
-        "|---|---|---|---|---|---|---|",
+        "| shape (L×E, C) | B | model | eager tok/s | compiled tok/s | compiled ÷ eager | "
+        "eager MFU | compiled MFU | compile warm-up |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         n_layer, _h, n_embd, ctx = SHAPES[r["shape"]]
-        mfu = {k: r["flops_per_step"] / r[f"{k}_step_s"] / rate for k in ("tinylm", "hf")}
+        for kind in MODELS:
+            e, c = r[f"{kind}_eager_step_s"], r[f"{kind}_compiled_step_s"]
+            lines.append(
+                f"| {n_layer}×{n_embd}, C={ctx} | {r['B']} | {NAMES[kind]} | "
+                f"{r[f'{kind}_eager_tok_s']:,.0f} | {r[f'{kind}_compiled_tok_s']:,.0f} | "
+                f"{e / c:.2f}× | {r['flops_per_step'] / e / rate:.0%} | "
+                f"{r['flops_per_step'] / c / rate:.0%} | "
+                f"{r[f'{kind}_compiled_first_s']:.0f} s |")
+    lines += ["", "| shape (L×E, C) | B | tinylm compiled ÷ nanoGPT compiled | "
+              "tinylm compiled ÷ tinylm eager | tinylm compiled ÷ HF compiled | "
+              "tinylm eager ÷ nanoGPT eager | tinylm eager ÷ HF eager |",
+              "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        n_layer, _h, n_embd, ctx = SHAPES[r["shape"]]
+        tok = {k: r[f"{k}_tok_s"] for k in (f"{m}_{mode}" for m in MODELS for mode in MODES)}
         lines.append(
-            f"| {n_layer}×{n_embd}, C={ctx} | {r['B']} | {r['tinylm_tok_s']:,.0f} | "
-            f"{r['hf_tok_s']:,.0f} | **{r['tinylm_tok_s'] / r['hf_tok_s']:.2f}×** | "
-            f"{mfu['tinylm']:.0%} | {mfu['hf']:.0%} |")
-    lines += [
+            f"| {n_layer}×{n_embd}, C={ctx} | {r['B']} | "
+            f"**{tok['tinylm_compiled'] / tok['nanogpt_compiled']:.2f}×** | "
+            f"**{tok['tinylm_compiled'] / tok['tinylm_eager']:.2f}×** | "
+            f"{tok['tinylm_compiled'] / tok['hf_compiled']:.2f}× | "
+            f"{tok['tinylm_eager'] / tok['nanogpt_eager']:.2f}× | "
+            f"{tok['tinylm_eager'] / tok['hf_eager']:.2f}× |")
+    lines += [] if not mem else [
         "",
         "Peak memory of two training steps (peak RSS minus RSS before the model is "
         "built; fresh process per cell):",
@@ -217,7 +332,7 @@ def render(rate: float, rows: list[dict], mem: list[dict], threads: int) -> str:
         n_layer, _h, n_embd, ctx = SHAPES[m["shape"]]
         lines.append(f"| {n_layer}×{n_embd}, C={ctx} | {m['B']} | {m['tinylm'] / 2**20:,.0f} | "
                      f"{m['hf'] / 2**20:,.0f} | **{m['tinylm'] / m['hf']:.2f}×** |")
-    lines += ["", "Command: `python benchmarks/train.py`"]
+    lines += ["", f"Command: `{command}`"]
     return "\n".join(lines)
 
 
@@ -228,9 +343,18 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--no-write", action="store_true", help="print only")
     parser.add_argument("--skip-memory", action="store_true")
+    parser.add_argument("--shapes", default=",".join(f"{s}:{b}" for s, b in THROUGHPUT),
+                        help="SHAPE:B,... of the throughput table (default: %(default)s)")
     parser.add_argument("--memory-child", nargs=3, metavar=("KIND", "SHAPE", "B"),
                         help=argparse.SUPPRESS)
+    parser.add_argument("--profile", metavar="SHAPE:B",
+                        help="print where tinylm's step goes (eager, compiled) and exit")
     args = parser.parse_args()
+    if args.profile:
+        torch.set_num_threads(args.threads)
+        shape, B = args.profile.split(":")
+        print(profile(shape, int(B), matmul_rate()))
+        return
     if args.memory_child:
         kind, shape, B = args.memory_child
         memory_child(kind, shape, int(B), args.threads)
@@ -239,7 +363,9 @@ def main() -> None:
     torch.manual_seed(0)
     rate = matmul_rate()
     rows = []
-    for shape, B in THROUGHPUT:
+    for item in args.shapes.split(","):
+        shape, B = item.split(":")
+        B = int(B)
         rows.append(throughput(shape, B, args.repeats, args.steps))
         print(json.dumps(rows[-1]), file=sys.stderr)
     rate = max(rate, matmul_rate())
@@ -252,7 +378,9 @@ def main() -> None:
                 cell[kind] = m["peak"] - m["before"]
             mem.append(cell)
             print(json.dumps(cell), file=sys.stderr)
-    table = render(rate, rows, mem, args.threads)
+    command = " ".join(["python benchmarks/train.py",
+                        *(a for a in sys.argv[1:] if a != "--no-write")])
+    table = render(rate, rows, mem, args.threads, command)
     print(table)
     if not args.no_write:
         write_section("train", "Training throughput", table)

@@ -43,6 +43,12 @@ class ReferencePlan:
     def decoder(self, batch_size: int) -> Decoder:
         return Decoder(self.model, batch_size)
 
+    compiled_path = "reference"
+
+    def compile(self, module: nn.Module) -> nn.Module:
+        """``torch.compile(module)``, torch's defaults (its cache folder included)."""
+        return torch.compile(module)
+
     def __enter__(self) -> ReferencePlan:
         return self
 

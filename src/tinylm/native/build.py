@@ -56,6 +56,12 @@ def cache_root() -> Path:
     return Path(root) / "tinylm" / "kernels"
 
 
+def compile_cache_root() -> Path:
+    """The per-user folder of torch.compile's artefacts (inductor's FX graph cache and
+    generated code) in tinylm runs: ``$XDG_CACHE_HOME/tinylm/inductor``."""
+    return cache_root().parent / "inductor"
+
+
 def _check_private(path: Path) -> None:
     """Raise UnsafeCache unless ``path`` is a real folder of this user, 0700-like."""
     st = os.lstat(path)

@@ -118,32 +118,50 @@ class FeedForwardFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, w_up: Tensor, b_up: Tensor | None, w_down: Tensor,
                 b_down: Tensor | None, lib: Library | None) -> Tensor:
-        x2 = x.reshape(-1, x.shape[-1])  # (B, C, E) -> (B·C, E)
-        h = x2 @ w_up.t()  # (B·C, E)·(E, 4E) -> (B·C, 4E)
-        g = bias_gelu_(lib, h, b_up)  # h += b_up in place; g = GELU(h)
-        y = g @ w_down.t()  # (B·C, 4E)·(4E, E) -> (B·C, E)
-        if b_down is not None:
-            y += b_down
-        ctx.save_for_backward(x2, h, w_up, w_down)
+        y, h = ffn_forward(lib, x, w_up, b_up, w_down, b_down)
+        ctx.save_for_backward(x, h, w_up, w_down)
         ctx.biases, ctx.lib = (b_up is not None, b_down is not None), lib
-        return y.view(*x.shape[:-1], y.shape[-1])  # -> (B, C, E)
+        return y
 
     @staticmethod
     def backward(ctx, grad_y: Tensor) -> tuple[Tensor | None, ...]:
-        x2, h, w_up, w_down = ctx.saved_tensors
-        # Under autocast h is bf16 while x and the weights stay fp32; backward runs
-        # outside autocast, so compute in h's dtype (no-ops in fp32). Autograd casts
-        # each returned gradient back to its input's dtype.
-        dt = h.dtype
-        x2, w_up, w_down = x2.to(dt), w_up.to(dt), w_down.to(dt)
-        gy = grad_y.to(dt).reshape(-1, grad_y.shape[-1])  # (B, C, E) -> (B·C, E)
         need = ctx.needs_input_grad
-        grad_x2, grad_w_up, grad_b_up, grad_w_down = ffn_backward(
-            ctx.lib, gy, x2, h, w_up, w_down,
-            (need[0], need[1], ctx.biases[0] and need[2], need[3]))
-        grad_b_down = gy.sum(0) if ctx.biases[1] and need[4] else None  # (E,)
-        grad_x = grad_x2.view(grad_y.shape[:-1] + (w_up.shape[1],)) if need[0] else None
-        return grad_x, grad_w_up, grad_b_up, grad_w_down, grad_b_down, None
+        grads = ffn_step_backward(ctx.lib, grad_y, *ctx.saved_tensors,
+                                  (need[0], need[1], ctx.biases[0] and need[2], need[3],
+                                   ctx.biases[1] and need[4]))
+        return (*grads, None)
+
+
+def ffn_forward(lib: Library | None, x: Tensor, w_up: Tensor, b_up: Tensor | None,
+                w_down: Tensor, b_down: Tensor | None) -> tuple[Tensor, Tensor]:
+    """:class:`FeedForwardFn`'s forward: (y (B, C, E), h = x·W_upᵀ + b_up (B·C, 4E), kept
+    for backward); both new tensors."""
+    x2 = x.reshape(-1, x.shape[-1])  # (B, C, E) -> (B·C, E)
+    h = x2 @ w_up.t()  # (B·C, E)·(E, 4E) -> (B·C, 4E)
+    g = bias_gelu_(lib, h, b_up)  # h += b_up in place; g = GELU(h)
+    y = g @ w_down.t()  # (B·C, 4E)·(4E, E) -> (B·C, E)
+    if b_down is not None:
+        y += b_down
+    return y.view(*x.shape[:-1], y.shape[-1]), h  # -> (B, C, E)
+
+
+def ffn_step_backward(lib: Library | None, grad_y: Tensor, x: Tensor, h: Tensor,
+                      w_up: Tensor, w_down: Tensor, need: tuple[bool, ...]
+                      ) -> tuple[Tensor | None, ...]:
+    """:class:`FeedForwardFn`'s backward: the gradients of (x, w_up, b_up, w_down,
+    b_down), each only where ``need`` says so, from dL/dy and :func:`ffn_forward`'s h."""
+    # Under autocast h is bf16 while x and the weights stay fp32; backward runs
+    # outside autocast, so compute in h's dtype (no-ops in fp32). Autograd casts
+    # each returned gradient back to its input's dtype.
+    dt = h.dtype
+    x2 = x.reshape(-1, x.shape[-1]).to(dt)
+    w_up, w_down = w_up.to(dt), w_down.to(dt)
+    gy = grad_y.to(dt).reshape(-1, grad_y.shape[-1])  # (B, C, E) -> (B·C, E)
+    grad_x2, grad_w_up, grad_b_up, grad_w_down = ffn_backward(
+        lib, gy, x2, h, w_up, w_down, need[:4])
+    grad_b_down = gy.sum(0) if need[4] else None  # (E,)
+    grad_x = grad_x2.view(grad_y.shape[:-1] + (w_up.shape[1],)) if need[0] else None
+    return grad_x, grad_w_up, grad_b_up, grad_w_down, grad_b_down
 
 
 def qkv_attention_backward(lib: Library, grad_r: Tensor, x2: Tensor, w_qkv: Tensor,
@@ -175,29 +193,50 @@ class CausalAttentionFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, w_qkv: Tensor, b_qkv: Tensor | None, w_out: Tensor,
                 b_out: Tensor | None, n_head: int, lib: Library) -> Tensor:
-        x2 = x.reshape(-1, x.shape[-1])  # (B, C, E) -> (B·C, E)
-        qkv = (x2 @ w_qkv.t()).view(*x.shape[:-1], w_qkv.shape[0])  # -> (B, C, 3·H·D)
-        r, lse = lib.causal_attention(qkv, n_head, b_qkv)  # (B, C, H·D), (B, H, C)
-        y = r.view(-1, r.shape[-1]) @ w_out.t()  # (B·C, H·D)·(H·D, E) -> (B·C, E)
-        if b_out is not None:
-            y += b_out
-        ctx.save_for_backward(x2, w_qkv, qkv, r, lse, w_out)
+        y, qkv, r, lse = attention_forward(lib, x, w_qkv, b_qkv, w_out, b_out, n_head)
+        ctx.save_for_backward(x, w_qkv, qkv, r, lse, w_out)
         ctx.n_head, ctx.has_bias, ctx.lib = n_head, b_qkv is not None, lib
-        return y.view(*x.shape[:-1], y.shape[-1])
+        return y
 
     @staticmethod
     def backward(ctx, grad_y: Tensor) -> tuple[Tensor | None, ...]:
-        x2, w_qkv, qkv, r, lse, w_out = ctx.saved_tensors
         need = ctx.needs_input_grad
-        gy = grad_y.reshape(-1, grad_y.shape[-1])  # (B·C, E)
-        grad_w_out = gy.t() @ r.view(-1, r.shape[-1]) if need[3] else None  # (E, H·D)
-        grad_b_out = gy.sum(0) if need[4] else None
-        grad_r = (gy @ w_out).view(r.shape)  # (B·C, E)·(E, H·D) -> (B, C, H·D)
-        grad_x2, grad_w_qkv, grad_b_qkv = qkv_attention_backward(
-            ctx.lib, grad_r, x2, w_qkv, qkv, r, lse, ctx.n_head,
-            (need[0], need[1], ctx.has_bias and need[2]))
-        grad_x = grad_x2.view(*grad_y.shape[:-1], x2.shape[1]) if need[0] else None
-        return grad_x, grad_w_qkv, grad_b_qkv, grad_w_out, grad_b_out, None, None
+        grads = attention_backward(ctx.lib, grad_y, *ctx.saved_tensors, ctx.n_head,
+                                   (need[0], need[1], ctx.has_bias and need[2], need[3],
+                                    need[4]))
+        return (*grads, None, None)
+
+
+def attention_forward(lib: Library, x: Tensor, w_qkv: Tensor, b_qkv: Tensor | None,
+                      w_out: Tensor, b_out: Tensor | None, n_head: int
+                      ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """:class:`CausalAttentionFn`'s forward: (y (B, C, E), and what backward needs: qkv
+    (B, C, 3·H·D, the bias added), the heads' outputs R (B, C, H·D), their log-sum-exp
+    (B, H, C)); each a new tensor."""
+    x2 = x.reshape(-1, x.shape[-1])  # (B, C, E) -> (B·C, E)
+    qkv = (x2 @ w_qkv.t()).view(*x.shape[:-1], w_qkv.shape[0])  # -> (B, C, 3·H·D)
+    r, lse = lib.causal_attention(qkv, n_head, b_qkv)  # (B, C, H·D), (B, H, C)
+    y = r.view(-1, r.shape[-1]) @ w_out.t()  # (B·C, H·D)·(H·D, E) -> (B·C, E)
+    if b_out is not None:
+        y += b_out
+    return y.view(*x.shape[:-1], y.shape[-1]), qkv, r, lse
+
+
+def attention_backward(lib: Library, grad_y: Tensor, x: Tensor, w_qkv: Tensor, qkv: Tensor,
+                       r: Tensor, lse: Tensor, w_out: Tensor, n_head: int,
+                       need: tuple[bool, bool, bool, bool, bool]
+                       ) -> tuple[Tensor | None, ...]:
+    """:class:`CausalAttentionFn`'s backward: the gradients of (x, w_qkv, b_qkv, w_out,
+    b_out), each only where ``need`` says so, from :func:`attention_forward`'s tensors."""
+    x2 = x.reshape(-1, x.shape[-1])
+    gy = grad_y.reshape(-1, grad_y.shape[-1])  # (B·C, E)
+    grad_w_out = gy.t() @ r.view(-1, r.shape[-1]) if need[3] else None  # (E, H·D)
+    grad_b_out = gy.sum(0) if need[4] else None
+    grad_r = (gy @ w_out).view(r.shape)  # (B·C, E)·(E, H·D) -> (B, C, H·D)
+    grad_x2, grad_w_qkv, grad_b_qkv = qkv_attention_backward(
+        lib, grad_r, x2, w_qkv, qkv, r, lse, n_head, (need[0], need[1], need[2]))
+    grad_x = grad_x2.view(*grad_y.shape[:-1], x2.shape[1]) if need[0] else None
+    return grad_x, grad_w_qkv, grad_b_qkv, grad_w_out, grad_b_out
 
 
 class BlockFn(torch.autograd.Function):
@@ -226,55 +265,89 @@ class BlockFn(torch.autograd.Function):
                 ln2_w: Tensor | None, ln2_b: Tensor | None, w_up: Tensor,
                 b_up: Tensor | None, w_down: Tensor, b_down: Tensor | None,
                 lib: Library) -> Tensor:
-        B, C, E = x.shape
-        x0 = x.contiguous().view(-1, E)  # (B·C, E)
-        # each LayerNorm pass also starts its branch's residual sum: x + b_o, x1 + b_down
-        a_in, mu1, rs1, x1 = lib.layer_norm_residual(x0, ln1_w, ln1_b, eps1, b_out)
-        qkv = (a_in @ w_qkv.t()).view(B, C, w_qkv.shape[0])  # (B, C, 3·H·D)
-        r, lse = lib.causal_attention(qkv, n_head, b_qkv)  # (B, C, H·D), (B, H, C)
-        r2 = r.view(B * C, -1)
-        x1.addmm_(r2, w_out.t())  # x1 = x + b_o + R·W_oᵀ
-        f_in, mu2, rs2, y = lib.layer_norm_residual(x1, ln2_w, ln2_b, eps2, b_down)
-        h = f_in @ w_up.t()  # (B·C, 4E)
-        g = lib.bias_gelu_(h, b_up, SCRATCH.get("ffn_act", tuple(h.shape)))  # h += b_up
-        y.addmm_(g, w_down.t())  # y = x1 + b_down + GELU(h)·W_downᵀ
-        ctx.save_for_backward(x0, mu1, rs1, a_in, qkv, r2, lse, x1, mu2, rs2, f_in, h,
-                              ln1_w, w_qkv, w_out, ln2_w, w_up, w_down)
-        ctx.n_head, ctx.shape, ctx.lib = n_head, (B, C), lib
+        y, acts = block_forward(lib, x, n_head, eps1, eps2, ln1_w, ln1_b, w_qkv, b_qkv,
+                                w_out, b_out, ln2_w, ln2_b, w_up, b_up, w_down, b_down)
+        ctx.save_for_backward(x, *acts, ln1_w, w_qkv, w_out, ln2_w, w_up, w_down)
+        ctx.n_head, ctx.lib = n_head, lib
         ctx.biases = (b_qkv is not None, b_out is not None, b_up is not None,
                       b_down is not None)
-        return y.view(B, C, E)
+        return y
 
     @staticmethod
     def backward(ctx, grad_y: Tensor) -> tuple[Tensor | None, ...]:
-        (x0, mu1, rs1, a_in, qkv, r2, lse, x1, mu2, rs2, f_in, h,
-         ln1_w, w_qkv, w_out, ln2_w, w_up, w_down) = ctx.saved_tensors
-        need, lib = ctx.needs_input_grad, ctx.lib
-        has_b_qkv, has_b_out, has_b_up, has_b_down = ctx.biases
-        gy = grad_y.contiguous().view(x0.shape)  # (B·C, E)
-        # FFN: y = x1 + GELU(f_in·W_upᵀ + b_up)·W_downᵀ + b_down
-        grad_f_in, grad_w_up, grad_b_up, grad_w_down = ffn_backward(
-            lib, gy, f_in, h, w_up, w_down, (True, need[12], has_b_up and need[13], need[14]),
-            SCRATCH)
-        # + gy: the residual path; b_down's gradient (gy summed over rows) in that pass
-        grad_b_down = torch.empty(gy.shape[1]) if has_b_down and need[15] else None
-        grad_x1, grad_ln2_w, grad_ln2_b = lib.layer_norm_backward(
-            grad_f_in, x1, ln2_w, mu2, rs2, ln2_w is not None and need[10], need[11], gy,
-            grad_b_down)
-        # attention: x1 = x + R·W_oᵀ + b_out, R = attention(LN1(x)·W_qkvᵀ + b_qkv); the
-        # FFN's buffers are dead now: dL/dR and dL/dqkv are views of them
-        grad_w_out = grad_x1.t() @ r2 if need[8] else None
-        grad_r = torch.mm(grad_x1, w_out, out=SCRATCH.get("attn_grad", tuple(r2.shape),
-                                                          within="ffn_act"))
-        grad_a_in, grad_w_qkv, grad_b_qkv = qkv_attention_backward(  # (B, C, H·D) grad_r
-            lib, grad_r.view(*ctx.shape, -1), a_in, w_qkv, qkv, r2.view(*ctx.shape, -1), lse,
-            ctx.n_head, (True, need[6], has_b_qkv and need[7]),
-            SCRATCH.get("qkv_grad", tuple(qkv.shape), within="ffn_grad"))
-        # + grad_x1: the residual path, and b_out's gradient (grad_x1 summed) with it
-        grad_b_out = torch.empty(gy.shape[1]) if has_b_out and need[9] else None
-        grad_x, grad_ln1_w, grad_ln1_b = lib.layer_norm_backward(
-            grad_a_in, x0, ln1_w, mu1, rs1, ln1_w is not None and need[4], need[5], grad_x1,
-            grad_b_out)
-        return (grad_x.view(grad_y.shape), None, None, None, grad_ln1_w, grad_ln1_b,
-                grad_w_qkv, grad_b_qkv, grad_w_out, grad_b_out, grad_ln2_w, grad_ln2_b,
-                grad_w_up, grad_b_up, grad_w_down, grad_b_down, None)
+        saved, need = ctx.saved_tensors, ctx.needs_input_grad
+        grads = block_backward(ctx.lib, grad_y, saved[0], saved[1:12], saved[12:],
+                               ctx.n_head, ctx.biases, (need[0], *need[4:16]))
+        return (grads[0], None, None, None, *grads[1:], None)
+
+
+#: The block's activations kept for backward, in :func:`block_forward`'s order.
+BLOCK_SAVED = ("mu1", "rs1", "a_in", "qkv", "r2", "lse", "x1", "mu2", "rs2", "f_in", "h")
+
+
+def block_forward(lib: Library, x: Tensor, n_head: int, eps1: float, eps2: float,
+                  ln1_w: Tensor | None, ln1_b: Tensor | None, w_qkv: Tensor,
+                  b_qkv: Tensor | None, w_out: Tensor, b_out: Tensor | None,
+                  ln2_w: Tensor | None, ln2_b: Tensor | None, w_up: Tensor,
+                  b_up: Tensor | None, w_down: Tensor, b_down: Tensor | None
+                  ) -> tuple[Tensor, tuple[Tensor, ...]]:
+    """:class:`BlockFn`'s forward: (y (B, C, E), the activations backward needs, in
+    :data:`BLOCK_SAVED` order). Every returned tensor is new (none is a view of x or a
+    :class:`Scratch` buffer), so the torch.library op (tinylm.native.customops) returns
+    them as they are."""
+    B, C, E = x.shape
+    x0 = x.contiguous().view(-1, E)  # (B·C, E)
+    # each LayerNorm pass also starts its branch's residual sum: x + b_o, x1 + b_down
+    a_in, mu1, rs1, x1 = lib.layer_norm_residual(x0, ln1_w, ln1_b, eps1, b_out)
+    qkv = (a_in @ w_qkv.t()).view(B, C, w_qkv.shape[0])  # (B, C, 3·H·D)
+    r, lse = lib.causal_attention(qkv, n_head, b_qkv)  # (B, C, H·D), (B, H, C)
+    r2 = r.view(B * C, -1)
+    x1.addmm_(r2, w_out.t())  # x1 = x + b_o + R·W_oᵀ
+    f_in, mu2, rs2, y = lib.layer_norm_residual(x1, ln2_w, ln2_b, eps2, b_down)
+    h = f_in @ w_up.t()  # (B·C, 4E)
+    g = lib.bias_gelu_(h, b_up, SCRATCH.get("ffn_act", tuple(h.shape)))  # h += b_up
+    y.addmm_(g, w_down.t())  # y = x1 + b_down + GELU(h)·W_downᵀ
+    return y.view(B, C, E), (mu1, rs1, a_in, qkv, r2, lse, x1, mu2, rs2, f_in, h)
+
+
+def block_backward(lib: Library, grad_y: Tensor, x: Tensor, acts: tuple[Tensor, ...],
+                   weights: tuple[Tensor | None, ...], n_head: int,
+                   biases: tuple[bool, bool, bool, bool], need: tuple[bool, ...]
+                   ) -> tuple[Tensor | None, ...]:
+    """:class:`BlockFn`'s backward from dL/dy: the gradients of (x, ln1_w, ln1_b, w_qkv,
+    b_qkv, w_out, b_out, ln2_w, ln2_b, w_up, b_up, w_down, b_down), each only where
+    ``need`` (in that order) says so. ``acts`` are :func:`block_forward`'s, ``weights``
+    (ln1_w, w_qkv, w_out, ln2_w, w_up, w_down), ``biases`` whether (b_qkv, b_out, b_up,
+    b_down) exist."""
+    mu1, rs1, a_in, qkv, r2, lse, x1, mu2, rs2, f_in, h = acts
+    ln1_w, w_qkv, w_out, ln2_w, w_up, w_down = weights
+    has_b_qkv, has_b_out, has_b_up, has_b_down = biases
+    shape = tuple(x.shape[:2])
+    x0 = x.contiguous().view(x1.shape)
+    gy = grad_y.contiguous().view(x1.shape)  # (B·C, E)
+    # FFN: y = x1 + GELU(f_in·W_upᵀ + b_up)·W_downᵀ + b_down
+    grad_f_in, grad_w_up, grad_b_up, grad_w_down = ffn_backward(
+        lib, gy, f_in, h, w_up, w_down, (True, need[9], has_b_up and need[10], need[11]),
+        SCRATCH)
+    # + gy: the residual path; b_down's gradient (gy summed over rows) in that pass
+    grad_b_down = torch.empty(gy.shape[1]) if has_b_down and need[12] else None
+    grad_x1, grad_ln2_w, grad_ln2_b = lib.layer_norm_backward(
+        grad_f_in, x1, ln2_w, mu2, rs2, ln2_w is not None and need[7], need[8], gy,
+        grad_b_down)
+    # attention: x1 = x + R·W_oᵀ + b_out, R = attention(LN1(x)·W_qkvᵀ + b_qkv); the
+    # FFN's buffers are dead now: dL/dR and dL/dqkv are views of them
+    grad_w_out = grad_x1.t() @ r2 if need[5] else None
+    grad_r = torch.mm(grad_x1, w_out, out=SCRATCH.get("attn_grad", tuple(r2.shape),
+                                                      within="ffn_act"))
+    grad_a_in, grad_w_qkv, grad_b_qkv = qkv_attention_backward(  # (B, C, H·D) grad_r
+        lib, grad_r.view(*shape, -1), a_in, w_qkv, qkv, r2.view(*shape, -1), lse,
+        n_head, (True, need[3], has_b_qkv and need[4]),
+        SCRATCH.get("qkv_grad", tuple(qkv.shape), within="ffn_grad"))
+    # + grad_x1: the residual path, and b_out's gradient (grad_x1 summed) with it
+    grad_b_out = torch.empty(gy.shape[1]) if has_b_out and need[6] else None
+    grad_x, grad_ln1_w, grad_ln1_b = lib.layer_norm_backward(
+        grad_a_in, x0, ln1_w, mu1, rs1, ln1_w is not None and need[1], need[2], grad_x1,
+        grad_b_out)
+    return (grad_x.view(grad_y.shape), grad_ln1_w, grad_ln1_b, grad_w_qkv, grad_b_qkv,
+            grad_w_out, grad_b_out, grad_ln2_w, grad_ln2_b, grad_w_up, grad_b_up,
+            grad_w_down, grad_b_down)

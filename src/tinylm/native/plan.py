@@ -57,6 +57,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -73,7 +75,7 @@ from tinylm.layers.registry import (
     training_classes,
     training_weight,
 )
-from tinylm.native import decoding, ops, variants
+from tinylm.native import build, customops, decoding, ops, variants
 from tinylm.native.functions import BlockFn, CausalAttentionFn, FeedForwardFn
 
 log = logging.getLogger("tinylm.native")
@@ -348,8 +350,14 @@ class NativeFeedForward(FeedForward):
         if not (ops.enabled() and _same(self._parts(), self._tinylm_parts)):
             return super().forward(x)
         lib = ops.loaded() if _cpu_float32(x) else None
-        y = FeedForwardFn.apply(x, weight_of(self.up), self.up.bias, weight_of(self.down),
-                                self.down.bias, lib)  # (B, C, E) -> (B, C, E)
+        if torch.compiler.is_compiling():  # the custom op; elsewhere the reference, compiled
+            if lib is None:
+                return super().forward(x)
+            y = customops.ffn(x, weight_of(self.up), self.up.bias, weight_of(self.down),
+                              self.down.bias)[0]
+        else:
+            y = FeedForwardFn.apply(x, weight_of(self.up), self.up.bias,
+                                    weight_of(self.down), self.down.bias, lib)  # (B, C, E)
         return self.drop(y) if self.drop.training and self.drop.p > 0 else y
 
 
@@ -376,6 +384,9 @@ class NativeAttention(MultiHeadAttention):
         lib = self.native_lib(x) if cache is None and not return_weights else None
         if lib is None:
             return super().forward(x, cache, layer, return_weights=return_weights)
+        if torch.compiler.is_compiling():  # inside a graph: the custom op
+            return customops.attention(x, weight_of(self.qkv), self.qkv.bias,
+                                       weight_of(self.out), self.out.bias, self.n_head)[0]
         return CausalAttentionFn.apply(x, weight_of(self.qkv), self.qkv.bias,
                                        weight_of(self.out), self.out.bias, self.n_head, lib)
 
@@ -409,12 +420,20 @@ class NativeBlock(Block):
             return super().forward(x, cache, layer, return_weights)
         if not torch.is_grad_enabled():
             layout, tensors = _variant_args(self, x)
+            if torch.compiler.is_compiling():  # inside a graph: the custom op
+                return customops.block_inference(x, *customops.layout_args(layout),
+                                                 customops.block_tensors(x, tensors))
             return variants.block_inference(lib, layout, x, *tensors)
         return self._fused(x, lib)
 
     def _fused(self, x: Tensor, lib: ops.Library) -> Tensor:
         """The block as one autograd step on ``lib``."""
         attn, ffn, ln1, ln2 = self.attn, self.ffn, self.ln1, self.ln2
+        if torch.compiler.is_compiling():  # inside a graph: the custom op
+            return customops.block(
+                x, attn.n_head, ln1.eps, ln2.eps, ln1.weight, ln1.bias, weight_of(attn.qkv),
+                attn.qkv.bias, weight_of(attn.out), attn.out.bias, ln2.weight, ln2.bias,
+                weight_of(ffn.up), ffn.up.bias, weight_of(ffn.down), ffn.down.bias)[0]
         return BlockFn.apply(  # LayerNorm weight/bias may be None
             x, attn.n_head, ln1.eps, ln2.eps, ln1.weight, ln1.bias, weight_of(attn.qkv),
             attn.qkv.bias, weight_of(attn.out), attn.out.bias, ln2.weight, ln2.bias,
@@ -435,6 +454,9 @@ class NativeVariantBlock(NativeBlock):
 
     def _fused(self, x: Tensor, lib: ops.Library) -> Tensor:
         layout, tensors = _variant_args(self, x)
+        if torch.compiler.is_compiling():  # inside a graph: the custom op
+            return customops.variant_block(x, *customops.layout_args(layout),
+                                           customops.block_tensors(x, tensors))[0]
         return variants.VariantBlockFn.apply(x, layout, lib, *tensors)
 
 
@@ -442,8 +464,11 @@ def _variant_args(block: Block, x: Tensor) -> tuple[variants.Layout, tuple]:
     """(layout, tensors in variants.TENSORS order) of ``block`` (any layout the variants'
     block takes, GPT-2's too) for VariantBlockFn and block_inference on input x."""
     attn, ffn, ln1, ln2 = block.attn, block.ffn, block.ln1, block.ln2
-    cos, sin = variants.rope_tables(x.shape[1], attn.head_dim, attn.rope_theta,
-                                    x.device) if attn.rope_theta is not None else (None, None)
+    # inside a graph the tables are computed there (dynamo ignores the lru_cache)
+    tables = variants.rope_tables.__wrapped__ if torch.compiler.is_compiling() \
+        else variants.rope_tables
+    cos, sin = tables(x.shape[1], attn.head_dim, attn.rope_theta,
+                      x.device) if attn.rope_theta is not None else (None, None)
     gate = getattr(ffn, "gate", None)
     mlp = "swiglu" if gate is not None else (
         "relu2" if type(ffn.act) is ReLUSquared else "gelu")
@@ -521,11 +546,57 @@ class Plan:
             return decoding.NativeCacheDecoder(self.model, batch_size, self.lib)
         return Decoder(self.model, batch_size)
 
+    @property
+    def compiled_path(self) -> str:
+        """What ``torch.compile`` of this plan's model puts in its graph: "native custom
+        ops" (CPU: the accelerated modules call tinylm.native.customops) or "reference"
+        (elsewhere, e.g. CUDA: the accelerated modules run their reference forward
+        inside a graph, which inductor fuses)."""
+        native = self.lib is not None and self.eligibility.native and \
+            bool(self.paths & {"block", "attention", "ffn"})
+        return "native custom ops" if native else "reference"
+
+    def compile(self, module: nn.Module) -> nn.Module:
+        """``torch.compile(module)`` (this plan's model, or a wrapper of it such as DDP):
+        the one place a compiled model is made. Inductor's artefacts go to tinylm's
+        private cache folder (:func:`use_compile_cache`), reused by later runs."""
+        use_compile_cache()
+        return torch.compile(module)
+
     def __enter__(self) -> Plan:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.restore()
+
+
+def use_compile_cache() -> str | None:
+    """Point inductor's caches (its FX graph cache, on by default, and its generated code)
+    at ``$XDG_CACHE_HOME/tinylm/inductor`` (private to this user, as the kernels' folder)
+    unless ``TORCHINDUCTOR_CACHE_DIR`` names another folder than torch's default, a
+    folder under /tmp shared by every program of the user (torch writes it into the
+    variable on first use).
+    Returns the folder in use (None: torch's default, where the private one cannot be
+    made)."""
+    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")  # torch writes its default there
+    if chosen and not _torch_default_cache(chosen):
+        return chosen
+    try:
+        folder = build.private_folder(build.compile_cache_root())
+    except build.NativeUnavailable as e:  # UnsafeCache included
+        log.warning("torch.compile's cache stays in torch's default folder: %s", e)
+        return None
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
+    return str(folder)
+
+
+def _torch_default_cache(folder: str) -> bool:
+    """Whether ``folder`` is torch's default inductor cache (``torchinductor_<user>`` in
+    the temporary folder), which torch writes into TORCHINDUCTOR_CACHE_DIR on first use
+    (importing torch._inductor to ask it would cost seconds)."""
+    path = os.path.abspath(folder)
+    return os.path.dirname(path) == os.path.abspath(tempfile.gettempdir()) and \
+        os.path.basename(path).startswith("torchinductor_")
 
 
 def plan(model: nn.Module, device: torch.device | str | None = None) -> Plan:

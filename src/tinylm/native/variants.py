@@ -230,29 +230,42 @@ class VariantBlockFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y: Tensor) -> tuple[Tensor | None, ...]:
         saved = list(ctx.saved_tensors)
-        x0, a_in, qk, rs_qk, att_in, r2, lse, x1, f_in = saved[:9]
         n1, n2, nk = ctx.counts
-        st1, st2 = tuple(saved[9:9 + n1]), tuple(saved[9 + n1:9 + n1 + n2])
+        stats = (tuple(saved[9:9 + n1]), tuple(saved[9 + n1:9 + n1 + n2]))
         kept = tuple(saved[9 + n1 + n2:9 + n1 + n2 + nk])
         t = dict(zip(TENSORS, saved[9 + n1 + n2 + nk:], strict=True))
         need = dict(zip(TENSORS, ctx.needs_input_grad[3:], strict=True))
-        layout, lib = ctx.layout, ctx.lib
-        gy = grad_y.contiguous().view(x0.shape)  # (B·C, E)
-        grads = _mlp_grads(lib, layout.mlp, gy, f_in, kept, t, need)
-        grad_x1, grads["ln2_w"], grads["ln2_b"] = norm_backward(  # + gy: the residual path
-            lib, layout.norm, grads.pop("f_in"), x1, t["ln2_w"], st2, need["ln2_w"],
-            need["ln2_b"], gy)
-        grads["w_out"] = grad_x1.t() @ r2 if need["w_out"] else None
-        grads["b_out"] = grad_x1.sum(0) if t["b_out"] is not None and need["b_out"] else None
-        grad_r = (grad_x1 @ t["w_out"]).view(*ctx.shape[:2], -1)  # (B, C, H·D)
-        grad_qkv = _attention_grads(lib, layout, grad_r, att_in, r2, lse, qk, rs_qk, t, need,
-                                    grads)
-        g2 = grad_qkv.view(x0.shape[0], -1)  # (B·C, 3·H·D)
-        grads["w_qkv"] = g2.t() @ a_in if need["w_qkv"] else None
-        grad_x, grads["ln1_w"], grads["ln1_b"] = norm_backward(  # + grad_x1: the residual
-            lib, layout.norm, g2 @ t["w_qkv"], x0, t["ln1_w"], st1, need["ln1_w"],
-            need["ln1_b"], grad_x1)
-        return (grad_x.view(ctx.shape), None, None, *(grads.get(n) for n in TENSORS))
+        grad_x, grads = block_backward(ctx.lib, ctx.layout, grad_y, tuple(saved[:9]), stats,
+                                       kept, t, need)
+        return (grad_x, None, None, *(grads.get(n) for n in TENSORS))
+
+
+def block_backward(lib: Library, layout: Layout, grad_y: Tensor, main: tuple[Tensor | None, ...],
+                   stats: tuple[tuple[Tensor, ...], tuple[Tensor, ...]],
+                   kept: tuple[Tensor, ...], t: dict[str, Tensor | None],
+                   need: dict[str, bool]) -> tuple[Tensor, dict[str, Tensor | None]]:
+    """:class:`VariantBlockFn`'s backward from dL/dy (B, C, E): (dL/dx, the tensors'
+    gradients by :data:`TENSORS` name, None where not needed). ``main``, ``stats`` and
+    ``kept`` are :func:`block_forward`'s intermediates, statistics and kept
+    pre-activations; ``t`` the block's tensors."""
+    x0, a_in, qk, rs_qk, att_in, r2, lse, x1, f_in = main
+    st1, st2 = stats
+    gy = grad_y.contiguous().view(x0.shape)  # (B·C, E)
+    grads = _mlp_grads(lib, layout.mlp, gy, f_in, kept, t, need)
+    grad_x1, grads["ln2_w"], grads["ln2_b"] = norm_backward(  # + gy: the residual path
+        lib, layout.norm, grads.pop("f_in"), x1, t["ln2_w"], st2, need["ln2_w"],
+        need["ln2_b"], gy)
+    grads["w_out"] = grad_x1.t() @ r2 if need["w_out"] else None
+    grads["b_out"] = grad_x1.sum(0) if t["b_out"] is not None and need["b_out"] else None
+    grad_r = (grad_x1 @ t["w_out"]).view(*grad_y.shape[:2], -1)  # (B, C, H·D)
+    grad_qkv = _attention_grads(lib, layout, grad_r, att_in, r2, lse, qk, rs_qk, t, need,
+                                grads)
+    g2 = grad_qkv.view(x0.shape[0], -1)  # (B·C, 3·H·D)
+    grads["w_qkv"] = g2.t() @ a_in if need["w_qkv"] else None
+    grad_x, grads["ln1_w"], grads["ln1_b"] = norm_backward(  # + grad_x1: the residual
+        lib, layout.norm, g2 @ t["w_qkv"], x0, t["ln1_w"], st1, need["ln1_w"],
+        need["ln1_b"], grad_x1)
+    return grad_x.view(grad_y.shape), grads
 
 
 @functools.lru_cache(maxsize=16)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -141,13 +142,15 @@ def apply_strategy(raw: nn.Module, cfg: TrainConfig, ctx: distributed.DistContex
     :mod:`tinylm.training.loop`)."""
     if not (ctx.enabled and cfg.strategy == "fsdp"):
         # the fast paths, decided once (tinylm.native); undone when the stack closes
-        stack.enter_context(acceleration.accelerate(raw, device))
+        plan = stack.enter_context(acceleration.accelerate(raw, device))
+    else:
+        plan = acceleration.ReferencePlan(raw)
     model_run = distributed.wrap_model(raw, ctx, device, cfg.strategy)
     if cfg.compile:
         sample = get_batch(data.train, cfg.batch_size,
                            window_length(data, raw.config.context_length),
                            torch.Generator().manual_seed(0), device)
-        model_run = maybe_compile(model_run, True, sample, amp)
+        model_run = maybe_compile(model_run, plan, sample, amp)
     if ctx.enabled and cfg.strategy == "zero1":
         optimizer = distributed.zero_optimizer(*optimizer_recipe(raw, cfg, device), ctx)
     else:
@@ -155,19 +158,20 @@ def apply_strategy(raw: nn.Module, cfg: TrainConfig, ctx: distributed.DistContex
     return model_run, optimizer
 
 
-def maybe_compile(model: nn.Module, enabled: bool, sample: tuple[Tensor, Tensor],
-                  amp: Any) -> nn.Module:
-    """torch.compile ``model``, proven on one forward/backward; on failure warn and
-    return the eager model (e.g. no C++ compiler, unsupported platform)."""
-    if not enabled:
-        return model
+def maybe_compile(model: nn.Module, plan: Any, sample: tuple[Tensor, Tensor], amp: Any
+                  ) -> nn.Module:
+    """``plan.compile(model)`` (the plan of the fast paths decides what the graph holds:
+    tinylm's custom ops on CPU, the reference model elsewhere), proven on one
+    forward/backward of ``sample``, whose time (the warm-up: tracing, code generation,
+    or loading them from the cache) is logged; on failure warn and return the eager
+    model (e.g. no C++ compiler, unsupported platform)."""
+    start = time.perf_counter()
     try:
-        compiled = torch.compile(model)
+        compiled = plan.compile(model)
         x, y = sample
         with amp:
             loss = lm_loss(compiled(x), y)
         loss.backward()
-        return compiled
     except Exception as exc:  # torch.compile fails in many backend-specific ways
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         log.warning("torch.compile is not usable here (%s); training without --compile",
@@ -178,7 +182,10 @@ def maybe_compile(model: nn.Module, enabled: bool, sample: tuple[Tensor, Tensor]
     finally:
         for p in model.parameters():
             p.grad = None
-
+    log.info("--compile: %s in the graph; warm-up (the first compiled step: tracing and "
+             "code generation, or the cache) %.1f s", plan.compiled_path,
+             time.perf_counter() - start)
+    return compiled
 
 
 def restore(built: Setup, feed: Feed, found: Found) -> tuple[Counters, Best]:
