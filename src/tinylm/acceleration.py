@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tinylm.core.decoding import Decoder
+from tinylm.core.decoding import Decoder, RaggedDecoder
 
 try:  # the acceleration package is optional by design (see tinylm.native)
     from tinylm import native
@@ -42,6 +42,9 @@ class ReferencePlan:
 
     def decoder(self, batch_size: int) -> Decoder:
         return Decoder(self.model, batch_size)
+
+    def ragged_decoder(self, batch_size: int) -> RaggedDecoder:
+        return RaggedDecoder(self.model, batch_size, "the tinylm.native package is absent")
 
     def __enter__(self) -> ReferencePlan:
         return self
