@@ -136,7 +136,7 @@ def test_attend_rows_equals_each_row_alone(lib, H: int, Hkv: int, D: int) -> Non
     B, L = len(pos), 32
     qkv = torch.randn(B, (H + 2 * Hkv) * D)
     kc, vc = torch.randn(B, Hkv, L, D), torch.randn(B, Hkv, L, D)
-    k0, v0 = kc.clone(), vc.clone()
+    k0, v0 = kc.clone(), vc.clone()  # nothing past a row's position is written
     out, scratch = torch.empty(B, H * D), torch.empty(B * H * L)
     lib.raw.tl_attend_rows(qkv.data_ptr(), qkv.stride(0), kc.data_ptr(), vc.data_ptr(),
                            kc.stride(0), kc.stride(1), B, H, Hkv, D, pos.data_ptr(),
@@ -146,8 +146,9 @@ def test_attend_rows_equals_each_row_alone(lib, H: int, Hkv: int, D: int) -> Non
         q = qkv[b, :H * D].view(H, 1, D)
         k, v = qkv[b, H * D:(H + Hkv) * D].view(Hkv, D), qkv[b, (H + Hkv) * D:].view(Hkv, D)
         assert torch.equal(kc[b, :, p], k) and torch.equal(vc[b, :, p], v)
-        assert torch.equal(kc[b, :, :p], k0[b, :, :p]) and torch.equal(kc[b, :, p + 1:],
-                                                                      k0[b, :, p + 1:])
+        for c, c0 in ((kc, k0), (vc, v0)):
+            assert torch.equal(c[b, :, :p], c0[b, :, :p])
+            assert torch.equal(c[b, :, p + 1:], c0[b, :, p + 1:])
         want = F.scaled_dot_product_attention(q, kc[b, :, :p + 1], vc[b, :, :p + 1],
                                               enable_gqa=H != Hkv)
         torch.testing.assert_close(out[b].view(H, 1, D), want, rtol=1e-5, atol=1e-5)

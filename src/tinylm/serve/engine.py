@@ -8,9 +8,10 @@ with every other active request: one step of ids (rows,) in which each row has i
 position and sees only its own keys, so its answer is the one it would get alone. The
 step is ``acceleration.plan(model).ragged_decoder(max_batch)``: the fused native step
 (fp32, int8 and GGUF-block layers; GPT-2's layout or the variants') where the plan
-takes the model, else the model's own forward -- one decision, logged at start. A request leaves the batch when it ends
-(end-of-text, ``max_tokens``, its deadline, or a cancel — a client that went away or a
-stop string), and its row is freed at that step. Sampling parameters and seeds are
+takes the model, else the model's own forward -- one decision, logged at start. A
+request leaves the batch when it ends (end-of-text, ``max_tokens``, its deadline, or a
+cancel — a client that went away or a stop string), and its row is freed at that step
+(the last row moves into it). Sampling parameters and seeds are
 per request. Requests beyond ``max_batch`` wait in a queue of at most ``max_queue``;
 beyond that :meth:`Engine.submit` raises :class:`QueueFull`.
 
