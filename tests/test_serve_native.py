@@ -150,6 +150,25 @@ def test_served_answers_equal_generate_alone_on_the_native_step(case, monkeypatc
         assert serve_in_waves(reference, reqs) == native
 
 
+@pytest.mark.parametrize("name", ["q4_1", "llama-gqa-int8"])
+def test_prefix_reuse_on_the_native_step_equals_generate(name) -> None:
+    """With the prefix cache (on by default in tinylm serve), a prompt's rest after its
+    reused blocks runs through the same plan as generate's prefill (int8 and GGUF-block
+    layers: the fused step, the kernel's arithmetic), so answers still equal generate."""
+    layout, scheme, path = MODELS[name]
+    model = make_model(layout, scheme)
+    rng = random.Random(2)
+    shared = [rng.randrange(VOCAB) for _ in range(17)]  # one whole block of 16 reused
+    reqs = [(shared + [rng.randrange(VOCAB) for _ in range(rng.randint(1, 6))],
+             rng.randint(2, 12), {"stop_ids": (STOP,)}) for _ in range(8)]
+    engine = Engine(model, max_batch=3, max_queue=100, prefix_cache=1 << 20)
+    with engine:
+        outs = serve_in_waves(engine, reqs)
+    assert engine.prefix.tokens_reused >= 16 * 5
+    for (prompt, n, kw), out in zip(reqs, outs, strict=True):
+        assert out == alone(model, prompt, n, kw)
+
+
 def test_the_step_is_logged_once_and_falls_back_for_a_model_it_does_not_take(caplog
                                                                              ) -> None:
     """A model with a low-rank layer (no fused step for it) serves on the reference step,

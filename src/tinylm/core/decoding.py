@@ -30,6 +30,11 @@ class Decoder:
         """Restart the cache on ids (B, T), T <= context length; logits of the last
         position, (B, V). Only the last row goes through the LM head."""
         self.cache.reset()
+        return self.extend(ids)
+
+    def extend(self, ids: Tensor) -> Tensor:
+        """Continue the cache with ids (B, T) after its filled positions (those of a
+        reused prefix: the server's prefix cache); logits of the last position, (B, V)."""
         h = self.model.hidden_states(ids, self.cache)  # (B, T, E)
         return self.model.lm_head(h[:, -1])  # (B, E) -> (B, V)
 

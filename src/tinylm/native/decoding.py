@@ -170,16 +170,15 @@ class FusedDecoder(_NativeArgmax):
     def _step_class() -> type:
         return _FusedStep
 
-    def prefill(self, ids: Tensor) -> Tensor:
+    def extend(self, ids: Tensor) -> Tensor:
         """The model's forward over the prompt (large products: BLAS), except for a model
         with int8 layers and a short prompt: its forward would dequantize every weight, so
         the prompt goes through the fused step one position at a time instead (the int8
-        kernel; the LM head at the last position only)."""
+        kernel; the LM head at the last position only). ``prefill`` is reset + this."""
         B, T = ids.shape if ids.dim() == 2 else (0, 0)
         if not self._int8 or B != self._fused.B or not 0 < T * B <= INT8_PREFILL_ROWS \
-                or T > self.cache.max_len:
-            return super().prefill(ids)
-        self.cache.reset()
+                or self.cache.length + T > self.cache.max_len:
+            return super().extend(ids)
         for t in range(T - 1):
             self._fused(ids[:, t], head=False)
         return self._fused(ids[:, T - 1])

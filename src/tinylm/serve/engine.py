@@ -259,9 +259,9 @@ class Engine:
         """tokens (T,) alone through the model: (logits of the last position (V,),
         the filled one-row cache, valid until the next prefill). tinylm.generate's own
         prefill (its decoding plan's), or, with a prefix cache, its cached prefix copied
-        and the rest run after it by the model's forward."""
+        and the rest run after it by that same plan (``Decoder.extend``)."""
         if self.prefix is not None:
-            out = self.prefix.prefill(self.model, tokens, self.context)
+            out = self.prefix.prefill(self.model, tokens, self.context, self._prefiller)
             self.metrics.prefix_cache(self.prefix)
             return out
         ids = torch.tensor([list(tokens)], dtype=torch.long)  # (1, T)
