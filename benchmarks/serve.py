@@ -93,11 +93,13 @@ def start_llamacpp_server(gguf: Path, threads: int, n_ctx: int = 2048
                           ) -> tuple[subprocess.Popen, str]:
     """llama.cpp's OpenAI-compatible server (``python -m llama_cpp.server``) on ``gguf``
     with ``threads`` threads for decoding and for prompts, its default single slot (one
-    sequence at a time); (process, base URL) once it answers /v1/models."""
+    sequence at a time; requests queue, not interrupting the running one); (process,
+    base URL) once it answers /v1/models."""
     port = free_port()
     cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host",
            "127.0.0.1", "--port", str(port), "--n_threads", str(threads),
-           "--n_threads_batch", str(threads), "--n_ctx", str(n_ctx), "--verbose", "False"]
+           "--n_threads_batch", str(threads), "--n_ctx", str(n_ctx), "--verbose", "False",
+           "--interrupt_requests", "False"]  # its default True cuts a stream off for the next
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     return proc, wait_healthy(proc, f"http://127.0.0.1:{port}", "/v1/models")
 
@@ -328,8 +330,8 @@ def smollm2_text(args: argparse.Namespace, rows: dict, load: float) -> str:
         f"on it converted with `--keep-quantized` (the Q4_1 blocks as stored, the fused "
         f"native step), `--max-batch {max(args.clients)} --threads {args.threads}`. llama.cpp: "
         f"`python -m llama_cpp.server` (llama-cpp-python {llama_cpp.__version__}), "
-        f"`--n_threads {args.threads} --n_threads_batch {args.threads} --n_ctx 2048`, its "
-        f"default single slot (one sequence at a time). Each client (the official `openai` "
+        f"`--n_threads {args.threads} --n_threads_batch {args.threads} --n_ctx 2048 "
+        f"--interrupt_requests False`, its default single slot (one sequence at a time). Each client (the official `openai` "
         f"client, asyncio) streams one greedy text completion of up to {args.max_tokens} "
         f"tokens after a ~18-token prompt (python-docs text); tokens = streamed chunks with "
         f"text. {machine(load)}", "",
