@@ -331,10 +331,10 @@ def smollm2_text(args: argparse.Namespace, rows: dict, load: float) -> str:
         f"native step), `--max-batch {max(args.clients)} --threads {args.threads}`. llama.cpp: "
         f"`python -m llama_cpp.server` (llama-cpp-python {llama_cpp.__version__}), "
         f"`--n_threads {args.threads} --n_threads_batch {args.threads} --n_ctx 2048 "
-        f"--interrupt_requests False`, its default single slot (one sequence at a time). Each client (the official `openai` "
-        f"client, asyncio) streams one greedy text completion of up to {args.max_tokens} "
-        f"tokens after a ~18-token prompt (python-docs text); tokens = streamed chunks with "
-        f"text. {machine(load)}", "",
+        f"--interrupt_requests False`, its default single slot (one sequence at a time). "
+        f"Each client (the official `openai` client, asyncio) streams one greedy text "
+        f"completion of up to {args.max_tokens} tokens after a ~18-token prompt "
+        f"(python-docs text); tokens = streamed chunks with text. {machine(load)}", "",
         "| clients | tinylm tok/s | llama.cpp tok/s | tinylm / llama.cpp | tinylm TTFT p50 / "
         "p99 ms | llama.cpp TTFT p50 / p99 ms |", "| ---: | ---: | ---: | ---: | ---: | ---: |"]
     for clients in args.clients:
