@@ -4,6 +4,7 @@ the checks that keep every call inside the memory its tensors own."""
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import subprocess
 import sys
@@ -39,7 +40,8 @@ def test_the_kernel_builds_and_loads_here(lib) -> None:
 
 def test_signatures_come_from_the_header_and_cover_every_export(lib) -> None:
     sigs = ops.parse_header(ops.HEADER.read_text())
-    assert len(sigs) == 33  # + blocks.c's 4 (block sizes, packing, the product)
+    assert len(sigs) == 36  # + blocks.c's 4 (block sizes, packing, the product)
+    # + the ragged batch's 3: tl_embed_rows, tl_attend_rows, tl_rope_rows
     # + bpe.c's 4: tl_bpe_new (returns a pointer), _free, _encode, _split
     # + decode.c's tl_decode_layers (a decoding step's blocks from a plan)
     # + variants.c's tl_rope_heads (a decoding step's QK-norm + rotation, in place)
@@ -122,6 +124,58 @@ def test_attend_one_equals_sdpa_over_the_cache(lib, B: int, H: int, D: int, pos:
     assert torch.equal(k_cache[:, :, pos:pos + 1], k) and torch.equal(v_cache[:, :, pos:pos + 1], v)
     want = F.scaled_dot_product_attention(q, k_cache[:, :, :pos + 1], v_cache[:, :, :pos + 1])
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("H", "Hkv", "D"), [(2, 2, 16), (6, 2, 20), (9, 3, 64)])
+def test_attend_rows_equals_each_row_alone(lib, H: int, Hkv: int, D: int) -> None:
+    """A ragged batch (continuous batching): row b's new key and value written at its own
+    position pos[b], its query heads attending over its positions 0..pos[b] only, each
+    group of H / H_kv query heads over its one key/value head -- equal to SDPA on that
+    row alone (enable_gqa); nothing past a row's position is written."""
+    pos = torch.tensor([0, 9, 3, 30])
+    B, L = len(pos), 32
+    qkv = torch.randn(B, (H + 2 * Hkv) * D)
+    kc, vc = torch.randn(B, Hkv, L, D), torch.randn(B, Hkv, L, D)
+    k0, v0 = kc.clone(), vc.clone()  # nothing past a row's position is written
+    out, scratch = torch.empty(B, H * D), torch.empty(B * H * L)
+    lib.raw.tl_attend_rows(qkv.data_ptr(), qkv.stride(0), kc.data_ptr(), vc.data_ptr(),
+                           kc.stride(0), kc.stride(1), B, H, Hkv, D, pos.data_ptr(),
+                           1.0 / math.sqrt(D), out.data_ptr(), scratch.data_ptr(),
+                           L, 1)
+    for b, p in enumerate(pos.tolist()):
+        q = qkv[b, :H * D].view(H, 1, D)
+        k, v = qkv[b, H * D:(H + Hkv) * D].view(Hkv, D), qkv[b, (H + Hkv) * D:].view(Hkv, D)
+        assert torch.equal(kc[b, :, p], k) and torch.equal(vc[b, :, p], v)
+        for c, c0 in ((kc, k0), (vc, v0)):
+            assert torch.equal(c[b, :, :p], c0[b, :, :p])
+            assert torch.equal(c[b, :, p + 1:], c0[b, :, p + 1:])
+        want = F.scaled_dot_product_attention(q, kc[b, :, :p + 1], vc[b, :, :p + 1],
+                                              enable_gqa=H != Hkv)
+        torch.testing.assert_close(out[b].view(H, 1, D), want, rtol=1e-5, atol=1e-5)
+
+
+def test_embed_and_rope_rows_take_each_rows_own_position(lib) -> None:
+    """tl_embed_rows and tl_rope_rows: row b at positions[b], equal to the one-position
+    kernels (tl_embed, tl_rope_heads) run on that row alone."""
+    from tinylm.core.attention import rope_angles
+    from tinylm.native.variants import signed_sin
+
+    tok, pos_table, ids = torch.randn(10, 8), torch.randn(6, 8), torch.tensor([3, 9, 0])
+    at = torch.tensor([5, 0, 2])
+    x = torch.empty(3, 8)
+    assert lib.raw.tl_embed_rows(ids.data_ptr(), tok.data_ptr(), pos_table.data_ptr(),
+                                 at.data_ptr(), x.data_ptr(), 3, 8, 10) == 0
+    torch.testing.assert_close(x, tok[ids] + pos_table[at], rtol=0, atol=0)
+    D, n = 16, 3
+    cos, sin = rope_angles(0, 12, D, 10000.0)
+    sin_pm = signed_sin(sin).contiguous()
+    w, heads = torch.randn(D), torch.randn(3, n * D + 5)
+    got, tmp = heads.clone(), torch.empty(D)
+    lib.raw.tl_rope_rows(got.data_ptr(), got.stride(0), 3, n, D, w.data_ptr(), cos.data_ptr(),
+                         sin_pm.data_ptr(), at.data_ptr(), 1e-6, 1, tmp.data_ptr())
+    for b, p in enumerate(at.tolist()):
+        want = lib.rope_heads(heads[b:b + 1].clone(), n, w, cos[p], sin_pm[p], 1e-6, tmp)
+        torch.testing.assert_close(got[b:b + 1], want, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("affine", [True, False])

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tinylm.core.decoding import Decoder
+from tinylm.core.decoding import Decoder, RaggedDecoder
 
 try:  # the acceleration package is optional by design (see tinylm.native)
     from tinylm import native
@@ -48,6 +48,9 @@ class ReferencePlan:
     def compile(self, module: nn.Module) -> nn.Module:
         """``torch.compile(module)``, torch's defaults (its cache folder included)."""
         return torch.compile(module)
+
+    def ragged_decoder(self, batch_size: int) -> RaggedDecoder:
+        return RaggedDecoder(self.model, batch_size, "the tinylm.native package is absent")
 
     def __enter__(self) -> ReferencePlan:
         return self

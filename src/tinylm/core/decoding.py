@@ -30,6 +30,11 @@ class Decoder:
         """Restart the cache on ids (B, T), T <= context length; logits of the last
         position, (B, V). Only the last row goes through the LM head."""
         self.cache.reset()
+        return self.extend(ids)
+
+    def extend(self, ids: Tensor) -> Tensor:
+        """Continue the cache with ids (B, T) after its filled positions (those of a
+        reused prefix: the server's prefix cache); logits of the last position, (B, V)."""
         h = self.model.hidden_states(ids, self.cache)  # (B, T, E)
         return self.model.lm_head(h[:, -1])  # (B, E) -> (B, V)
 
@@ -50,6 +55,26 @@ class Decoder:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class RaggedDecoder:
+    """One decoding step of a ragged batch (continuous batching): ``step(ids)`` feeds one
+    token to each of the ``cache.rows`` rows in use of a :class:`RaggedKVCache`, each at
+    its own position, -> logits (rows, V). This one runs the model's own forward; the
+    fused native steps of :mod:`tinylm.native.decoding` are subclasses, chosen by
+    ``tinylm.acceleration.plan(model).ragged_decoder(B)``. ``reason`` says why the fast
+    step is not used (None where it is)."""
+
+    path = "torch"
+
+    def __init__(self, model: nn.Module, batch_size: int, reason: str | None = None) -> None:
+        self.model = model
+        self.cache = RaggedKVCache.for_model(model, batch_size)
+        self.reason = reason
+
+    def step(self, ids: Tensor) -> Tensor:
+        """ids (rows,) -> logits (rows, V); every row's cache must have room for one."""
+        return self.model(ids.unsqueeze(1), self.cache)[:, -1]  # (rows, 1) -> (rows, V)
 
 
 # --- the KV cache -----------------------------------------------------------------------

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tinylm.core.attention import RMSNorm, apply_rope, rope_angles
-from tinylm.core.decoding import Decoder, KVCache
+from tinylm.core.decoding import Decoder, KVCache, RaggedDecoder, RaggedKVCache
 from tinylm.core.model import FeedForward, GatedFeedForward
 from tinylm.layers.registry import decoding_of
 from tinylm.native.ops import Library, PackedBlocks, PackedQ8, check, header_constant
@@ -170,16 +170,15 @@ class FusedDecoder(_NativeArgmax):
     def _step_class() -> type:
         return _FusedStep
 
-    def prefill(self, ids: Tensor) -> Tensor:
+    def extend(self, ids: Tensor) -> Tensor:
         """The model's forward over the prompt (large products: BLAS), except for a model
         with int8 layers and a short prompt: its forward would dequantize every weight, so
         the prompt goes through the fused step one position at a time instead (the int8
-        kernel; the LM head at the last position only)."""
+        kernel; the LM head at the last position only). ``prefill`` is reset + this."""
         B, T = ids.shape if ids.dim() == 2 else (0, 0)
         if not self._int8 or B != self._fused.B or not 0 < T * B <= INT8_PREFILL_ROWS \
-                or T > self.cache.max_len:
-            return super().prefill(ids)
-        self.cache.reset()
+                or self.cache.length + T > self.cache.max_len:
+            return super().extend(ids)
         for t in range(T - 1):
             self._fused(ids[:, t], head=False)
         return self._fused(ids[:, T - 1])
@@ -216,6 +215,8 @@ class _FusedStep:
         self.r = torch.empty(B, HD)  # attention output, heads side by side
         self.u = torch.empty(B, cfg.ffn_dim)  # GELU(up(h))
         self.ids = torch.empty(B, dtype=torch.int64)
+        self.capacity, self.positions = B, torch.empty(B, dtype=torch.int64)  # see _rows
+        self.scratch = torch.empty(B * cfg.n_head * cache.max_len)  # attention scores
         self.stats = torch.empty(2, B)  # LayerNorm's per-row mean and 1/std (unused)
         self.keep = []  # packed weights and contiguous biases the pointers refer to
         self.tok, self.pos = self._ptr(model.tok_emb.weight), self._ptr(model.pos_emb.weight)
@@ -228,6 +229,21 @@ class _FusedStep:
         self.plan = self._plan()
         for name, t in (("cache.k", cache.k), ("cache.v", cache.v)):  # (L, B, H, T, D)
             check(name, t, (len(self.blocks), B, self.H, cache.max_len, self.D))
+
+    def _rows(self) -> int:
+        """The rows this step feeds, also set as ``B`` (every kernel reads the first B rows
+        of the buffers), and their positions in ``positions``: every row of a KVCache at
+        its one length, or the rows in use of a RaggedKVCache (continuous batching) each
+        at its own. The step's threads are the calling thread's torch threads."""
+        cache = self.cache
+        if isinstance(cache, RaggedKVCache):
+            self.B = cache.rows
+            self.positions[:self.B].copy_(cache.lengths[:self.B])
+        else:
+            self.B = self.capacity
+            self.positions.fill_(cache.length)
+        self.threads = torch.get_num_threads()
+        return self.B
 
     def _plan(self) -> Tensor:
         """The blocks' pointers and sizes as tl_decode_layers reads them (csrc/tinylm.h:
@@ -309,21 +325,22 @@ class _FusedStep:
                            rstd.data_ptr(), self.B, self.E, self.eps, 1)
 
     def __call__(self, ids: Tensor, head: bool = True) -> Tensor | None:
-        """One token per row -> logits (B, V); without ``head``, only the cache advances."""
+        """One token per row -> logits (B, V); without ``head``, only the cache advances.
+        The caller checked that every row's position is < max_len (check_room)."""
         cache, lib = self.cache, self.lib
-        pos = cache.length  # FusedDecoder.step checked that it is < max_len
-        B, H, D = self.B, self.H, self.D
-        self.ids.copy_(ids)
+        B, H, D = self._rows(), self.H, self.D
+        self.ids[:B].copy_(ids)
         x, h, qkv, r, u = self.x, self.h, self.qkv, self.r, self.u
-        if lib.tl_embed(self.ids.data_ptr(), self.tok, self.pos, pos, x.data_ptr(), B,
-                        self.E, self.V):
+        if lib.tl_embed_rows(self.ids.data_ptr(), self.tok, self.pos,
+                             self.positions.data_ptr(), x.data_ptr(), B, self.E, self.V):
             raise ValueError(f"token ids must be in [0, {self.V}), got {ids.tolist()}")
         k, v = cache.k, cache.v  # (L, B, H, max_len, D)
         lib.tl_decode_layers(self.plan.data_ptr(), len(self.blocks), x.data_ptr(),
                              h.data_ptr(), qkv.data_ptr(), r.data_ptr(), u.data_ptr(),
                              self.stats.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0),
-                             k.stride(1), k.stride(2), B, self.E, H, D, pos, self.eps,
-                             self.scale, cache.scratch.data_ptr(), self.threads)
+                             k.stride(1), k.stride(2), B, self.E, H, D,
+                             self.positions.data_ptr(), self.eps, self.scale,
+                             self.scratch.data_ptr(), cache.max_len, self.threads)
         cache.advance(1)
         if not head:
             return None
@@ -331,6 +348,24 @@ class _FusedStep:
         logits = torch.empty(B, self.V)
         self._mm(h, self.head, logits)  # logits = h·W_headᵀ (tied: the token embedding)
         return logits
+
+
+class FusedRaggedDecoder(RaggedDecoder):
+    """The continuous-batching step on the fused native kernels: one call of
+    :class:`_FusedStep` (``variant``: :class:`_VariantStep`) for the rows in use of a
+    :class:`~tinylm.core.decoding.RaggedKVCache`, each row at its own position (its
+    embedding, rotation and attention), rows joining and leaving between steps. The
+    cache stays the reference's, so a forward of C > 1 tokens per row (a speculative
+    draft to verify) runs the model's own forward on it."""
+
+    def __init__(self, model: nn.Module, batch_size: int, lib: Library, variant: bool) -> None:
+        super().__init__(model, batch_size)
+        self.path = "fused-variant" if variant else "fused"
+        self._fused = (_VariantStep if variant else _FusedStep)(model, self.cache, lib)
+
+    def step(self, ids: Tensor) -> Tensor:
+        self.cache.check_room(1)
+        return self._fused(ids)
 
 
 class VariantDecoder(FusedDecoder):
@@ -362,12 +397,15 @@ class _VariantStep(_FusedStep):
         self.r = torch.empty(B, cfg.inner_dim)
         self.g, self.u = torch.empty(B, cfg.ffn_dim), torch.empty(B, cfg.ffn_dim)
         self.stats = torch.empty(2, B)
-        self.scratch = torch.empty(cfg.n_head * cache.max_len)  # one row's H query heads
+        self.capacity, self.positions = B, torch.empty(B, dtype=torch.int64)  # see _rows
+        self.scratch = torch.empty(B * cfg.n_head * cache.max_len)  # attention scores
         self.tok_w = model.tok_emb.weight.detach()
         self.pos_w = model.pos_emb.weight.detach() if model.pos_emb is not None else None
         self.rope = (rope_angles(0, cfg.context_length, cfg.head_dim, cfg.rope_theta)
                      if cfg.position == "rope" else None)  # row m: the angles at position m
         self.rope_pm = signed_sin(self.rope[1]).contiguous() if self.rope else None  # sin±
+        self.qk_w = {id(n): self._ptr(n.weight) for b in model.blocks
+                     for n in (b.attn.q_norm, b.attn.k_norm) if type(n) is RMSNorm}
         self.tmp = torch.empty(cfg.head_dim)
         self.blocks = [(b.ln1, self._linear(b.attn.qkv), self._linear(b.attn.out), b.ln2,
                         self._linear(b.ffn.gate) if isinstance(b.ffn, GatedFeedForward)
@@ -394,53 +432,46 @@ class _VariantStep(_FusedStep):
         else:
             y.copy_(norm(x))
 
-    def _qk(self, q_norm: nn.Module | None, k_norm: nn.Module | None, pos: int) -> None:
-        """q, k = RoPE(QKNorm(q)), RoPE(QKNorm(k)) in qkv, each head at position ``pos``:
-        natively where the norms are RMSNorm (or absent), else by the reference's
-        modules and :func:`tinylm.core.attention.apply_rope`."""
-        H, Hkv, D, qkv = self.H, self.Hkv, self.D, self.qkv
+    def _qk(self, q_norm: nn.Module | None, k_norm: nn.Module | None) -> None:
+        """q, k = RoPE(QKNorm(q)), RoPE(QKNorm(k)) in qkv, row b's heads at its position
+        ``positions[b]``: natively where the norms are RMSNorm (or absent), else by the
+        reference's modules and :func:`tinylm.core.attention.apply_rope`."""
+        B, H, Hkv, D, qkv = self.B, self.H, self.Hkv, self.D, self.qkv
         if all(n is None or type(n) is RMSNorm for n in (q_norm, k_norm)):
-            c = self.rope[0][pos] if self.rope is not None else None
-            s = self.rope_pm[pos] if self.rope_pm is not None else None
-            for part, n, norm in ((qkv, H, q_norm), (qkv[:, H * D:], Hkv, k_norm)):
-                self.checked.rope_heads(part, n, norm.weight if norm is not None else None,
-                                        c, s, norm.eps if norm is not None else 0.0,
-                                        self.tmp)
+            c = self.rope[0].data_ptr() if self.rope is not None else None
+            s = self.rope_pm.data_ptr() if self.rope_pm is not None else None
+            for off, n, norm in ((0, H, q_norm), (H * D, Hkv, k_norm)):
+                self.lib.tl_rope_rows(qkv.data_ptr() + 4 * off, qkv.stride(0), B, n, D,
+                                      self.qk_w[id(norm)] if norm is not None else None, c, s,
+                                      self.positions.data_ptr(),
+                                      norm.eps if norm is not None else 0.0,
+                                      int(norm is not None), self.tmp.data_ptr())
             return
-        q = qkv[:, :H * D].view(self.B, H, D)
-        k = qkv[:, H * D:(H + Hkv) * D].view(self.B, Hkv, D)
+        q = qkv[:B, :H * D].view(B, H, D)
+        k = qkv[:B, H * D:(H + Hkv) * D].view(B, Hkv, D)
         if q_norm is not None:
             q.copy_(q_norm(q))
             k.copy_(k_norm(k))
         if self.rope is not None:  # keys are cached rotated, as in the reference
-            cos, sin = self.rope[0][pos], self.rope[1][pos]
+            pos = self.positions[:B]
+            cos, sin = self.rope[0][pos][:, None], self.rope[1][pos][:, None]  # (B, 1, D)
             q.copy_(apply_rope(q, cos, sin))
             k.copy_(apply_rope(k, cos, sin))
 
-    def _attend(self, layer: int, pos: int) -> None:
-        """r = softmax(q·Kᵀ/√D)·V over the cache, the new k and v written into it."""
-        lib, B, H, Hkv, D = self.lib, self.B, self.H, self.Hkv, self.D
-        W = self.qkv.shape[1]
-        q_ptr = self.qkv.data_ptr()  # float32 rows of W: [q (H·D) | k (H_kv·D) | v]
-        k_ptr, v_ptr = q_ptr + 4 * H * D, q_ptr + 4 * (H + Hkv) * D
+    def _attend(self, layer: int) -> None:
+        """r = softmax(q·Kᵀ/√D)·V over the cache, each row over its own positions
+        0..positions[b], the new k and v written into it; each group of H / H_kv query
+        heads reads its one key/value head (csrc/decode.c: tl_attend_rows)."""
         kc, vc = self.cache.k[layer], self.cache.v[layer]  # (B, H_kv, max_len, D)
-        if Hkv == H:
-            lib.tl_attend_one(q_ptr, W, D, k_ptr, W, D, v_ptr, W, D, kc.data_ptr(),
-                              vc.data_ptr(), kc.stride(0), kc.stride(1), B, H, D, pos,
-                              self.scale, self.r.data_ptr(), self.cache.scratch.data_ptr(),
-                              self.threads)
-            return
-        rep = H // Hkv  # per row: H_kv groups ("batch") of rep query heads ("heads") that
-        for b in range(B):  # read one key/value head (stride 0 within the group)
-            off = 4 * b * W
-            lib.tl_attend_one(q_ptr + off, rep * D, D, k_ptr + off, D, 0, v_ptr + off, D, 0,
-                              kc[b].data_ptr(), vc[b].data_ptr(), kc.stride(1), 0, Hkv, rep,
-                              D, pos, self.scale, self.r[b].data_ptr(),
-                              self.scratch.data_ptr(), self.threads)
+        self.lib.tl_attend_rows(self.qkv.data_ptr(), self.qkv.stride(0), kc.data_ptr(),
+                                vc.data_ptr(), kc.stride(0), kc.stride(1), self.B, self.H,
+                                self.Hkv, self.D, self.positions.data_ptr(), self.scale,
+                                self.r.data_ptr(), self.scratch.data_ptr(),
+                                self.cache.max_len, self.threads)
 
     def _ffn(self, h: Tensor, w_gate: tuple | None, w_up: tuple, gelu: bool) -> None:
         """u = the MLP's hidden activations of h."""
-        g, u = self.g, self.u
+        g, u = self.g[:self.B], self.u[:self.B]
         if w_gate is not None:  # SwiGLU: u = SiLU(h·W_gateᵀ) ⊙ (h·W_upᵀ)
             self._mm(h, w_gate, g)
             self._mm(h, w_up, u)
@@ -452,19 +483,19 @@ class _VariantStep(_FusedStep):
             u.relu_().square_()
 
     def __call__(self, ids: Tensor, head: bool = True) -> Tensor | None:
-        pos = self.cache.length
+        B = self._rows()
         if int(ids.min()) < 0 or int(ids.max()) >= self.V:
             raise ValueError(f"token ids must be in [0, {self.V}), got {ids.tolist()}")
-        x, h, qkv = self.x, self.h, self.qkv
+        x, h, qkv = self.x[:B], self.h[:B], self.qkv[:B]
         torch.index_select(self.tok_w, 0, ids, out=x)
         if self.pos_w is not None:
-            x += self.pos_w[pos]
+            x += self.pos_w[self.positions[:B]]
         for layer, (ln1, w_qkv, w_out, ln2, w_gate, w_up, w_down, q_norm, k_norm,
                     gelu) in enumerate(self.blocks):
             self._norm_rows(ln1, x, h)  # h = Norm1(x)
             self._mm(h, w_qkv, qkv)  # [q | k | v] = h·W_qkvᵀ + b
-            self._qk(q_norm, k_norm, pos)  # q, k = RoPE(QKNorm(q)), RoPE(QKNorm(k))
-            self._attend(layer, pos)
+            self._qk(q_norm, k_norm)  # q, k = RoPE(QKNorm(q)), RoPE(QKNorm(k))
+            self._attend(layer)
             self._mm(self.r, w_out, x, res=x)  # x = x + r·W_outᵀ + b
             self._norm_rows(ln2, x, h)  # h = Norm2(x)
             self._ffn(h, w_gate, w_up, gelu)
@@ -473,6 +504,6 @@ class _VariantStep(_FusedStep):
         if not head:
             return None
         self._norm_rows(self.final, x, h)
-        logits = torch.empty(self.B, self.V)
+        logits = torch.empty(B, self.V)
         self._mm(h, self.head, logits)
         return logits

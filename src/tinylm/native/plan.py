@@ -67,7 +67,7 @@ from torch import Tensor, nn
 
 from tinylm.core.attention import MultiHeadAttention, RMSNorm
 from tinylm.core.config import ModelConfig
-from tinylm.core.decoding import Decoder, KVCache
+from tinylm.core.decoding import Decoder, KVCache, RaggedDecoder
 from tinylm.core.model import GPT, Block, FeedForward, GatedFeedForward, ReLUSquared
 from tinylm.layers.registry import (
     decoding_classes,
@@ -562,6 +562,18 @@ class Plan:
         private cache folder (:func:`use_compile_cache`), reused by later runs."""
         use_compile_cache()
         return torch.compile(module)
+
+    def ragged_decoder(self, batch_size: int) -> RaggedDecoder:
+        """The continuous-batching step for up to ``batch_size`` rows at their own
+        positions: the fused native step (or the variants') where the decision allows,
+        else the model's own forward over a RaggedKVCache, its ``reason`` saying why."""
+        on = ops.enabled() and self.lib is not None
+        if on and (self.eligibility.decode or self.eligibility.decode_variant):
+            return decoding.FusedRaggedDecoder(self.model, batch_size, self.lib,
+                                               variant=not self.eligibility.decode)
+        reason = "; ".join(self.eligibility.reasons) or \
+            "the fused decoding step does not take this model"
+        return RaggedDecoder(self.model, batch_size, reason)
 
     def __enter__(self) -> Plan:
         return self

@@ -76,6 +76,21 @@ def _decode_attention(lib: Any, g: torch.Generator) -> None:
         want = F.scaled_dot_product_attention(q, kc[:, :, :T], vc[:, :, :T])
         _expect(torch.equal(kc[:, :, T - 1:T], k) and torch.allclose(got, want, atol=1e-5),
                 f"decoding attention (B={B} H={H} D={D} T={T})")
+    # a ragged batch (rows at their own positions) with grouped-query attention
+    B, H, Hkv, D, L = 3, 6, 2, 20, 9
+    pos = torch.tensor([0, 7, 3])
+    qkv = torch.randn(B, (H + 2 * Hkv) * D, generator=g)
+    kc, vc = torch.randn(2, B, Hkv, L, D, generator=g).unbind(0)
+    out, scratch = torch.empty(B, H * D), torch.empty(B * H * L)
+    lib.raw.tl_attend_rows(qkv.data_ptr(), qkv.stride(0), kc.data_ptr(), vc.data_ptr(),
+                           kc.stride(0), kc.stride(1), B, H, Hkv, D, pos.data_ptr(),
+                           D ** -0.5, out.data_ptr(), scratch.data_ptr(), L, 1)
+    for b, p in enumerate(pos.tolist()):
+        want = F.scaled_dot_product_attention(qkv[b, :H * D].view(H, 1, D), kc[b, :, :p + 1],
+                                              vc[b, :, :p + 1], enable_gqa=True)
+        _expect(torch.equal(kc[b, :, p], qkv[b, H * D:(H + Hkv) * D].view(Hkv, D))
+                and torch.allclose(out[b].view(H, 1, D), want, atol=1e-5),
+                f"ragged decoding attention (row {b} at {p})")
 
 
 def _gelu(lib: Any, g: torch.Generator) -> None:

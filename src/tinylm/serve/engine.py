@@ -1,13 +1,17 @@
 """Continuous batching: every active request decodes in one batched step.
 
-A request's prompt is prefilled alone in a one-row :class:`~tinylm.core.decoding.KVCache`
-(the same forward :func:`tinylm.generate` runs), its first token sampled, and its keys
-and values copied into a row of one :class:`~tinylm.core.decoding.RaggedKVCache`. From
-the next step on it decodes together with every other active request: one forward of
-ids (rows, 1) in which each row has its own position and sees only its own keys, so
-its answer is the one it would get alone. A request leaves the batch when it ends
-(end-of-text, ``max_tokens``, its deadline, or a cancel — a client that went away or a
-stop string), and its row is freed at that step. Sampling parameters and seeds are
+A request's prompt is prefilled alone in a one-row cache by the decoding plan
+:func:`tinylm.generate` uses (``acceleration.plan(model).decoder(1)``: the same
+prefill), its first token sampled, and its keys and values copied into a row of one
+:class:`~tinylm.core.decoding.RaggedKVCache`. From the next step on it decodes together
+with every other active request: one step of ids (rows,) in which each row has its own
+position and sees only its own keys, so its answer is the one it would get alone. The
+step is ``acceleration.plan(model).ragged_decoder(max_batch)``: the fused native step
+(fp32, int8 and GGUF-block layers; GPT-2's layout or the variants') where the plan
+takes the model, else the model's own forward -- one decision, logged at start. A
+request leaves the batch when it ends (end-of-text, ``max_tokens``, its deadline, or a
+cancel — a client that went away or a stop string), and its row is freed at that step
+(the last row moves into it). Sampling parameters and seeds are
 per request. Requests beyond ``max_batch`` wait in a queue of at most ``max_queue``;
 beyond that :meth:`Engine.submit` raises :class:`QueueFull`.
 
@@ -36,7 +40,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from tinylm.core.decoding import KVCache, RaggedKVCache
+from tinylm import acceleration
+from tinylm.core.decoding import KVCache
 from tinylm.core.model import GPT
 from tinylm.serve.metrics import Metrics
 from tinylm.serve.prefix import PrefixCache
@@ -147,7 +152,10 @@ class Engine:
         self.max_batch, self.max_queue = max_batch, max_queue
         self.context = model.config.context_length
         self.metrics = metrics or Metrics(max_batch)
-        self.cache = RaggedKVCache.for_model(model, max_batch)
+        plan = acceleration.plan(model)
+        self.decoder = plan.ragged_decoder(max_batch)  # the batched step (path, reason)
+        self.cache = self.decoder.cache
+        self._prefiller = plan.decoder(1)  # a prompt alone, prefilled as generate does
         self.rows: list[_Row] = []  # row i of the cache is rows[i]
         self.prefix = PrefixCache(prefix_cache) if prefix_cache > 0 else None
         self.speculate, self.draft_tokens = speculate, draft_tokens
@@ -160,6 +168,10 @@ class Engine:
     # -- control -----------------------------------------------------------------------
 
     def start(self) -> Engine:
+        if self.decoder.reason is None:
+            log.info("serving on the fused native step (%s)", self.decoder.path)
+        else:
+            log.info("serving on the reference step: %s", self.decoder.reason)
         self._running = True
         self._thread = threading.Thread(target=self._loop, name="tinylm-engine", daemon=True)
         self._thread.start()
@@ -245,16 +257,15 @@ class Engine:
 
     def _prefill(self, tokens: Sequence[int]) -> tuple[Tensor, KVCache]:
         """tokens (T,) alone through the model: (logits of the last position (V,),
-        the filled one-row cache). The same forward as tinylm.generate's prefill, or,
-        with a prefix cache, its cached prefix copied and the rest run after it."""
+        the filled one-row cache, valid until the next prefill). tinylm.generate's own
+        prefill (its decoding plan's), or, with a prefix cache, its cached prefix copied
+        and the rest run after it by that same plan (``Decoder.extend``)."""
         if self.prefix is not None:
-            out = self.prefix.prefill(self.model, tokens, self.context)
+            out = self.prefix.prefill(self.model, tokens, self.context, self._prefiller)
             self.metrics.prefix_cache(self.prefix)
             return out
-        cache = KVCache.for_model(self.model, 1, self.context)
         ids = torch.tensor([list(tokens)], dtype=torch.long)  # (1, T)
-        h = self.model.hidden_states(ids, cache)  # (1, T, E)
-        return self.model.lm_head(h[:, -1])[0], cache  # (V,)
+        return self._prefiller.prefill(ids)[0], self._prefiller.cache  # (V,)
 
     def _join(self, req: Request) -> None:
         """Prefill ``req``, emit its first token and give it a row unless it ended."""
@@ -305,10 +316,10 @@ class Engine:
         if drafts is not None:
             self._verify(drafts)
             return
-        ids = torch.tensor([[r.seq[-1]] for r in self.rows], dtype=torch.long)  # (rows, 1)
+        ids = torch.tensor([r.seq[-1] for r in self.rows], dtype=torch.long)  # (rows,)
         self.metrics.step(len(self.rows))
         masks = self._masks_begin()
-        logits = self.model(ids, self.cache)[:, -1]  # (rows, V)
+        logits = self.decoder.step(ids)  # (rows, V)
         if masks is not None:
             masks.result()
         greedy = logits.argmax(-1).tolist() if any(r.req.sampling.greedy for r in self.rows) \
@@ -332,7 +343,9 @@ class Engine:
     def _verify(self, drafts: list[list[int]]) -> None:
         """One batched forward of every row's last token and its draft (padded to the
         longest, ids (rows, C)); each row takes tokens through :meth:`_take` while they
-        equal its draft, then keeps in the cache only the positions of what it took."""
+        equal its draft, then keeps in the cache only the positions of what it took.
+        This forward is the model's own (the fused step feeds one token per row), on the
+        same cache; its choices equal the step's where logits are not near-ties."""
         C = 1 + max(len(d) for d in drafts)
         ids = torch.tensor([[r.seq[-1], *d] + [0] * (C - 1 - len(d))
                             for r, d in zip(self.rows, drafts, strict=True)])  # (rows, C)

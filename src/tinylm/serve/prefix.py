@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from tinylm.core.decoding import KVCache
+from tinylm.core.decoding import Decoder, KVCache
 
 BLOCK = 16  # tokens per block, as vLLM's default
 
@@ -112,12 +112,17 @@ class PrefixCache:
             if key in self.blocks:
                 self.blocks.move_to_end(key)
 
-    def prefill(self, model: nn.Module, tokens: Sequence[int], max_len: int
-                ) -> tuple[Tensor, KVCache]:
+    def prefill(self, model: nn.Module, tokens: Sequence[int], max_len: int,
+                decoder: Decoder | None = None) -> tuple[Tensor, KVCache]:
         """``tokens`` (T,) through ``model`` in a one-row cache of ``max_len``, their
         cached prefix copied rather than computed: (logits of the last position (V,),
-        the filled cache)."""
-        cache = KVCache.for_model(model, 1, max_len)
+        the filled cache). ``decoder`` (a one-row decoding plan, its cache of ``max_len``)
+        runs the rest as ``tinylm.generate``'s prefill would (``Decoder.extend``); by
+        default the model's own forward."""
+        if decoder is None:
+            decoder = Decoder(model, 1, KVCache.for_model(model, 1, max_len))
+        cache = decoder.cache
+        cache.reset()
         found = self.lookup(tokens)
         for i, entry in enumerate(found):
             span = slice(i * self.block, (i + 1) * self.block)
@@ -129,6 +134,6 @@ class PrefixCache:
         self.misses += not found
         self.tokens_reused += n
         ids = torch.tensor([list(tokens[n:])], dtype=torch.long)  # (1, T - n)
-        h = model.hidden_states(ids, cache)  # (1, T - n, E), after the n cached positions
+        logits = decoder.extend(ids)[0]  # (V,), after the n cached positions
         self.insert(tokens, cache)
-        return model.lm_head(h[:, -1])[0], cache  # (V,)
+        return logits, cache

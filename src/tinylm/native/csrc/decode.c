@@ -2,17 +2,28 @@
  * attention of one new token over the KV cache. */
 #include "tinylm.h"
 
-/* x (B, E) = tok[ids[b]] + pos[position]; returns 1 (and writes nothing) if an id is
- * outside [0, V). */
-int tl_embed(const long *ids, const float *tok, const float *pos, long position, float *x,
-             long B, long E, long V) {
+/* x (B, E) = tok[ids[b]] + pos[at[b · at_stride]]; returns 1 (and writes nothing) if an
+ * id is outside [0, V). */
+static int embed(const long *ids, const float *tok, const float *pos, const long *at,
+                 long at_stride, float *x, long B, long E, long V) {
     for (long b = 0; b < B; b++) if (ids[b] < 0 || ids[b] >= V) return 1;
-    const float *p = pos + position * E;
     for (long b = 0; b < B; b++) {
-        const float *t = tok + ids[b] * E;
+        const float *t = tok + ids[b] * E, *p = pos + at[b * at_stride] * E;
         for (long i = 0; i < E; i++) x[b * E + i] = t[i] + p[i];
     }
     return 0;
+}
+
+/* Every row at one position (a batch that started together). */
+int tl_embed(const long *ids, const float *tok, const float *pos, long position, float *x,
+             long B, long E, long V) {
+    return embed(ids, tok, pos, &position, 0, x, B, E, V);
+}
+
+/* Row b at its own position positions[b] (a ragged batch: continuous batching). */
+int tl_embed_rows(const long *ids, const float *tok, const float *pos, const long *positions,
+                  float *x, long B, long E, long V) {
+    return embed(ids, tok, pos, positions, 1, x, B, E, V);
 }
 
 /* Greedy decoding's argmax over each row of x (B, V): the first index of the row's
@@ -100,13 +111,37 @@ static void weighted_values(const float *p, const float *vc, long T, long D, flo
     }
 }
 
+/* out (D) = softmax(q·Kᵀ · scale) · V over the T cached keys and values of one head
+ * (kcache, vcache: (T, D) rows), reading each once: the scores 4 keys at a time
+ * (independent chains), the exponentials a vector at a time, the weighted sum of values
+ * with the output in registers. s: T floats of scratch. */
+static void attend_head(const float *qv, const float *kcache, const float *vcache, long T,
+                        long D, float scale, float *s, float *out) {
+    float m = -__builtin_inff(), sum = 0.0f;
+    long t = 0;
+    for (; t + 4 <= T; t += 4) dot4(qv, kcache + t * D, D, s + t);
+    for (; t < T; t++) s[t] = dot(qv, kcache + t * D, D);
+    for (t = 0; t < T; t++) {
+        s[t] *= scale;
+        m = s[t] > m ? s[t] : m;
+    }
+    vf vsum = {0};
+    for (t = 0; t + VL <= T; t += VL) {
+        vf e = vexp(loadv(s + t) - m);
+        storev(s + t, e);
+        vsum += e;
+    }
+    for (; t < T; t++) { s[t] = __builtin_expf(s[t] - m); sum += s[t]; }
+    float inv = 1.0f / (sum + hsum(vsum));
+    for (t = 0; t < T; t++) s[t] *= inv;
+    weighted_values(s, vcache, T, D, out);
+}
+
 /* One decoding step of attention for every (batch row, head): store the new key and
  * value at position `pos` of the cache, then
  *     out = softmax(q·Kᵀ · scale) · V      over cached positions 0..pos
- * reading each cached key and value once: the scores 4 keys at a time (independent
- * chains), the exponentials a vector at a time, the weighted sum of values with the
- * output in registers. q, k, v are (B, H, D) with strides (sb, sh, 1) (views into the
- * fused qkv projection, no copy); the cache layer is (B, H, max_len, D) with strides
+ * (attend_head). q, k, v are (B, H, D) with strides (sb, sh, 1) (views into the fused
+ * qkv projection, no copy); the cache layer is (B, H, max_len, D) with strides
  * (csb, csh, D, 1); out is (B, H, D) contiguous; scratch holds B·H·(pos+1) floats. */
 void tl_attend_one(const float *q, long qsb, long qsh, const float *k, long ksb, long ksh,
                    const float *v, long vsb, long vsh, float *kc, float *vc, long csb,
@@ -119,25 +154,33 @@ void tl_attend_one(const float *q, long qsb, long qsh, const float *k, long ksb,
         float *kcache = kc + b * csb + h * csh, *vcache = vc + b * csb + h * csh;
         memcpy(kcache + pos * D, k + b * ksb + h * ksh, D * sizeof(float));
         memcpy(vcache + pos * D, v + b * vsb + h * vsh, D * sizeof(float));
-        const float *qv = q + b * qsb + h * qsh;
-        float *s = scratch + bh * T, m = -__builtin_inff(), sum = 0.0f;
-        long t = 0;
-        for (; t + 4 <= T; t += 4) dot4(qv, kcache + t * D, D, s + t);
-        for (; t < T; t++) s[t] = dot(qv, kcache + t * D, D);
-        for (t = 0; t < T; t++) {
-            s[t] *= scale;
-            m = s[t] > m ? s[t] : m;
+        attend_head(q + b * qsb + h * qsh, kcache, vcache, T, D, scale, scratch + bh * T,
+                    out + bh * D);
+    }
+}
+
+/* The same for a ragged batch (continuous batching): row b at its own position pos[b],
+ * and grouped-query attention -- Hkv key/value heads, query head h reading head
+ * h / (H / Hkv). qkv rows of stride ld hold [q (H·D) | k (Hkv·D) | v (Hkv·D)]; the
+ * cache layer is (B, Hkv, max_len, D) with strides (csb, csh, D, 1); out is (B, H·D);
+ * scratch holds B·H·ls floats, ls > every pos[b]. Every new key and value is written
+ * first, then each (row, query head) attends over its row's positions 0..pos[b]. */
+void tl_attend_rows(const float *qkv, long ld, float *kc, float *vc, long csb, long csh,
+                    long B, long H, long Hkv, long D, const long *pos, float scale,
+                    float *out, float *scratch, long ls, int threads) {
+    long rep = H / Hkv;
+    for (long b = 0; b < B; b++)
+        for (long j = 0; j < Hkv; j++) {
+            const float *row = qkv + b * ld;
+            long at = b * csb + j * csh + pos[b] * D;
+            memcpy(kc + at, row + (H + j) * D, D * sizeof(float));
+            memcpy(vc + at, row + (H + Hkv + j) * D, D * sizeof(float));
         }
-        vf vsum = {0};
-        for (t = 0; t + VL <= T; t += VL) {
-            vf e = vexp(loadv(s + t) - m);
-            storev(s + t, e);
-            vsum += e;
-        }
-        for (; t < T; t++) { s[t] = __builtin_expf(s[t] - m); sum += s[t]; }
-        float inv = 1.0f / (sum + hsum(vsum));
-        for (t = 0; t < T; t++) s[t] *= inv;
-        weighted_values(s, vcache, T, D, out + bh * D);
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (long bh = 0; bh < B * H; bh++) {
+        long b = bh / H, h = bh % H, j = h / rep;
+        attend_head(qkv + b * ld + h * D, kc + b * csb + j * csh, vc + b * csb + j * csh,
+                    pos[b] + 1, D, scale, scratch + bh * ls, out + bh * D);
     }
 }
 
@@ -159,26 +202,26 @@ static void plan_linear(const long *L, const float *x, float *y, long M, int thr
         tl_linear(x, L[4], (const float *)L[0], b, y, M, L[4], L[5], threads, act, res);
 }
 
-/* Every block of a standard GPT for one token per row (B rows) through the cache, the
- * loop that _FusedStep ran in Python: per layer (PLAN_LAYER longs of plan: LN1 weight,
+/* Every block of a standard GPT for one token per row (B rows, row b at position pos[b])
+ * through the cache, the loop that _FusedStep ran in Python: per layer (PLAN_LAYER longs of plan: LN1 weight,
  * bias, the qkv, out, up and down linears, LN2 weight, bias)
- *     h = LN1(x); [q | k | v] = h·W_qkvᵀ + b; r = softmax(q·Kᵀ/√D)·V (k, v cached at pos);
+ *     h = LN1(x); [q | k | v] = h·W_qkvᵀ + b; r = softmax(q·Kᵀ/√D)·V (k, v cached at pos[b]);
  *     x += r·W_outᵀ + b; h = LN2(x); u = GELU(h·W_upᵀ + b); x += u·W_downᵀ + b.
  * kc, vc: layer 0's cache (B, H, max_len, D) of strides (csb, csh, D, 1); layer l's is
- * cl floats further. stats: 2·B floats for LayerNorm's mean and 1/std (unused). */
+ * cl floats further. stats: 2·B floats for LayerNorm's mean and 1/std (unused); scratch:
+ * B·H·ls floats, ls > every pos[b]. */
 void tl_decode_layers(const long *plan, long n_layer, float *x, float *h, float *qkv,
                       float *r, float *u, float *stats, float *kc, float *vc, long cl,
-                      long csb, long csh, long B, long E, long H, long D, long pos, float eps,
-                      float scale, float *scratch, int threads) {
+                      long csb, long csh, long B, long E, long H, long D, const long *pos,
+                      float eps, float scale, float *scratch, long ls, int threads) {
     long HD = H * D;
     for (long l = 0; l < n_layer; l++) {
         const long *p = plan + l * PLAN_LAYER;
         tl_ln_fwd(x, (const float *)p[0], (const float *)p[1], h, stats, stats + B, B, E,
                   eps, 1);
         plan_linear(p + 2, h, qkv, B, threads, 0, 0);
-        tl_attend_one(qkv, 3 * HD, D, qkv + HD, 3 * HD, D, qkv + 2 * HD, 3 * HD, D,
-                      kc + l * cl, vc + l * cl, csb, csh, B, H, D, pos, scale, r, scratch,
-                      threads);
+        tl_attend_rows(qkv, 3 * HD, kc + l * cl, vc + l * cl, csb, csh, B, H, H, D, pos,
+                       scale, r, scratch, ls, threads);
         plan_linear(p + 2 + PLAN_LINEAR, r, x, B, threads, 0, x);
         tl_ln_fwd(x, (const float *)p[2 + 2 * PLAN_LINEAR],
                   (const float *)p[3 + 2 * PLAN_LINEAR], h, stats, stats + B, B, E, eps, 1);

@@ -196,11 +196,16 @@ TL_API void tl_linear_blocks(const float *x, long ldx, const unsigned char *pack
 /* decode.c: the other pieces of a decoding step. */
 TL_API int tl_embed(const long *ids, const float *tok, const float *pos, long position,
                     float *x, long B, long E, long V);
+TL_API int tl_embed_rows(const long *ids, const float *tok, const float *pos,
+                         const long *positions, float *x, long B, long E, long V);
 TL_API void tl_argmax(const float *x, long B, long V, long ldx, long *out, int threads);
 TL_API void tl_attend_one(const float *q, long qsb, long qsh, const float *k, long ksb,
                           long ksh, const float *v, long vsb, long vsh, float *kc,
                           float *vc, long csb, long csh, long B, long H, long D, long pos,
                           float scale, float *out, float *scratch, int threads);
+TL_API void tl_attend_rows(const float *qkv, long ld, float *kc, float *vc, long csb, long csh,
+                           long B, long H, long Hkv, long D, const long *pos, float scale,
+                           float *out, float *scratch, long ls, int threads);
 /* Every block of a standard GPT for one decoding step, from a plan of PLAN_LAYER longs
  * per layer (pointers and sizes, built once by tinylm.native.decoding). */
 #define PLAN_LINEAR 7   /* packed weights or blocks, int8 scales, int8 group (0: not int8),
@@ -208,8 +213,9 @@ TL_API void tl_attend_one(const float *q, long qsb, long qsh, const float *k, lo
 #define PLAN_LAYER 32   /* LN1 weight, bias, 4 linears (qkv, out, up, down) between LN2's */
 TL_API void tl_decode_layers(const long *plan, long n_layer, float *x, float *h, float *qkv,
                              float *r, float *u, float *stats, float *kc, float *vc, long cl,
-                             long csb, long csh, long B, long E, long H, long D, long pos,
-                             float eps, float scale, float *scratch, int threads);
+                             long csb, long csh, long B, long E, long H, long D,
+                             const long *pos, float eps, float scale, float *scratch, long ls,
+                             int threads);
 
 /* gelu.c: the FFN's bias add + GELU, and its backward with GELU recomputed. */
 TL_API void tl_bias_gelu(float *a, const float *b, float *g, long M, long N, int threads);
@@ -248,6 +254,9 @@ TL_API int tl_qk_bwd(const float *dout, const float *qkv, const float *qw, const
                      int threads);
 TL_API void tl_rope_heads(float *x, long ld, long B, long n, long D, const float *w,
                           const float *c, const float *s, float eps, int norm, float *tmp);
+TL_API void tl_rope_rows(float *x, long ld, long B, long n, long D, const float *w,
+                         const float *c, const float *s, const long *pos, float eps, int norm,
+                         float *tmp);
 TL_API void tl_relu2(const float *h, float *g, long n, int threads);
 TL_API void tl_relu2_backward(const float *h, float *grad, float *y, long n, int threads);
 

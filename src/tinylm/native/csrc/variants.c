@@ -153,6 +153,16 @@ void tl_rope_heads(float *x, long ld, long B, long n, long D, const float *w,
         }
 }
 
+/* The same for a ragged batch: row b at its own position pos[b], whose tables are rows
+ * pos[b] of c and s ((positions, D) each; c = NULL: no rotation). */
+void tl_rope_rows(float *x, long ld, long B, long n, long D, const float *w, const float *c,
+                  const float *s, const long *pos, float eps, int norm, float *tmp) {
+    if (!norm && !c) return;
+    for (long b = 0; b < B; b++)
+        tl_rope_heads(x + b * ld, ld, 1, n, D, w, c ? c + pos[b] * D : 0,
+                      c ? s + pos[b] * D : 0, eps, norm, tmp);
+}
+
 /* One q or k head backward: dy (D) the gradient of RoPE(QKNorm(x)) -> dx; the gains'
  * gradient added into dw (if norm). tmp: D floats. */
 static inline void qk_head_back(const float *x, const float *w, float r, const float *c,
