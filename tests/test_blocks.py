@@ -270,6 +270,34 @@ def test_fused_decoding_equals_the_reference_with_the_kernels_arithmetic(monkeyp
             a, b = ref.step(nxt), fused.step(nxt)
 
 
+@pytest.mark.skipif(not NATIVE, reason="TINYLM_NATIVE=0: no fused decoding step")
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_long_prompt_is_prefilled_on_the_blocks_kernel(monkeypatch, layout) -> None:
+    from tinylm.native.decoding import INT8_PREFILL_ROWS
+
+    torch.manual_seed(4)
+    T = INT8_PREFILL_ROWS + 23  # past the step-by-step prefill: the forward runs
+    model = GPT(ModelConfig(vocab_size=61, context_length=T + 8, n_layer=2,
+                            **LAYOUTS[layout])).eval()
+    kinds = iter(list(TYPES) * 8)
+    for name, m in list(model.named_modules()):
+        if type(m) is torch.nn.Linear and name != "lm_head":
+            model.set_submodule(name, BlockLinear.from_linear(m, next(kinds)))
+    model.lm_head = BlockLinear.from_linear(model.lm_head, "Q8_0")
+    fused = native.plan(model, "cpu").decoder(1)
+    prompt = torch.randint(0, 61, (1, T))
+    with torch.inference_mode():
+        dequantized = Decoder(model, 1).prefill(prompt)  # BlockLinear's own forward
+        got = fused.prefill(prompt)
+        assert not [m for m in model.modules()  # the classes swapped back
+                    if isinstance(m, BlockLinear) and type(m) is not BlockLinear]
+        monkeypatch.setattr(BlockLinear, "forward", kernel_forward)
+        want = Decoder(model, 1).prefill(prompt)  # the kernel's arithmetic, in torch
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+    assert (got - dequantized).abs().max() > 1e-6  # not the dequantized path after all
+    assert torch.equal(fused.argmax(got), dequantized.argmax(-1))
+
+
 # --- the command --------------------------------------------------------------------------------
 
 
