@@ -245,12 +245,13 @@ def start_llama_server(file: Path, threads: int) -> tuple[subprocess.Popen, str]
     proc = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", str(file),
                              "--n_threads", str(threads), "--n_threads_batch", str(threads),
                              "--n_ctx", "2048", "--port", str(port), "--host", "127.0.0.1"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                            stdout=subprocess.DEVNULL,  # its load log fills a pipe: a file
+                            stderr=tempfile.TemporaryFile())
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"llama_cpp.server exited: {proc.stderr.read().decode()[-2000:]}")
+            raise RuntimeError(f"llama_cpp.server exited with code {proc.returncode}")
         try:
             if httpx.get(url + "/v1/models", timeout=1).status_code == 200:
                 return proc, url
