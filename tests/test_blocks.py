@@ -233,16 +233,20 @@ LAYOUTS = {"gpt2": dict(n_embd=45, n_head=3),
 
 
 @pytest.mark.skipif(not NATIVE, reason="TINYLM_NATIVE=0: no fused decoding step")
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied-head-Q8_0"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_fused_decoding_equals_the_reference_with_the_kernels_arithmetic(monkeypatch, layout
-                                                                         ) -> None:
+def test_fused_decoding_equals_the_reference_with_the_kernels_arithmetic(monkeypatch, layout,
+                                                                         tied) -> None:
     torch.manual_seed(3)
     model = GPT(ModelConfig(vocab_size=61, context_length=80, n_layer=2,
-                            tie_embeddings=False, **LAYOUTS[layout])).eval()
+                            tie_embeddings=tied, **LAYOUTS[layout])).eval()
     kinds = iter(list(TYPES) * 8)  # every type, head included
     for name, m in list(model.named_modules()):
-        if type(m) is torch.nn.Linear:
+        if type(m) is torch.nn.Linear and not (tied and name == "lm_head"):
             model.set_submodule(name, BlockLinear.from_linear(m, next(kinds)))
+    if tied:  # the tied head as Q8_0 blocks of the embedding (a GGUF import, quantize -4)
+        model.lm_head = BlockLinear.from_linear(model.lm_head, "Q8_0")
+        assert model.lm_head.weight.data_ptr() != model.tok_emb.weight.data_ptr()
     plan = native.plan(model, "cpu")
     assert plan.paths == {"decode"}
     monkeypatch.setattr(BlockLinear, "forward", kernel_forward)
@@ -252,10 +256,46 @@ def test_fused_decoding_equals_the_reference_with_the_kernels_arithmetic(monkeyp
     with torch.inference_mode():
         a, b = ref.prefill(prompt), fused.prefill(prompt)  # prefill through the step
         for _ in range(32):
-            torch.testing.assert_close(b, a, rtol=0, atol=1e-4)
+            if tied:  # the head's product exactly as the kernel's arithmetic, on the
+                h = fused._fused.h  # step's own final-norm output
+                torch.testing.assert_close(b, kernel_product(h, model.lm_head.blocks, "Q8_0"),
+                                           rtol=0, atol=1e-5)
+            # the step's hidden state differs from the reference's in the last float bits
+            # (summation order), which now and then moves an activation across a rounding
+            # boundary of its Q8 code: one code step changes a logit by d·dx·|q| (<= ~1e-3
+            # here, with the tied head's larger weights); without that, ~1e-7
+            torch.testing.assert_close(b, a, rtol=0, atol=2e-3 if tied else 1e-4)
             nxt = ref.argmax(a)
             assert torch.equal(fused.argmax(b), nxt)
             a, b = ref.step(nxt), fused.step(nxt)
+
+
+@pytest.mark.skipif(not NATIVE, reason="TINYLM_NATIVE=0: no fused decoding step")
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_long_prompt_is_prefilled_on_the_blocks_kernel(monkeypatch, layout) -> None:
+    from tinylm.native.decoding import INT8_PREFILL_ROWS
+
+    torch.manual_seed(4)
+    T = INT8_PREFILL_ROWS + 23  # past the step-by-step prefill: the forward runs
+    model = GPT(ModelConfig(vocab_size=61, context_length=T + 8, n_layer=2,
+                            **LAYOUTS[layout])).eval()
+    kinds = iter(list(TYPES) * 8)
+    for name, m in list(model.named_modules()):
+        if type(m) is torch.nn.Linear and name != "lm_head":
+            model.set_submodule(name, BlockLinear.from_linear(m, next(kinds)))
+    model.lm_head = BlockLinear.from_linear(model.lm_head, "Q8_0")
+    fused = native.plan(model, "cpu").decoder(1)
+    prompt = torch.randint(0, 61, (1, T))
+    with torch.inference_mode():
+        dequantized = Decoder(model, 1).prefill(prompt)  # BlockLinear's own forward
+        got = fused.prefill(prompt)
+        assert not [m for m in model.modules()  # the classes swapped back
+                    if isinstance(m, BlockLinear) and type(m) is not BlockLinear]
+        monkeypatch.setattr(BlockLinear, "forward", kernel_forward)
+        want = Decoder(model, 1).prefill(prompt)  # the kernel's arithmetic, in torch
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+    assert (got - dequantized).abs().max() > 1e-6  # not the dequantized path after all
+    assert torch.equal(fused.argmax(got), dequantized.argmax(-1))
 
 
 # --- the command --------------------------------------------------------------------------------
@@ -296,7 +336,10 @@ def test_quantize_bits_4_group_32_writes_packed_blocks(setup, tmp_path, capsys, 
     assert f"{64 * 256 * 4:>13,} {256 * 2 * per:>12,}" in printed  # ffn.up: 64 -> 256
     assert main(["info", str(out), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)["checkpoint"]
-    assert info["parameter_kinds"]["quantized"] == 2 * (64 * 192 + 64 * 64 + 2 * 64 * 256)
+    V = model.config.vocab_size  # and the tied LM head, Q8_0 blocks of V x 64
+    assert isinstance(model.lm_head, BlockLinear) and model.lm_head.block_type == "Q8_0"
+    assert info["parameter_kinds"]["quantized"] == 2 * (64 * 192 + 64 * 64 + 2 * 64 * 256) \
+        + V * 64
     assert info["quantized"][0]["block_type"] == block_type
     assert main(["sample", "--model", str(out), "--prompt", "the", "--max-new-tokens", "5",
                  "--temperature", "0"]) == 0
@@ -325,6 +368,13 @@ def test_quantize_in_python_and_the_report_bytes() -> None:
     # Q4_0 maps a group's signed extreme to code 0 (d = extreme / −8): half a step, d/2 =
     # max/16, everywhere except the other side's end, clipped at code 15: max/8 there
     assert 1 / 16 < qkv.max_rel_error <= (1 / 8) * (1 + 2 ** -10)  # fp16 d
+    # the tied LM head becomes Q8_0 blocks (llama-quantize's higher output type); the
+    # embedding lookup keeps the float table
+    head = report.layers[-1]
+    assert head.name == "lm_head" and isinstance(model.lm_head, BlockLinear)
+    assert model.lm_head.block_type == "Q8_0" and type(model.tok_emb) is torch.nn.Embedding
+    assert torch.equal(model.lm_head.blocks, quantize_blocks(model.tok_emb.weight, "Q8_0"))
+    assert 0 < head.max_rel_error <= (1 / 254) * (1 + 2 ** -10)  # half a step of max/127
 
 
 @pytest.mark.skipif(not NATIVE, reason="TINYLM_NATIVE=0: no decoding plan packs")

@@ -331,8 +331,10 @@ def test_keep_quantized_is_bit_exact(tmp_path, arch, qtype) -> None:
     dense, kept = gguf_to_tinylm(gm), gguf_to_tinylm(gm, keep_quantized=True)
     layers = {n: m for n, m in kept.named_modules() if isinstance(m, BlockLinear)}
     per_block = 5 if arch != "gpt2" else 4  # qkv, out, (gate,) up, down
-    assert len(layers) == per_block * 2
-    assert all(n.startswith("blocks.") for n in layers)
+    assert len(layers) == per_block * 2 + 1  # and the LM head (output, or token_embd tied)
+    assert all(n.startswith("blocks.") for n in layers if n != "lm_head")
+    if dense.config.tie_embeddings:  # the head is the embedding's blocks, the same numbers
+        assert torch.equal(kept.lm_head.weight, kept.tok_emb.weight)
     for name, layer in layers.items():
         assert layer.block_type == qtype.name
         assert torch.equal(layer.weight, dense.get_submodule(name).weight), name
@@ -518,7 +520,10 @@ def test_smollm2_equals_transformers(smollm2) -> None:
     ids = torch.randint(0, 49152, (1, 300))
     assert (_logits(model, ids) - _logits(theirs, ids)).abs().max() < 1e-4
     kept = gguf_to_tinylm(gm, keep_quantized=True)
-    layers = [m for m in kept.modules() if isinstance(m, BlockLinear)]
+    layers = [m for m in kept.blocks.modules() if isinstance(m, BlockLinear)]
     assert len(layers) == 30 * 5 and all(m.block_type == "Q4_1" for m in layers)
+    # the tied head is token_embd's Q8_0 blocks as stored (what llama.cpp reads)
+    assert isinstance(kept.lm_head, BlockLinear) and kept.lm_head.block_type == "Q8_0"
+    assert torch.equal(kept.lm_head.weight, kept.tok_emb.weight)
     assert type(kept.tok_emb) is torch.nn.Embedding
     assert torch.equal(_logits(kept, ids[:, :64]), _logits(model, ids[:, :64]))

@@ -115,8 +115,9 @@ def test_keep_quantized_writes_quantized_layers(tmp_path) -> None:
     info = import_model(path, tmp_path / "ck", keep_quantized=True)
     assert "kept as GGUF blocks where exact" in info.line()
     model, _ = load_checkpoint(tmp_path / "ck")
-    kept = [m for m in model.modules() if isinstance(m, BlockLinear)]
+    kept = [m for m in model.blocks.modules() if isinstance(m, BlockLinear)]
     assert len(kept) == 2 * 5 and all(m.block_type == "Q8_0" for m in kept)  # qkv .. down
+    assert type(model.lm_head) is torch.nn.Linear  # F32 in this file: float, as stored
     with torch.no_grad():
         assert torch.equal(model(_ids()), gguf_to_tinylm(path)(_ids()))
 

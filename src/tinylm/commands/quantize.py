@@ -128,7 +128,9 @@ def quantize(model: nn.Module, bits: int = 8, group_size: int | None = None,
              asymmetric: bool = False) -> QuantizeReport:
     """Replace the chosen Linear layers of ``model`` in place (``copy.deepcopy`` first to
     keep the original) by :class:`QuantizedLinear`, or with ``bits=4, group_size=32`` by
-    :class:`BlockLinear` (GGUF's Q4_0; Q4_1 with ``asymmetric``); return the report."""
+    :class:`BlockLinear` (GGUF's Q4_0; Q4_1 with ``asymmetric``; then, with every layer
+    chosen, the LM head too, tied or not, as Q8_0 blocks: :func:`_head_blocks`); return
+    the report."""
     check_scheme(bits, group_size)
     block_type = block_type_of(bits, group_size, asymmetric)
     chosen = select_layers(model, layers, include_head)
@@ -142,8 +144,24 @@ def quantize(model: nn.Module, bits: int = 8, group_size: int | None = None,
         model.set_submodule(name, new)
         log.debug("quantized %s (%d->%d) to %s", name, layer.in_features,
                   layer.out_features, block_type or f"int{bits}")
+    if block_type is not None and layers is None and type(model.lm_head) is nn.Linear:
+        rows.append(_head_blocks(model))
     return QuantizeReport(bits, group_size, tuple(rows), before, model_bytes(model),
                           block_type=block_type)
+
+
+def _head_blocks(model: nn.Module) -> LayerReport:
+    """The LM head (tied or not) as Q8_0 blocks, as llama-quantize keeps the output at a
+    higher type than the 4-bit blocks: a tied head is the token embedding, which the
+    decoding step would otherwise read in float32 (4 bytes per weight; Q8_0: 1.06). The
+    embedding lookup keeps the float table; a tied model's head and embedding then differ
+    by Q8_0's rounding (|w − q·d| <= d/2 per weight)."""
+    head = model.lm_head
+    W = head.weight.detach().to(torch.float32)
+    new = BlockLinear.from_linear(head, "Q8_0")
+    model.lm_head = new
+    log.debug("quantized lm_head (%d->%d) to Q8_0", head.in_features, head.out_features)
+    return _layer_report("lm_head", W, new, W.element_size())
 
 
 def _layer_report(name: str, W: torch.Tensor, new: QuantizedLinear | BlockLinear,

@@ -19,8 +19,9 @@ the K-quants super-blocks of 256). The container is read by the format's own lib
   and 2i + 1); :func:`unpermute_rows` is the inverse. qwen2, qwen3 and gpt2 are not
   permuted (qwen3 is qwen2 without the QKV biases and with QK-norm: tinylm's ``qk_norm``);
 - ``keep_quantized``: Q8_0, Q4_0 and Q4_1 block weights of the blocks' Linear layers
-  kept as :class:`~tinylm.layers.blocks.BlockLinear`, the file's bytes as they are (no
-  round trip through float32), bit-exact with their dequantized floats.
+  and of the LM head (``output``, or a tied head's ``token_embd``) kept as
+  :class:`~tinylm.layers.blocks.BlockLinear`, the file's bytes as they are (no round
+  trip through float32), bit-exact with their dequantized floats.
 
 ``transformers`` is not needed here (tests compare against its GGUF loader).
 """
@@ -463,7 +464,8 @@ def _convert(model: GGUFModel, keep_quantized: bool, empty: GPT
     kept: dict[str, dict[str, Any]] = {}
     for ours, parts in _groups(_rows(model.arch, model.config)).items():
         scheme = None
-        if keep_quantized and ours.startswith("blocks.") and ours.endswith(".weight"):
+        if keep_quantized and (ours.startswith("blocks.") or ours == "lm_head.weight") \
+                and ours.endswith(".weight"):
             scheme = _kept_scheme([model.tensors[g] for g, _ in parts])
         if scheme is None:
             (w,) = _fused(model, parts, lambda t: (_dequantized(t),))
@@ -477,7 +479,28 @@ def _convert(model: GGUFModel, keep_quantized: bool, empty: GPT
         layer = ours[:-len(".weight")]
         state[f"{layer}.blocks"] = raw
         kept[layer] = {"type": scheme}
+    if keep_quantized and model.config.tie_embeddings:
+        _tied_head_blocks(model, state, kept)
     return state, kept
+
+
+def _tied_head_blocks(model: GGUFModel, state: dict[str, Tensor],
+                      kept: dict[str, dict[str, Any]]) -> None:
+    """A tied LM head read as the file stores it: when ``token_embd`` is of a kept type
+    (SmolLM2's is Q8_0), the head becomes a BlockLinear of those bytes (the decoding step
+    reads 1.06 bytes per weight instead of float32's 4, as llama.cpp does); the token
+    embedding stays the dequantized float table (a lookup reads one row). Both are the
+    same numbers: the head's dequantized weight equals the embedding bit for bit."""
+    t = model.tensors["token_embd.weight"]
+    scheme = _kept_scheme([t])
+    if scheme is None:
+        return
+    (raw,) = block_bytes(t)
+    c = model.config
+    _check_shape(model, "token_embd.weight", tuple(raw.shape),
+                 (c.vocab_size, -(-c.n_embd // GROUP) * GGML_BLOCK_BYTES[scheme]))
+    state["lm_head.blocks"] = raw
+    kept["lm_head"] = {"type": scheme}
 
 
 def gguf_state_dict(model: GGUFModel, *, keep_quantized: bool = False) -> dict[str, Tensor]:
@@ -493,9 +516,10 @@ def gguf_to_tinylm(source: str | os.PathLike | GGUFModel, *,
 
     ``source`` is a path or what :func:`read_gguf` returned (read it first to keep its
     ``fields``: tokenizer, chat template). With ``keep_quantized`` the blocks' Linear
-    layers stored as Q8_0, Q4_0 or Q4_1 become :class:`~tinylm.layers.blocks.BlockLinear`
-    holding the file's bytes (config.json's "gguf_blocks" section describes them when
-    saved); everything else is dequantized to float32.
+    layers and the LM head (a tied one too: :func:`_tied_head_blocks`) stored as Q8_0,
+    Q4_0 or Q4_1 become :class:`~tinylm.layers.blocks.BlockLinear` holding the file's
+    bytes (config.json's "gguf_blocks" section describes them when saved); everything
+    else is dequantized to float32.
     """
     gm = source if isinstance(source, GGUFModel) else read_gguf(source)
     try:  # estimated before allocating, as for a tinylm config.json
@@ -507,7 +531,7 @@ def gguf_to_tinylm(source: str | os.PathLike | GGUFModel, *,
     state, kept = _convert(gm, keep_quantized, model)
     registry.apply_structure(model, {"gguf_blocks": kept} if kept else {})
     result = model.load_state_dict(state, strict=False, assign=True)
-    if gm.config.tie_embeddings:
+    if gm.config.tie_embeddings and "lm_head" not in kept:
         model.lm_head.weight = model.tok_emb.weight
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     assert not left and not result.unexpected_keys, (left, result.unexpected_keys)

@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import torch
@@ -46,12 +48,12 @@ from torch import Tensor, nn
 from tinylm.core.attention import RMSNorm, apply_rope, rope_angles
 from tinylm.core.decoding import Decoder, KVCache, RaggedDecoder, RaggedKVCache
 from tinylm.core.model import FeedForward, GatedFeedForward
+from tinylm.layers.blocks import BlockLinear
 from tinylm.layers.registry import decoding_of
 from tinylm.native.ops import Library, PackedBlocks, PackedQ8, check, header_constant
 from tinylm.native.variants import signed_sin
 
 if TYPE_CHECKING:
-    from tinylm.layers.blocks import BlockLinear
     from tinylm.layers.quantized import QuantizedLinear
 
 
@@ -174,11 +176,15 @@ class FusedDecoder(_NativeArgmax):
         """The model's forward over the prompt (large products: BLAS), except for a model
         with int8 layers and a short prompt: its forward would dequantize every weight, so
         the prompt goes through the fused step one position at a time instead (the int8
-        kernel; the LM head at the last position only). ``prefill`` is reset + this."""
+        kernel; the LM head at the last position only). A longer prompt of a model with
+        GGUF block layers runs the forward with those layers' products on the blocks
+        kernel (:func:`_blocks_by_kernel`), not on their dequantized weights. ``prefill``
+        is reset + this."""
         B, T = ids.shape if ids.dim() == 2 else (0, 0)
         if not self._int8 or B != self._fused.B or not 0 < T * B <= INT8_PREFILL_ROWS \
                 or self.cache.length + T > self.cache.max_len:
-            return super().extend(ids)
+            with _blocks_by_kernel(self.model, self.lib):
+                return super().extend(ids)
         for t in range(T - 1):
             self._fused(ids[:, t], head=False)
         return self._fused(ids[:, T - 1])
@@ -186,6 +192,41 @@ class FusedDecoder(_NativeArgmax):
     def step(self, ids: Tensor) -> Tensor:
         self.cache.check_room(1)
         return self._fused(ids)
+
+
+class _KernelBlockLinear(BlockLinear):
+    """:class:`BlockLinear` whose forward is the blocks kernel (csrc/blocks.c: activations
+    quantized per block of 32, integer dot products; ``kernel_product``'s arithmetic) on
+    its packed blocks, for float32 CPU inputs: the prompt pass of a decoding plan."""
+
+    reference_class = BlockLinear
+    _tinylm_lib: Library
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] == 0:
+            return super().forward(x)
+        rows = x.reshape(-1, self.in_features).contiguous()
+        y = self._tinylm_lib.linear_blocks_packed(rows, packed_blocks(self._tinylm_lib, self),
+                                                  self.bias)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
+@contextmanager
+def _blocks_by_kernel(model: nn.Module, lib: Library) -> Iterator[None]:
+    """Within the block, every :class:`BlockLinear` of ``model`` computes by the blocks
+    kernel (a class swap, undone on exit, as :class:`tinylm.native.plan.Plan` swaps):
+    a 512-token prompt's products then read the 4-bit codes (~5x faster than
+    dequantizing every weight for ``F.linear`` on one core)."""
+    swapped = [m for m in model.modules() if type(m) is BlockLinear]
+    for m in swapped:
+        m.__class__ = _KernelBlockLinear
+        m._tinylm_lib = lib
+    try:
+        yield
+    finally:
+        for m in swapped:
+            m.__class__ = BlockLinear
+            m.__dict__.pop("_tinylm_lib", None)
 
 
 class _FusedStep:
