@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from tinylm.native import gemm
 from tinylm.native.ops import Library
 
 
@@ -100,7 +101,7 @@ def ffn_backward(lib: Library | None, gy: Tensor, x2: Tensor, h: Tensor, w_up: T
     grad_h, g, grad_b_up = gelu_backward(lib, grad_g, h, need[2], scratch)
     grad_w_down = gy.t() @ g if need[3] else None  # (E, B·C)·(B·C, 4E) -> (E, 4E)
     grad_w_up = grad_h.t() @ x2 if need[1] else None  # (4E, B·C)·(B·C, E) -> (4E, E)
-    grad_x2 = grad_h @ w_up if need[0] else None  # (B·C, 4E)·(4E, E) -> (B·C, E)
+    grad_x2 = gemm.xw(grad_h, w_up) if need[0] else None  # (B·C, 4E)·(4E, E) -> (B·C, E)
     return grad_x2, grad_w_up, grad_b_up, grad_w_down
 
 
@@ -137,9 +138,9 @@ def ffn_forward(lib: Library | None, x: Tensor, w_up: Tensor, b_up: Tensor | Non
     """:class:`FeedForwardFn`'s forward: (y (B, C, E), h = x·W_upᵀ + b_up (B·C, 4E), kept
     for backward); both new tensors."""
     x2 = x.reshape(-1, x.shape[-1])  # (B, C, E) -> (B·C, E)
-    h = x2 @ w_up.t()  # (B·C, E)·(E, 4E) -> (B·C, 4E)
+    h = gemm.xwt(x2, w_up)  # (B·C, E)·(E, 4E) -> (B·C, 4E)
     g = bias_gelu_(lib, h, b_up)  # h += b_up in place; g = GELU(h)
-    y = g @ w_down.t()  # (B·C, 4E)·(4E, E) -> (B·C, E)
+    y = gemm.xwt(g, w_down)  # (B·C, 4E)·(4E, E) -> (B·C, E)
     if b_down is not None:
         y += b_down
     return y.view(*x.shape[:-1], y.shape[-1]), h  # -> (B, C, E)
@@ -175,7 +176,7 @@ def qkv_attention_backward(lib: Library, grad_r: Tensor, x2: Tensor, w_qkv: Tens
                                                     bias_grad=need[2], grad_qkv=out)
     g = grad_qkv.view(-1, grad_qkv.shape[-1])  # (B·C, 3·H·D)
     grad_w = g.t() @ x2 if need[1] else None  # (3·H·D, B·C)·(B·C, E)
-    grad_x2 = g @ w_qkv if need[0] else None  # (B·C, 3·H·D)·(3·H·D, E)
+    grad_x2 = gemm.xw(g, w_qkv) if need[0] else None  # (B·C, 3·H·D)·(3·H·D, E)
     return grad_x2, grad_w, grad_b
 
 
@@ -214,9 +215,9 @@ def attention_forward(lib: Library, x: Tensor, w_qkv: Tensor, b_qkv: Tensor | No
     (B, C, 3·H·D, the bias added), the heads' outputs R (B, C, H·D), their log-sum-exp
     (B, H, C)); each a new tensor."""
     x2 = x.reshape(-1, x.shape[-1])  # (B, C, E) -> (B·C, E)
-    qkv = (x2 @ w_qkv.t()).view(*x.shape[:-1], w_qkv.shape[0])  # -> (B, C, 3·H·D)
+    qkv = gemm.xwt(x2, w_qkv).view(*x.shape[:-1], w_qkv.shape[0])  # -> (B, C, 3·H·D)
     r, lse = lib.causal_attention(qkv, n_head, b_qkv)  # (B, C, H·D), (B, H, C)
-    y = r.view(-1, r.shape[-1]) @ w_out.t()  # (B·C, H·D)·(H·D, E) -> (B·C, E)
+    y = gemm.xwt(r.view(-1, r.shape[-1]), w_out)  # (B·C, H·D)·(H·D, E) -> (B·C, E)
     if b_out is not None:
         y += b_out
     return y.view(*x.shape[:-1], y.shape[-1]), qkv, r, lse
@@ -232,7 +233,7 @@ def attention_backward(lib: Library, grad_y: Tensor, x: Tensor, w_qkv: Tensor, q
     gy = grad_y.reshape(-1, grad_y.shape[-1])  # (B·C, E)
     grad_w_out = gy.t() @ r.view(-1, r.shape[-1]) if need[3] else None  # (E, H·D)
     grad_b_out = gy.sum(0) if need[4] else None
-    grad_r = (gy @ w_out).view(r.shape)  # (B·C, E)·(E, H·D) -> (B, C, H·D)
+    grad_r = gemm.xw(gy, w_out).view(r.shape)  # (B·C, E)·(E, H·D) -> (B, C, H·D)
     grad_x2, grad_w_qkv, grad_b_qkv = qkv_attention_backward(
         lib, grad_r, x2, w_qkv, qkv, r, lse, n_head, (need[0], need[1], need[2]))
     grad_x = grad_x2.view(*grad_y.shape[:-1], x2.shape[1]) if need[0] else None
@@ -299,14 +300,14 @@ def block_forward(lib: Library, x: Tensor, n_head: int, eps1: float, eps2: float
     x0 = x.contiguous().view(-1, E)  # (B·C, E)
     # each LayerNorm pass also starts its branch's residual sum: x + b_o, x1 + b_down
     a_in, mu1, rs1, x1 = lib.layer_norm_residual(x0, ln1_w, ln1_b, eps1, b_out)
-    qkv = (a_in @ w_qkv.t()).view(B, C, w_qkv.shape[0])  # (B, C, 3·H·D)
+    qkv = gemm.xwt(a_in, w_qkv).view(B, C, w_qkv.shape[0])  # (B, C, 3·H·D)
     r, lse = lib.causal_attention(qkv, n_head, b_qkv)  # (B, C, H·D), (B, H, C)
     r2 = r.view(B * C, -1)
-    x1.addmm_(r2, w_out.t())  # x1 = x + b_o + R·W_oᵀ
+    x1 = gemm.xwt_add(x1, r2, w_out)  # x1 = x + b_o + R·W_oᵀ
     f_in, mu2, rs2, y = lib.layer_norm_residual(x1, ln2_w, ln2_b, eps2, b_down)
-    h = f_in @ w_up.t()  # (B·C, 4E)
+    h = gemm.xwt(f_in, w_up)  # (B·C, 4E)
     g = lib.bias_gelu_(h, b_up, SCRATCH.get("ffn_act", tuple(h.shape)))  # h += b_up
-    y.addmm_(g, w_down.t())  # y = x1 + b_down + GELU(h)·W_downᵀ
+    y = gemm.xwt_add(y, g, w_down)  # y = x1 + b_down + GELU(h)·W_downᵀ
     return y.view(B, C, E), (mu1, rs1, a_in, qkv, r2, lse, x1, mu2, rs2, f_in, h)
 
 

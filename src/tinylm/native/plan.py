@@ -75,7 +75,7 @@ from tinylm.layers.registry import (
     training_classes,
     training_weight,
 )
-from tinylm.native import build, customops, decoding, ops, variants
+from tinylm.native import build, customops, decoding, gemm, ops, variants
 from tinylm.native.functions import BlockFn, CausalAttentionFn, FeedForwardFn
 
 log = logging.getLogger("tinylm.native")
@@ -621,6 +621,8 @@ def plan(model: nn.Module, device: torch.device | str | None = None) -> Plan:
     decision = eligibility(model, dev, lib)
     for reason in decision.reasons:
         log.debug("native: %s", reason)
+    if lib is not None:  # a bad TINYLM_GEMM is refused here, before any step runs
+        log.debug("native: large products on %s", gemm.selected())
     return Plan(model, decision, lib)
 
 

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from tinylm.core.attention import rope_angles
+from tinylm.native import gemm
 from tinylm.native.functions import Scratch, gelu_backward
 from tinylm.native.ops import Library
 
@@ -257,13 +258,13 @@ def block_backward(lib: Library, layout: Layout, grad_y: Tensor, main: tuple[Ten
         need["ln2_b"], gy)
     grads["w_out"] = grad_x1.t() @ r2 if need["w_out"] else None
     grads["b_out"] = grad_x1.sum(0) if t["b_out"] is not None and need["b_out"] else None
-    grad_r = (grad_x1 @ t["w_out"]).view(*grad_y.shape[:2], -1)  # (B, C, H·D)
+    grad_r = gemm.xw(grad_x1, t["w_out"]).view(*grad_y.shape[:2], -1)  # (B, C, H·D)
     grad_qkv = _attention_grads(lib, layout, grad_r, att_in, r2, lse, qk, rs_qk, t, need,
                                 grads)
     g2 = grad_qkv.view(x0.shape[0], -1)  # (B·C, 3·H·D)
     grads["w_qkv"] = g2.t() @ a_in if need["w_qkv"] else None
     grad_x, grads["ln1_w"], grads["ln1_b"] = norm_backward(  # + grad_x1: the residual
-        lib, layout.norm, g2 @ t["w_qkv"], x0, t["ln1_w"], st1, need["ln1_w"],
+        lib, layout.norm, gemm.xw(g2, t["w_qkv"]), x0, t["ln1_w"], st1, need["ln1_w"],
         need["ln1_b"], grad_x1)
     return grad_x.view(grad_y.shape), grads
 
@@ -282,14 +283,14 @@ def rope_tables(C: int, head_dim: int, theta: float, device: torch.device
 def _mlp_grads(lib: Library, kind: str, gy: Tensor, f_in: Tensor, kept: tuple[Tensor, ...],
                t: dict[str, Tensor | None], need: dict[str, bool]) -> dict[str, Tensor | None]:
     """The MLP's gradients from dL/dy (B·C, E): its weights' and biases', and "f_in"."""
-    grad_g = gy @ t["w_down"]  # (B·C, E)·(E, F) -> (B·C, F)
+    grad_g = gemm.xw(gy, t["w_down"])  # (B·C, E)·(E, F) -> (B·C, F)
     g, grad_h, grad_gate = mlp_backward(lib, kind, grad_g, kept)
     grads: dict[str, Tensor | None] = {
         "w_down": gy.t() @ g if need["w_down"] else None,
         "b_down": gy.sum(0) if t["b_down"] is not None and need["b_down"] else None,
         "w_up": grad_h.t() @ f_in if need["w_up"] else None,
         "b_up": grad_h.sum(0) if t["b_up"] is not None and need["b_up"] else None,
-        "f_in": grad_h @ t["w_up"]}
+        "f_in": gemm.xw(grad_h, t["w_up"])}
     if grad_gate is not None:
         grads["w_gate"] = grad_gate.t() @ f_in if need["w_gate"] else None
         grads["b_gate"] = grad_gate.sum(0) if t["b_gate"] is not None and need["b_gate"] \

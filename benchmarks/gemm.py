@@ -1,0 +1,123 @@
+"""The training block's matrix products on torch's two CPU GEMM libraries, side by side:
+torch's ``mm`` (MKL) and oneDNN's fp32 linear (``tinylm.native.gemm``), in one run.
+
+    python benchmarks/gemm.py [--repeats 30] [--threads N] [--no-write]
+
+For the block products of the two training shapes of ``benchmarks/train.py`` (4×128 B=12
+and 6×384 B=8): x·Wᵀ (the projections), y + x·Wᵀ (the output projections into the
+residual), G·W (the input gradients) and Gᵀ·X (the weight gradients, which tinylm keeps on
+torch's mm). The two libraries alternate call by call; the figure is the median time.
+``gemm.MIN_WORK`` is the size above which tinylm uses oneDNN; the table says which
+library each product takes. Written to BENCHMARKS.md between ``<!-- bench:gemm -->``
+markers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import closing_lines, write_section  # noqa: E402
+from tinylm.native import gemm  # noqa: E402
+
+# shape name -> (tokens N = B·C, E)
+SHAPES = {"4×128 B=12": (12 * 64, 128), "6×384 B=8": (8 * 256, 384)}
+
+
+def products(N: int, E: int) -> dict[str, tuple]:
+    """name -> (a function of the backend, multiply-adds, whether tinylm routes it)."""
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g)
+
+    out = {}
+    for name, (I, O) in {"QKV x·Wᵀ": (E, 3 * E), "up x·Wᵀ": (E, 4 * E)}.items():
+        x, w = rand(N, I), rand(O, I)
+        out[name] = (lambda x=x, w=w: gemm.xwt(x, w), N * I * O, True)
+    for name, (I, O) in {"out y + x·Wᵀ": (E, E), "down y + x·Wᵀ": (4 * E, E)}.items():
+        x, w, y = rand(N, I), rand(O, I), rand(N, O)
+        out[name] = (lambda x=x, w=w, y=y: gemm.xwt_add(y.clone(), x, w), N * I * O, True)
+    for name, (I, O) in {"up G·W": (E, 4 * E), "down G·W": (4 * E, E)}.items():
+        grad, w = rand(N, O), rand(O, I)
+        out[name] = (lambda grad=grad, w=w: gemm.xw(grad, w), N * I * O, True)
+    grad, x = rand(N, 4 * E), rand(N, E)
+    out["up Gᵀ·X"] = (lambda: _gtx(grad, x), N * E * 4 * E, False)
+    return out
+
+
+def _gtx(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Gᵀ·X on the selected library (tinylm itself always uses torch's mm for it)."""
+    if gemm.selected() == "onednn":
+        return torch.ops.mkldnn._linear_pointwise(grad.t(), x.t(), None, "none", [], "")
+    return grad.t() @ x
+
+
+def timed(fn, backend: str) -> float:
+    """One call of ``fn`` on ``backend``, whatever the product's size (MIN_WORK off)."""
+    threshold, gemm.MIN_WORK = gemm.MIN_WORK, 0
+    try:
+        with gemm.using(backend):
+            t = time.perf_counter()
+            fn()
+            return time.perf_counter() - t
+    finally:
+        gemm.MIN_WORK = threshold
+
+
+def measure(repeats: int) -> list[dict]:
+    rows = []
+    for shape, (N, E) in SHAPES.items():
+        for name, (fn, work, routed) in products(N, E).items():
+            times = {"torch": [], "onednn": []}
+            for backend in times:
+                timed(fn, backend)  # warm-up: oneDNN's primitive, MKL's buffers
+            for _ in range(repeats):
+                for backend in times:
+                    times[backend].append(timed(fn, backend))
+            t, d = (statistics.median(times[b]) for b in ("torch", "onednn"))
+            takes = "oneDNN" if routed and work >= gemm.MIN_WORK else "torch mm"
+            rows.append({"shape": shape, "product": name, "work": work, "torch": t,
+                         "onednn": d, "takes": takes if routed else "torch mm (always)"})
+            print(rows[-1], file=sys.stderr)
+    return rows
+
+
+def render(rows: list[dict], threads: int, load: float) -> str:
+    lines = [f"{os.cpu_count()} CPUs, {threads} threads, torch {torch.__version__}, fp32; "
+             f"median of alternated calls. tinylm uses oneDNN for products of at least "
+             f"{gemm.MIN_WORK:,} multiply-adds (`tinylm.native.gemm.MIN_WORK`).", "",
+             "| shape | product | multiply-adds | torch mm ms | oneDNN ms | "
+             "torch ÷ oneDNN | tinylm takes |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['shape']} | {r['product']} | {r['work'] / 1e6:,.0f} M | "
+                     f"{r['torch'] * 1e3:.3f} | {r['onednn'] * 1e3:.3f} | "
+                     f"{r['torch'] / r['onednn']:.2f}× | {r['takes']} |")
+    return "\n".join(lines + closing_lines("benchmarks/gemm.py", load))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=30, help="calls per library")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--no-write", action="store_true", help="print only")
+    args = parser.parse_args()
+    if not gemm._available():
+        sys.exit("this torch has no oneDNN linear op: nothing to compare")
+    torch.set_num_threads(args.threads)
+    load = os.getloadavg()[0]
+    table = render(measure(args.repeats), args.threads, load)
+    print(table)
+    if not args.no_write:
+        write_section("gemm", "The block's products: torch mm (MKL) and oneDNN", table)
+
+
+if __name__ == "__main__":
+    main()
