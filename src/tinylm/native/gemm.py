@@ -80,9 +80,10 @@ def using(backend: str) -> Iterator[None]:
 
 def _onednn(x: Tensor, w: Tensor) -> bool:
     """Whether x (rows on the left) and w take oneDNN's path."""
-    return (x.dtype == torch.float32 and w.dtype == torch.float32 and x.dim() == 2
+    return (x.dim() == 2 and x.shape[0] * w.numel() >= MIN_WORK  # small: no more checks
+            and x.dtype == torch.float32 and w.dtype == torch.float32
             and x.device.type == "cpu" and w.device.type == "cpu" and x.is_contiguous()
-            and x.shape[0] * w.numel() >= MIN_WORK and selected() == "onednn")
+            and selected() == "onednn")
 
 
 def xwt(x: Tensor, w: Tensor) -> Tensor:
