@@ -49,6 +49,7 @@ from report import write_section  # noqa: E402
 from tinylm import native  # noqa: E402
 from tinylm.core.config import ModelConfig  # noqa: E402
 from tinylm.core.model import GPT  # noqa: E402
+from tinylm.native import gemm  # noqa: E402
 
 VOCAB = 65
 # name -> (n_layer, n_head, n_embd, context_length)
@@ -123,19 +124,26 @@ def batch(config: ModelConfig, B: int, seed: int = 0):
 
 def matmul_rate(sizes: tuple[int, ...] = (512, 1024, 2048), seconds: float = 0.5) -> float:
     """Best observed fp32 GEMM rate (FLOP/s) of this machine at the current thread count,
-    over square sizes (each timed for about ``seconds``, best of 5 blocks)."""
+    over square sizes and both of torch's CPU GEMM libraries (torch's mm, i.e. MKL, and
+    oneDNN's linear, which tinylm uses for large products: tinylm.native.gemm), each
+    timed for about ``seconds``, best of 5 blocks."""
     best_rate = 0.0
     for n in sizes:
         a, b = torch.randn(n, n), torch.randn(n, n)
-        a @ b
-        t = time.perf_counter()
-        a @ b
-        reps = max(1, int(seconds / 5 / max(time.perf_counter() - t, 1e-6)))
-        for _ in range(5):
+        products = [lambda: a @ b]
+        if gemm._available():
+            products.append(lambda: torch.ops.mkldnn._linear_pointwise(a, b, None, "none",
+                                                                       [], ""))
+        for product in products:
+            product()
             t = time.perf_counter()
-            for _ in range(reps):
-                a @ b
-            best_rate = max(best_rate, 2 * n**3 * reps / (time.perf_counter() - t))
+            product()
+            reps = max(1, int(seconds / 5 / max(time.perf_counter() - t, 1e-6)))
+            for _ in range(5):
+                t = time.perf_counter()
+                for _ in range(reps):
+                    product()
+                best_rate = max(best_rate, 2 * n**3 * reps / (time.perf_counter() - t))
     return best_rate
 
 
@@ -192,7 +200,8 @@ def throughput(shape: str, B: int, repeats: int, steps: int, block_s: float = 1.
 
 
 #: What a profiled op's self time is counted as (the rest: "other").
-GEMMS = ("aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm")
+GEMMS = ("aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm",
+         "mkldnn::_linear_pointwise")  # oneDNN's products (tinylm.native.gemm)
 NATIVE = ("BlockFn", "BlockFnBackward", "VariantBlockFn", "VariantBlockFnBackward",
           "tinylm::block", "tinylm::block_backward", "tinylm::variant_block",
           "tinylm::variant_block_backward")  # ctypes kernels + their Python, in these ranges
@@ -278,8 +287,8 @@ def render(rate: float, rows: list[dict], mem: list[dict], threads: int, command
     lines = [
         f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
         f"torch {torch.__version__}, transformers {transformers.__version__}, "
-        f"{threads} threads, fp32. Measured fp32 matmul rate (best square GEMM, "
-        f"measured before and after the timings): "
+        f"{threads} threads, fp32. Measured fp32 matmul rate (best square GEMM of torch's "
+        f"mm and oneDNN's linear, measured before and after the timings): "
         f"**{rate / 1e9:.1f} GFLOP/s**. Load average (1 min) at the end of each shape: "
         + ", ".join(f"{r['shape']} {r['load']:.1f}" for r in rows) + ".",
         "",

@@ -2,18 +2,19 @@
 two fp32 GEMM libraries.
 
 torch's CPU ``mm`` calls MKL. MKL takes its generic code path on AMD CPUs, where oneDNN's
-fp32 matmul -- the kernel inductor itself emits for a linear layer on the CPU
-(``torch.ops.mkldnn._linear_pointwise``) -- is faster for the products a block's forward
-and its input gradients compute: x·Wᵀ and G·W, with rows of activations on the left
-(6×384 B=8 on an AMD EPYC, 2 threads: the QKV, up and down projections 1.12–1.23× faster;
-``python benchmarks/gemm.py`` measures both libraries side by side on this machine).
+fp32 linear (``torch.ops.mkldnn._linear_pointwise``, the op inductor uses for linear
+layers when it freezes weights for CPU inference) is faster for the large products a
+block's forward and its input gradients compute: x·Wᵀ and G·W, rows of activations on
+the left
+(6×384 B=8 on an AMD EPYC, 2 threads: those products 1.1–1.5× faster, a training step
+1.03–1.10×; ``python benchmarks/gemm.py`` measures both libraries side by side).
 The weight gradients Gᵀ·X keep torch's ``mm``: their left operand is transposed, which
 oneDNN first copies, and MKL is the faster there.
 
 Both compute IEEE fp32 products (no reduced-precision modes); they differ only in the
 order of the sums, so a block's outputs agree within float32 rounding
-(tests/test_gemm.py holds each product to float64 and the native block to itself under
-each library).
+(tests/test_gemm.py holds each product to float64, and a training step with every
+product on oneDNN to the reference model).
 
 The choice is made once (:func:`selected`): ``"onednn"`` where torch was built with
 oneDNN and has the op, ``"torch"`` otherwise, or as ``TINYLM_GEMM=torch`` (or ``onednn``)
@@ -33,9 +34,9 @@ from torch import Tensor
 from tinylm.core.errors import ConfigError
 
 BACKENDS = ("onednn", "torch")
-#: Products of fewer multiply-adds (N·I·O) than this stay on torch's mm: oneDNN's set-up
-#: per call (a primitive, a weight reorder) costs more than it saves on small products
-#: (4×128 B=12: its steps were 1.09× slower with every product on oneDNN).
+#: Products of fewer multiply-adds (N·I·O) than this stay on torch's mm: with every product
+#: on oneDNN a 4×128 B=12 training step was 1.09× slower in-process, although single
+#: products of its sizes time faster in isolation; 6×384's (≥ 3·10⁸) gain.
 MIN_WORK = 1 << 27
 _chosen: list[str] = []  # the backend in use, decided on first call
 
