@@ -130,10 +130,10 @@ def matmul_rate(sizes: tuple[int, ...] = (512, 1024, 2048), seconds: float = 0.5
     best_rate = 0.0
     for n in sizes:
         a, b = torch.randn(n, n), torch.randn(n, n)
-        products = [lambda: a @ b]
+        products = [lambda a=a, b=b: a @ b]
         if gemm._available():
-            products.append(lambda: torch.ops.mkldnn._linear_pointwise(a, b, None, "none",
-                                                                       [], ""))
+            products.append(lambda a=a, b=b: torch.ops.mkldnn._linear_pointwise(
+                a, b, None, "none", [], ""))
         for product in products:
             product()
             t = time.perf_counter()
