@@ -27,15 +27,6 @@
 #define MK_C 2   /* 16 columns with AVX2, 8 with 4-float vectors */
 #endif
 
-/* Each loaded vector of x serves R FMAs from a register: without this, GCC folds the load
- * into every FMA (a memory operand per FMA), which makes the kernel load-bound where a
- * 512-bit load issues at one per cycle (AMD Zen 4). */
-#if defined(__x86_64__) && defined(__AVX__)
-#define KEEP_IN_REGISTER(v) __asm__("" : "+v"(v))
-#else
-#define KEEP_IN_REGISTER(v) ((void)0)
-#endif
-
 /* y[r][0 : VL·NC) = alpha · Σ_{k0 <= k < k1} a[r·sr + k·sk] · x[k·ldx + 0 : VL·NC), r < R */
 static inline __attribute__((always_inline)) void mk(
         const float *a, long sr, long sk, const float *x, long ldx, long k0, long k1,

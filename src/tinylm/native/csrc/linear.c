@@ -77,7 +77,10 @@ static inline __attribute__((always_inline)) void panel_rows(
                 const float *w = pw + i * PW + g * VL;
                 for (int c = 0; c < CG * VL; c += 16) __builtin_prefetch(w + PREFETCH_AHEAD + c);
                 vf wv[CG];
-                for (int c = 0; c < CG; c++) wv[c] = loadv(w + c * VL);
+                for (int c = 0; c < CG; c++) {
+                    wv[c] = loadv(w + c * VL);
+                    KEEP_IN_REGISTER(wv[c]);
+                }
                 for (int m = 0; m < MR; m++) {
                     float xv = x[m * ldx + i];
                     for (int c = 0; c < CG; c++) acc[m][c] += wv[c] * xv;
