@@ -104,16 +104,22 @@ def report(args, rows: dict, load: float) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def server_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags every benchmark of a live SmolLM2 server takes (this one, speculate.py):
+    --model, --threads of the server's decoding loop, --no-write."""
     parser.add_argument("--model", type=Path, default=DEFAULT_GGUF,
                         help="a checkpoint folder or .gguf file (default: SmolLM2's GGUF)")
-    parser.add_argument("--prefix", type=int, default=1000, help="shared prefix tokens")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--max-tokens", type=int, default=4)
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads of the server's decoding loop (default 1)")
     parser.add_argument("--no-write", action="store_true", help="print only")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    server_flags(parser)
+    parser.add_argument("--prefix", type=int, default=1000, help="shared prefix tokens")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--max-tokens", type=int, default=4)
     args = parser.parse_args()
     load = os.getloadavg()[0]
     tok = load_tokenizer_of(resolve_checkpoint_dir(args.model))

@@ -25,12 +25,11 @@ import platform
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import torch
 
-from prefix import DEFAULT_GGUF, metric
+from prefix import metric, server_flags
 from report import closing_lines, write_section
 from serve import start_server
 from tinylm.io.checkpoint import load_tokenizer_of, resolve_checkpoint_dir
@@ -142,14 +141,10 @@ def report(args, plain: dict, spec: dict, load: float) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", type=Path, default=DEFAULT_GGUF,
-                        help="a checkpoint folder or .gguf file (default: SmolLM2's GGUF)")
+    server_flags(parser)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--draft-tokens", type=int, default=8)
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads of the server's decoding loop (default 1)")
-    parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args()
     load = os.getloadavg()[0]
     tok = load_tokenizer_of(resolve_checkpoint_dir(args.model))

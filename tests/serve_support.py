@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tinylm.core.config import ModelConfig
+from tinylm.core.config import ARCH_PRESETS, ModelConfig
 from tinylm.core.model import GPT
 from tinylm.data.tokenizers import BPETokenizer
 from tinylm.serve.app import Server, Settings, create_app
@@ -38,6 +38,17 @@ def tiny_model_and_tokenizer(context_length: int = 64, eos: bool = True):
     with torch.no_grad():
         model.lm_head.weight.mul_(30.0)
     return model, tok
+
+
+def layout_model(layout: str, context_length: int) -> GPT:
+    """A random 2-layer, 50-token model (seed 0) of GPT-2's layout ("gpt2", 2 heads) or
+    Llama's with grouped-query attention ("llama-gqa": 4 query heads sharing 2 K/V)."""
+    torch.manual_seed(0)
+    arch = dict(ARCH_PRESETS["llama"], n_head=4, n_kv_head=2) \
+        if layout == "llama-gqa" else {"n_head": 2}
+    cfg = ModelConfig(**{"vocab_size": 50, "n_layer": 2, "n_embd": 32,
+                         "context_length": context_length, "tie_embeddings": False, **arch})
+    return GPT(cfg).eval()
 
 
 @pytest.fixture(autouse=True)

@@ -15,14 +15,13 @@ import pytest
 import torch
 
 from serve_support import (
+    layout_model,
     live_server,
     one_torch_thread,  # noqa: F401  (autouse: one torch thread)
     run_engine,
     tiny_model_and_tokenizer,
 )
-from tinylm.core.config import ARCH_PRESETS, ModelConfig
 from tinylm.core.decoding import KVCache
-from tinylm.core.model import GPT
 from tinylm.serve.engine import Engine
 from tinylm.serve.prefix import PrefixCache, chain_keys
 from tinylm.use.sampling import SamplingConfig
@@ -30,12 +29,7 @@ from tinylm.use.sampling import SamplingConfig
 
 @pytest.fixture(scope="module", params=["gpt2", "llama-gqa"])
 def model(request):
-    torch.manual_seed(0)
-    arch = dict(ARCH_PRESETS["llama"], n_head=4, n_kv_head=2) \
-        if request.param == "llama-gqa" else {"n_head": 2}
-    cfg = ModelConfig(**{"vocab_size": 50, "n_layer": 2, "n_embd": 32, "context_length": 96,
-                         "tie_embeddings": False, **arch})
-    m = GPT(cfg).eval()
+    m = layout_model(request.param, context_length=96)
     with torch.no_grad():
         m.lm_head.weight.mul_(30.0)  # far-apart logits: no greedy near-ties
     return m

@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from serve_support import (
+    layout_model,
     live_server,
     one_torch_thread,  # noqa: F401  (autouse: one torch thread)
     run_engine,
     tiny_model_and_tokenizer,
 )
-from tinylm.core.config import ARCH_PRESETS, ModelConfig
 from tinylm.core.model import GPT
 from tinylm.serve.engine import Engine
 from tinylm.serve.speculate import NgramLookup
@@ -35,12 +35,7 @@ def model(request):
     context overrides on about 1 position in 10: so a prompt that holds a run of the
     rule's chain is quoted — drafts accepted — and the model still departs from it now
     and then — drafts rejected. GPT-2's layout, and Llama's (RoPE, GQA)."""
-    torch.manual_seed(0)
-    arch = dict(ARCH_PRESETS["llama"], n_head=4, n_kv_head=2) \
-        if request.param == "llama-gqa" else {"n_head": 2}
-    cfg = ModelConfig(**{"vocab_size": 50, "n_layer": 2, "n_embd": 32, "context_length": 48,
-                         "tie_embeddings": False, **arch})
-    m = GPT(cfg).eval()
+    m = layout_model(request.param, context_length=48)
     return follow_rule(m, PERM, 0.1 if request.param == "llama-gqa" else 1.0)
 
 

@@ -24,13 +24,11 @@ from serve_support import (
     one_torch_thread,  # noqa: F401  (autouse: one torch thread)
     tiny_model_and_tokenizer,
 )
-from test_serve_structured import alone, chat_tokenizer
+from test_serve_structured import MODEL, USER, alone, chat_tokenizer
 from tinylm.data.templates import TokenizerSettings
 from tinylm.data.tokenizers import BPETokenizer
 from tinylm.serve.tools import CallStream, ToolSpec, chat_prompt, parse_tools, reply_message
 
-MODEL = "tiny"
-USER = [{"role": "user", "content": "The cat sat on the mat."}]
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
                                             "days": {"type": "integer", "minimum": 1,
                                                      "maximum": 7}},
