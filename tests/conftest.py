@@ -8,6 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
+# The suite's process runs many trainings among everything else: it keeps glibc's own heap
+# behaviour, so that memory one test's steps freed is not held for the rest of the suite
+# (tinylm.training.heap; tests/test_heap.py runs the kept heap in fresh processes).
+os.environ.setdefault("TINYLM_HEAP", "default")
+
 
 @pytest.fixture(autouse=True)
 def _seed() -> None:

@@ -4,7 +4,9 @@ run's saved state back, and open the run's logs.
 
 The native fast paths (tinylm.native) are applied here as a context that the caller's
 :class:`contextlib.ExitStack` undoes, so a model handed to ``train`` gets its own
-classes back when the call ends (as :func:`tinylm.use.evaluation.evaluate` does).
+classes back when the call ends (as :func:`tinylm.use.evaluation.evaluate` does). A CPU
+run also keeps the memory its steps free in the process
+(:func:`tinylm.training.heap.keep_freed_memory`), which is not undone.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from tinylm.io.checkpoint import (
 )
 from tinylm.io.checkpoint_files import RUN_LATEST, SHARDS_DIR, unwrap_model
 from tinylm.io.files import atomic_write
-from tinylm.training import distributed
+from tinylm.training import distributed, heap
 from tinylm.training.batches import (
     TrainData,
     check_lengths,
@@ -83,6 +85,8 @@ def setup(model_config: ModelConfig, cfg: TrainConfig, data: TrainData, out: Pat
     """Build everything a run needs, in the order that keeps exact resume exact; the
     fast paths applied to the model are undone when ``stack`` closes."""
     device = distributed.device_for(ctx, resolve_device(cfg.device))
+    if device.type == "cpu":  # the steps' activations reuse the pages freed by the last
+        heap.keep_freed_memory()
     raw = build_raw_model(model_config, cfg, data, found, model, out)
     C = window_length(data, raw.config.context_length)
     check_lengths(data, C)
