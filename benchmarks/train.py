@@ -3,6 +3,9 @@ GPT-2, each eager and under ``torch.compile``, in one run.
 
     python benchmarks/train.py [--repeats 15] [--steps 10] [--threads N] [--no-write]
         [--shapes 4x128,6x384] [--skip-memory]
+    python benchmarks/train.py --profile 4x128:12    # where tinylm's step goes
+    python benchmarks/train.py --scaling 4x128:12    # what the cores could give beyond
+                                                     # torch's intra-op threads
 
 For each shape the three models are built with the same weights (nanoGPT's model by
 ``benchmarks/nanogpt.from_tinylm``, HF's by ``tinylm.io.hf.to_hf``), all in train mode with
@@ -10,12 +13,13 @@ dropout 0, fp32, the same thread count, the same batches and the same optimizer
 (``torch.optim.AdamW(fused=True)`` as tinylm trains, identical settings). One step is
 zero_grad (set_to_none) + forward + mean cross-entropy over all B·C positions + backward +
 optimizer step. tinylm runs with its fast paths (``tinylm.native.accelerate``, as
-``tinylm train`` applies them); compiled, each model's loss function (forward + loss) is
-``torch.compile``d with default settings -- tinylm's through its plan
-(``Plan.compile``, what ``tinylm train --compile`` uses: its native kernels as custom ops
-inside the graph) -- and its first step (the compile warm-up) is timed apart. Timings
-alternate the six (model, mode) variants block by block so machine noise hits all alike;
-the figure is the median step time over the repeats after warm-up.
+``tinylm train`` applies them; its heap setting, ``tinylm.training.heap``, is the
+process's, so in this one process every model runs with it); compiled, each model's
+loss function (forward + loss) is ``torch.compile``d with default settings -- tinylm's
+through its plan (``Plan.compile``, what ``tinylm train --compile`` uses: its native
+kernels as custom ops inside the graph) -- and its first step (the compile warm-up) is
+timed apart. Timings alternate the six (model, mode) variants block by block so machine
+noise hits all alike; the figure is the median step time over the repeats after warm-up.
 
 Peak memory is measured per (model, shape, batch) in a fresh subprocess each: the peak
 resident set size (VmHWM) during two training steps minus the RSS just before the
@@ -50,6 +54,7 @@ from tinylm import native  # noqa: E402
 from tinylm.core.config import ModelConfig  # noqa: E402
 from tinylm.core.model import GPT  # noqa: E402
 from tinylm.native import gemm  # noqa: E402
+from tinylm.training import heap  # noqa: E402
 
 VOCAB = 65
 # name -> (n_layer, n_head, n_embd, context_length)
@@ -81,6 +86,7 @@ def build(kind: str, config: ModelConfig, *, same_as: GPT | None = None,
         if same_as is not None:
             model.load_state_dict(same_as.state_dict())
         plan = native.accelerate(model, "cpu")  # the fast paths, as tinylm.training applies them
+        heap.keep_freed_memory()  # and its heap setting (for the whole process)
 
         def loss_fn(x, y):
             return model.loss(x, y)
@@ -196,7 +202,18 @@ def throughput(shape: str, B: int, repeats: int, steps: int, block_s: float = 1.
         out[f"{name}_step_s"] = statistics.median(times[name])
         out[f"{name}_tok_s"] = tokens / out[f"{name}_step_s"]
         out[f"{name}_first_s"] = warmup[name]
+        out[f"{name}_rounds_s"] = times[name]  # per round, for the paired ratios
     return out
+
+
+def paired(r: dict, a: str, b: str) -> str:
+    """Speed of variant ``a`` over ``b`` (b's step time ÷ a's) in each round, where both
+    ran within seconds of each other: the median, and the middle half of the rounds."""
+    ratios = sorted(tb / ta for ta, tb in zip(r[f"{a}_rounds_s"], r[f"{b}_rounds_s"],
+                                              strict=True))
+    n = len(ratios)
+    lo, hi = ratios[n // 4], ratios[(3 * n - 1) // 4]
+    return f"{statistics.median(ratios):.2f}× ({lo:.2f}–{hi:.2f})"
 
 
 #: What a profiled op's self time is counted as (the rest: "other").
@@ -245,6 +262,91 @@ def profile(shape: str, B: int, rate: float, steps: int = 5) -> str:
                      f"{cat['adamw'] * 1e3:.1f} | {cat['other'] * 1e3:.1f} | "
                      f"{cat['gemm'] / total:.0%} | {total / cat['gemm']:.2f}× faster | "
                      f"{total / (flops / rate):.2f}× faster |")
+    return "\n".join(lines)
+
+
+#: --scaling's rows: (model, mode) of train.py's variants.
+SCALING = (("tinylm", "eager"), ("tinylm", "compiled"), ("nanogpt", "compiled"))
+
+
+def scaling_child(kind: str, mode: str, shape: str, B: int, threads: int,
+                  seconds: float) -> None:
+    """Run in a fresh process: warm up, say "ready", read the wall-clock start time from
+    stdin, then train steps from then until ``seconds`` later; print JSON with the
+    steps and the time they took."""
+    torch.set_num_threads(threads)
+    config = model_config(shape)
+    x, y = batch(config, B)
+    _model, step = build(kind, config, compiled=mode == "compiled")
+    for _ in range(3):
+        step(x, y)
+    print("ready", flush=True)
+    start = float(sys.stdin.readline())
+    while time.time() < start:
+        time.sleep(0.001)
+    n, t = 0, time.perf_counter()
+    while time.time() < start + seconds:
+        step(x, y)
+        n += 1
+    print(json.dumps({"steps": n, "seconds": time.perf_counter() - t}), flush=True)
+
+
+def _scaling_run(kind: str, mode: str, shape: str, parts: list[tuple[int, int]],
+                 seconds: float) -> float:
+    """Tokens/s of the processes ``parts`` ((batch, threads) each) training at once:
+    each is started and warmed up, then all begin together."""
+    procs = [subprocess.Popen(
+        [sys.executable, __file__, "--scaling-child", kind, mode, shape, str(b),
+         "--threads", str(th), "--seconds", str(seconds)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for b, th in parts]
+    for proc in procs:
+        if proc.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"--scaling-child {kind} {mode} failed before its steps")
+    start = time.time() + 0.5
+    for proc in procs:
+        proc.stdin.write(f"{start!r}\n")
+        proc.stdin.flush()
+    context = SHAPES[shape][3]
+    total = 0.0
+    for (b, _th), proc in zip(parts, procs, strict=True):
+        out, _ = proc.communicate()
+        if proc.returncode != 0:
+            raise RuntimeError(f"--scaling-child {kind} {mode} failed")
+        got = json.loads(out.strip().splitlines()[-1])
+        total += got["steps"] * b * context / got["seconds"]
+    return total
+
+
+def scaling(shape: str, B: int, threads: int, rounds: int = 3, seconds: float = 6.0
+            ) -> str:
+    """Can the cores do more than torch's intra-op threads get from them? For each model,
+    tokens/s of one process at 1 thread, one at ``threads`` threads (the benchmark's
+    setting), and ``threads`` processes at 1 thread each on B/threads rows, training at
+    the same time (data parallel without any communication: the most a split of the
+    batch over the cores could give). Each process runs as its tool does: tinylm's with
+    its heap setting (``build``), the others with glibc's defaults. Medians over
+    ``rounds`` alternated rounds."""
+    if B % threads:
+        raise SystemExit(f"--scaling: B={B} does not split over {threads} threads")
+    setups = {"1 thread": [(B, 1)], f"{threads} threads": [(B, threads)],
+              f"{threads} processes × 1 thread, B={B // threads} each":
+                  [(B // threads, 1)] * threads}
+    got: dict[tuple, list[float]] = {}
+    for _ in range(rounds):
+        for kind, mode in SCALING:
+            for name, parts in setups.items():
+                got.setdefault((kind, mode, name), []).append(
+                    _scaling_run(kind, mode, shape, parts, seconds))
+    names = list(setups)
+    lines = [f"Scaling of the {shape} B={B} training step over {threads} cores (tokens/s, "
+             f"median of {rounds} rounds of {seconds:.0f} s each; every process alone with "
+             f"its model, tinylm's with tinylm train's heap setting):", "",
+             "| model | " + " | ".join(names) + f" | {names[1]} ÷ 1 thread | "
+             f"{names[2].split(',')[0]} ÷ {names[1]} |", "|---" * (len(names) + 3) + "|"]
+    for kind, mode in SCALING:
+        tok = [statistics.median(got[(kind, mode, n)]) for n in names]
+        lines.append(f"| {NAMES[kind]} {mode} | " + " | ".join(f"{t:,.0f}" for t in tok)
+                     + f" | {tok[1] / tok[0]:.2f}× | {tok[2] / tok[1]:.2f}× |")
     return "\n".join(lines)
 
 
@@ -297,7 +399,10 @@ def render(rate: float, rows: list[dict], mem: list[dict], threads: int, command
         f"as in its model.py (SDPA attention, exact GELU); HF GPT-2 with its default "
         f"attention implementation. Compiled: `torch.compile` of each loss function "
         f"(forward + loss), default settings; tinylm's through its plan (native kernels "
-        f"as custom ops in the graph). Median step time after warm-up; MFU = model "
+        f"as custom ops in the graph). tinylm train's heap setting (freed memory kept in "
+        f"the process, tinylm.training.heap) is the process's, so every model here runs "
+        f"with it (`--scaling` runs each in its own process). Median step time after "
+        f"warm-up; MFU = model "
         f"FLOPs/s ÷ matmul rate; warm-up = the first compiled step (tracing and code "
         f"generation, or inductor's cache).",
         "",
@@ -315,20 +420,22 @@ def render(rate: float, rows: list[dict], mem: list[dict], threads: int, command
                 f"{e / c:.2f}× | {r['flops_per_step'] / e / rate:.0%} | "
                 f"{r['flops_per_step'] / c / rate:.0%} | "
                 f"{r[f'{kind}_compiled_first_s']:.0f} s |")
-    lines += ["", "| shape (L×E, C) | B | tinylm compiled ÷ nanoGPT compiled | "
+    pairs = (("tinylm_compiled", "nanogpt_compiled"), ("tinylm_compiled", "tinylm_eager"),
+             ("tinylm_compiled", "hf_compiled"), ("tinylm_eager", "nanogpt_eager"),
+             ("tinylm_eager", "hf_eager"), ("tinylm_eager", "nanogpt_compiled"))
+    lines += ["", "Speed ratios, paired round by round (each round runs every variant within "
+              "seconds): the median over the rounds, and in brackets the middle half of "
+              "them.", "",
+              "| shape (L×E, C) | B | tinylm compiled ÷ nanoGPT compiled | "
               "tinylm compiled ÷ tinylm eager | tinylm compiled ÷ HF compiled | "
-              "tinylm eager ÷ nanoGPT eager | tinylm eager ÷ HF eager |",
-              "|---|---|---|---|---|---|---|"]
+              "tinylm eager ÷ nanoGPT eager | tinylm eager ÷ HF eager | "
+              "tinylm eager ÷ nanoGPT compiled |",
+              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         n_layer, _h, n_embd, ctx = SHAPES[r["shape"]]
-        tok = {k: r[f"{k}_tok_s"] for k in (f"{m}_{mode}" for m in MODELS for mode in MODES)}
-        lines.append(
-            f"| {n_layer}×{n_embd}, C={ctx} | {r['B']} | "
-            f"**{tok['tinylm_compiled'] / tok['nanogpt_compiled']:.2f}×** | "
-            f"**{tok['tinylm_compiled'] / tok['tinylm_eager']:.2f}×** | "
-            f"{tok['tinylm_compiled'] / tok['hf_compiled']:.2f}× | "
-            f"{tok['tinylm_eager'] / tok['nanogpt_eager']:.2f}× | "
-            f"{tok['tinylm_eager'] / tok['hf_eager']:.2f}× |")
+        cells = [paired(r, a, b) for a, b in pairs]
+        cells[:2] = [f"**{c}**" for c in cells[:2]]
+        lines.append(f"| {n_layer}×{n_embd}, C={ctx} | {r['B']} | " + " | ".join(cells) + " |")
     lines += [] if not mem else [
         "",
         "Peak memory of two training steps (peak RSS minus RSS before the model is "
@@ -358,17 +465,32 @@ def main() -> None:
                         help=argparse.SUPPRESS)
     parser.add_argument("--profile", metavar="SHAPE:B",
                         help="print where tinylm's step goes (eager, compiled) and exit")
+    parser.add_argument("--scaling", metavar="SHAPE:B",
+                        help="print the step's tokens/s at 1 thread, at --threads, and as "
+                             "--threads one-thread processes on B/threads rows each; exit")
+    parser.add_argument("--scaling-child", nargs=4, metavar=("KIND", "MODE", "SHAPE", "B"),
+                        help=argparse.SUPPRESS)
+    parser.add_argument("--seconds", type=float, default=6.0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.profile:
         torch.set_num_threads(args.threads)
         shape, B = args.profile.split(":")
         print(profile(shape, int(B), matmul_rate()))
         return
+    if args.scaling:
+        shape, B = args.scaling.split(":")
+        print(scaling(shape, int(B), args.threads))
+        return
+    if args.scaling_child:
+        kind, mode, shape, B = args.scaling_child
+        scaling_child(kind, mode, shape, int(B), args.threads, args.seconds)
+        return
     if args.memory_child:
         kind, shape, B = args.memory_child
         memory_child(kind, shape, int(B), args.threads)
         return
     torch.set_num_threads(args.threads)
+    heap.keep_freed_memory()  # tinylm train's setting, for every model of this one process
     torch.manual_seed(0)
     rate = matmul_rate()
     rows = []
