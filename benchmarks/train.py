@@ -6,6 +6,7 @@ GPT-2, each eager and under ``torch.compile``, in one run.
     python benchmarks/train.py --profile 4x128:12    # where tinylm's step goes
     python benchmarks/train.py --scaling 4x128:12    # what the cores could give beyond
                                                      # torch's intra-op threads
+    python benchmarks/train.py --heap 4x128:12       # the kept heap against glibc's own
 
 For each shape the three models are built with the same weights (nanoGPT's model by
 ``benchmarks/nanogpt.from_tinylm``, HF's by ``tinylm.io.hf.to_hf``), all in train mode with
@@ -350,6 +351,50 @@ def scaling(shape: str, B: int, threads: int, rounds: int = 3, seconds: float = 
     return "\n".join(lines)
 
 
+def heap_ab(shape: str, B: int, rounds: int = 12, steps: int = 10) -> str:
+    """What tinylm.training.heap's setting saves: tinylm's step (eager, compiled) with
+    glibc's trim threshold at its default (128 KiB: the heap handed back at the end of a
+    step) and at the kept setting, alternated block by block in this process (the mmap
+    threshold fixed at 32 MiB in both, as keep_freed_memory leaves it); step time and
+    page faults per step, and the paired ratio."""
+    import ctypes
+    import resource
+
+    mallopt = ctypes.CDLL(None).mallopt
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    settings = {"glibc default (trim 128 KiB)": 128 * 1024, "kept (trim 2 GiB)": heap.KEPT_TRIM}
+    config = model_config(shape)
+    torch.manual_seed(0)
+    ref = GPT(config)
+    x, y = batch(config, B)
+    lines = [f"Heap setting A/B, tinylm's {shape} B={B} step ({rounds} alternated blocks of "
+             f"{steps} steps):", "", "| mode | trim threshold | step ms | page faults per step |"
+             " default ÷ kept (paired) |", "|---|---|---|---|---|"]
+    for mode in MODES:
+        _model, step = build("tinylm", config, same_as=ref, compiled=mode == "compiled")
+        times: dict[str, list[float]] = {k: [] for k in settings}
+        faults: dict[str, list[float]] = {k: [] for k in settings}
+        for _ in range(rounds):
+            for name, threshold in settings.items():
+                mallopt(heap.M_TRIM_THRESHOLD, threshold)
+                step(x, y)  # the step that frees under the new setting
+                f0, t = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
+                for _ in range(steps):
+                    step(x, y)
+                times[name].append((time.perf_counter() - t) / steps)
+                faults[name].append(
+                    (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0) / steps)
+        default, kept = settings
+        ratio = statistics.median(a / b for a, b in zip(times[default], times[kept],
+                                                          strict=True))
+        for name in settings:
+            lines.append(f"| {mode} | {name} | {statistics.median(times[name]) * 1e3:.1f} | "
+                         f"{statistics.median(faults[name]):,.0f} | "
+                         + (f"**{ratio:.2f}×** |" if name == kept else "|"))
+    mallopt(heap.M_TRIM_THRESHOLD, heap.KEPT_TRIM)
+    return "\n".join(lines)
+
+
 def _status_bytes(field: str) -> int:
     """VmRSS (now) or VmHWM (peak) of this process; unlike ru_maxrss, VmHWM starts afresh
     at exec, so a child does not inherit its parent's peak."""
@@ -468,6 +513,9 @@ def main() -> None:
     parser.add_argument("--scaling", metavar="SHAPE:B",
                         help="print the step's tokens/s at 1 thread, at --threads, and as "
                              "--threads one-thread processes on B/threads rows each; exit")
+    parser.add_argument("--heap", metavar="SHAPE:B",
+                        help="print tinylm's step with glibc's default heap trimming and "
+                             "with tinylm train's kept heap, alternated; exit")
     parser.add_argument("--scaling-child", nargs=4, metavar=("KIND", "MODE", "SHAPE", "B"),
                         help=argparse.SUPPRESS)
     parser.add_argument("--seconds", type=float, default=6.0, help=argparse.SUPPRESS)
@@ -476,6 +524,13 @@ def main() -> None:
         torch.set_num_threads(args.threads)
         shape, B = args.profile.split(":")
         print(profile(shape, int(B), matmul_rate()))
+        return
+    if args.heap:
+        torch.set_num_threads(args.threads)
+        if not heap.keep_freed_memory():
+            raise SystemExit("--heap: needs glibc and TINYLM_HEAP unset (or keep)")
+        shape, B = args.heap.split(":")
+        print(heap_ab(shape, int(B)))
         return
     if args.scaling:
         shape, B = args.scaling.split(":")

@@ -37,8 +37,8 @@ CHOICES = ("keep", "default")
 # glibc's malloc.h
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
-_KEEP = 2**31 - 1  # bytes free at the heap's top before glibc trims it (a C int)
-_MAPPED = 32 << 20  # blocks from this size up: mmap (DEFAULT_MMAP_THRESHOLD_MAX)
+KEPT_TRIM = 2**31 - 1  # bytes free at the heap's top before glibc trims it (a C int)
+MMAP_FROM = 32 << 20  # blocks from this size up: mmap (DEFAULT_MMAP_THRESHOLD_MAX)
 _USER_SETTINGS = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_MAX_", "MALLOC_MMAP_THRESHOLD_",
                   "MALLOC_TOP_PAD_")
 _applied: list[bool] = []
@@ -70,8 +70,8 @@ def keep_freed_memory() -> bool:
     if done:
         mallopt = ctypes.CDLL(None).mallopt  # glibc, already in the process
         mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-        done = bool(mallopt(M_MMAP_THRESHOLD, _MAPPED)) and \
-            bool(mallopt(M_TRIM_THRESHOLD, _KEEP))
+        done = bool(mallopt(M_MMAP_THRESHOLD, MMAP_FROM)) and \
+            bool(mallopt(M_TRIM_THRESHOLD, KEPT_TRIM))
     log.debug("heap: freed memory %s", "kept in the process" if done else
               "returned as glibc decides")
     _applied.append(done)
