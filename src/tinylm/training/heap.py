@@ -3,10 +3,11 @@
 A training step allocates its activations in the forward and frees them at the end of
 the backward; the next step allocates the same sizes again. glibc's malloc hands memory
 freed at the top of its heap back to the kernel once more than ``M_TRIM_THRESHOLD``
-bytes are free there (a threshold it adapts, twice the largest block it has freed), so
-the heap shrinks at the end of every step and grows again in the next, on fresh pages:
-each faults on first touch and is zeroed by the kernel. That is ~700 faults per 4×128
-B=12 step of tinylm, 4–5 % of the step on the 2-core VM of BENCHMARKS.md.
+bytes are free there (a threshold it adapts: twice the largest mapped block it has
+freed), so the heap shrinks at the end of every step and grows again in the next, on
+fresh pages: each faults on first touch and is zeroed by the kernel. That was 500–1,000
+faults per 4×128 B=12 step of tinylm, 6–7 % of the step on the 2-core VM of
+BENCHMARKS.md (``python benchmarks/train.py --heap 4x128:12``).
 
 :func:`keep_freed_memory` sets the trim threshold to 2 GiB (the most ``mallopt`` takes),
 so the heap keeps what the steps free and the next step reuses the same pages. Setting
@@ -16,6 +17,7 @@ largest glibc adapts it to (32 MiB). The process's peak memory is what it was; i
 memory no longer drops between steps (nor after the run, until the process exits).
 (Taking every block from the heap instead, ``M_MMAP_MAX`` 0, made the heap grow without
 bound under repeated 100 MB tensors: not done.)
+
 ``tinylm.training`` applies it to CPU runs; ``TINYLM_HEAP=default`` leaves glibc's
 behaviour as it is, and so does any ``MALLOC_*_`` / ``GLIBC_TUNABLES`` malloc setting
 the user made. Only glibc is touched (through the process's own ``mallopt``: no library
