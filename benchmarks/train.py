@@ -357,11 +357,8 @@ def heap_ab(shape: str, B: int, rounds: int = 12, steps: int = 10) -> str:
     step) and at the kept setting, alternated block by block in this process (the mmap
     threshold fixed at 32 MiB in both, as keep_freed_memory leaves it); step time and
     page faults per step, and the paired ratio."""
-    import ctypes
     import resource
 
-    mallopt = ctypes.CDLL(None).mallopt
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     settings = {"glibc default (trim 128 KiB)": 128 * 1024, "kept (trim 2 GiB)": heap.KEPT_TRIM}
     config = model_config(shape)
     torch.manual_seed(0)
@@ -376,7 +373,7 @@ def heap_ab(shape: str, B: int, rounds: int = 12, steps: int = 10) -> str:
         faults: dict[str, list[float]] = {k: [] for k in settings}
         for _ in range(rounds):
             for name, threshold in settings.items():
-                mallopt(heap.M_TRIM_THRESHOLD, threshold)
+                heap.mallopt(heap.M_TRIM_THRESHOLD, threshold)
                 step(x, y)  # the step that frees under the new setting
                 f0, t = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
                 for _ in range(steps):
@@ -391,7 +388,7 @@ def heap_ab(shape: str, B: int, rounds: int = 12, steps: int = 10) -> str:
             lines.append(f"| {mode} | {name} | {statistics.median(times[name]) * 1e3:.1f} | "
                          f"{statistics.median(faults[name]):,.0f} | "
                          + (f"**{ratio:.2f}×** |" if name == kept else "|"))
-    mallopt(heap.M_TRIM_THRESHOLD, heap.KEPT_TRIM)
+    heap.mallopt(heap.M_TRIM_THRESHOLD, heap.KEPT_TRIM)
     return "\n".join(lines)
 
 
@@ -497,7 +494,7 @@ def render(rate: float, rows: list[dict], mem: list[dict], threads: int, command
     return "\n".join(lines)
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=15, help="timed blocks per model")
     parser.add_argument("--steps", type=int, default=10, help="most steps per timed block")
@@ -519,40 +516,36 @@ def main() -> None:
     parser.add_argument("--scaling-child", nargs=4, metavar=("KIND", "MODE", "SHAPE", "B"),
                         help=argparse.SUPPRESS)
     parser.add_argument("--seconds", type=float, default=6.0, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    return parser
+
+
+def _shape_b(text: str) -> tuple[str, int]:
+    """"SHAPE:B" -> (shape, B)."""
+    shape, B = text.split(":")
+    return shape, int(B)
+
+
+def _probe(args: argparse.Namespace) -> str | None:
+    """The printout of a one-off measurement the flags ask for (None: the tables' run)."""
     if args.profile:
-        torch.set_num_threads(args.threads)
-        shape, B = args.profile.split(":")
-        print(profile(shape, int(B), matmul_rate()))
-        return
+        return profile(*_shape_b(args.profile), matmul_rate())
     if args.heap:
-        torch.set_num_threads(args.threads)
         if not heap.keep_freed_memory():
             raise SystemExit("--heap: needs glibc and TINYLM_HEAP unset (or keep)")
-        shape, B = args.heap.split(":")
-        print(heap_ab(shape, int(B)))
-        return
+        return heap_ab(*_shape_b(args.heap))
     if args.scaling:
-        shape, B = args.scaling.split(":")
-        print(scaling(shape, int(B), args.threads))
-        return
-    if args.scaling_child:
-        kind, mode, shape, B = args.scaling_child
-        scaling_child(kind, mode, shape, int(B), args.threads, args.seconds)
-        return
-    if args.memory_child:
-        kind, shape, B = args.memory_child
-        memory_child(kind, shape, int(B), args.threads)
-        return
-    torch.set_num_threads(args.threads)
+        return scaling(*_shape_b(args.scaling), args.threads)
+    return None
+
+
+def _tables(args: argparse.Namespace) -> str:
+    """The throughput rows and the memory cells, rendered."""
     heap.keep_freed_memory()  # tinylm train's setting, for every model of this one process
     torch.manual_seed(0)
     rate = matmul_rate()
     rows = []
     for item in args.shapes.split(","):
-        shape, B = item.split(":")
-        B = int(B)
-        rows.append(throughput(shape, B, args.repeats, args.steps))
+        rows.append(throughput(*_shape_b(item), args.repeats, args.steps))
         print(json.dumps(rows[-1]), file=sys.stderr)
     rate = max(rate, matmul_rate())
     mem = []
@@ -566,7 +559,25 @@ def main() -> None:
             print(json.dumps(cell), file=sys.stderr)
     command = " ".join(["python benchmarks/train.py",
                         *(a for a in sys.argv[1:] if a != "--no-write")])
-    table = render(rate, rows, mem, args.threads, command)
+    return render(rate, rows, mem, args.threads, command)
+
+
+def main() -> None:
+    args = _parser().parse_args()
+    if args.scaling_child:
+        kind, mode, shape, B = args.scaling_child
+        scaling_child(kind, mode, shape, int(B), args.threads, args.seconds)
+        return
+    if args.memory_child:
+        kind, shape, B = args.memory_child
+        memory_child(kind, shape, int(B), args.threads)
+        return
+    torch.set_num_threads(args.threads)
+    probe = _probe(args)
+    if probe is not None:
+        print(probe)
+        return
+    table = _tables(args)
     print(table)
     if not args.no_write:
         write_section("train", "Training throughput", table)

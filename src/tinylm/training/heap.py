@@ -61,6 +61,14 @@ def _user_set_malloc() -> bool:
         "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", "")
 
 
+def mallopt(param: int, value: int) -> bool:
+    """glibc's ``mallopt(param, value)`` (the process's own: no library is loaded); True
+    where glibc took the setting. Only for glibc processes."""
+    call = ctypes.CDLL(None).mallopt
+    call.argtypes, call.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(call(param, value))
+
+
 def keep_freed_memory() -> bool:
     """Keep freed heap memory in this process from now on (see the module docstring);
     True where the setting is in effect (applied now or earlier), False where it was
@@ -70,10 +78,7 @@ def keep_freed_memory() -> bool:
         return _applied[0]
     done = wanted and platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
     if done:
-        mallopt = ctypes.CDLL(None).mallopt  # glibc, already in the process
-        mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-        done = bool(mallopt(M_MMAP_THRESHOLD, MMAP_FROM)) and \
-            bool(mallopt(M_TRIM_THRESHOLD, KEPT_TRIM))
+        done = mallopt(M_MMAP_THRESHOLD, MMAP_FROM) and mallopt(M_TRIM_THRESHOLD, KEPT_TRIM)
     log.debug("heap: freed memory %s", "kept in the process" if done else
               "returned as glibc decides")
     _applied.append(done)
