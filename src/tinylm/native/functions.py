@@ -97,10 +97,10 @@ def ffn_backward(lib: Library | None, gy: Tensor, x2: Tensor, h: Tensor, w_up: T
     same native pass (b_down's is dL/dy summed over rows, left to the caller). With
     ``scratch`` (float32 only), the temporaries go to its buffers."""
     out = scratch.get("ffn_grad", tuple(h.shape)) if scratch is not None else None
-    grad_g = torch.mm(gy, w_down, out=out)  # (B·C, E)·(E, 4E) -> (B·C, 4E)
+    grad_g = gemm.xw(gy, w_down, out=out)  # (B·C, E)·(E, 4E) -> (B·C, 4E)
     grad_h, g, grad_b_up = gelu_backward(lib, grad_g, h, need[2], scratch)
-    grad_w_down = gy.t() @ g if need[3] else None  # (E, B·C)·(B·C, 4E) -> (E, 4E)
-    grad_w_up = grad_h.t() @ x2 if need[1] else None  # (4E, B·C)·(B·C, E) -> (4E, E)
+    grad_w_down = gemm.gtx(gy, g) if need[3] else None  # (E, B·C)·(B·C, 4E) -> (E, 4E)
+    grad_w_up = gemm.gtx(grad_h, x2) if need[1] else None  # (4E, B·C)·(B·C, E) -> (4E, E)
     grad_x2 = gemm.xw(grad_h, w_up) if need[0] else None  # (B·C, 4E)·(4E, E) -> (B·C, E)
     return grad_x2, grad_w_up, grad_b_up, grad_w_down
 
@@ -175,7 +175,7 @@ def qkv_attention_backward(lib: Library, grad_r: Tensor, x2: Tensor, w_qkv: Tens
     grad_qkv, grad_b = lib.causal_attention_backward(grad_r, qkv, r, lse, n_head,
                                                     bias_grad=need[2], grad_qkv=out)
     g = grad_qkv.view(-1, grad_qkv.shape[-1])  # (B·C, 3·H·D)
-    grad_w = g.t() @ x2 if need[1] else None  # (3·H·D, B·C)·(B·C, E)
+    grad_w = gemm.gtx(g, x2) if need[1] else None  # (3·H·D, B·C)·(B·C, E)
     grad_x2 = gemm.xw(g, w_qkv) if need[0] else None  # (B·C, 3·H·D)·(3·H·D, E)
     return grad_x2, grad_w, grad_b
 
@@ -231,7 +231,7 @@ def attention_backward(lib: Library, grad_y: Tensor, x: Tensor, w_qkv: Tensor, q
     b_out), each only where ``need`` says so, from :func:`attention_forward`'s tensors."""
     x2 = x.reshape(-1, x.shape[-1])
     gy = grad_y.reshape(-1, grad_y.shape[-1])  # (B·C, E)
-    grad_w_out = gy.t() @ r.view(-1, r.shape[-1]) if need[3] else None  # (E, H·D)
+    grad_w_out = gemm.gtx(gy, r.view(-1, r.shape[-1])) if need[3] else None  # (E, H·D)
     grad_b_out = gy.sum(0) if need[4] else None
     grad_r = gemm.xw(gy, w_out).view(r.shape)  # (B·C, E)·(E, H·D) -> (B, C, H·D)
     grad_x2, grad_w_qkv, grad_b_qkv = qkv_attention_backward(
@@ -337,8 +337,8 @@ def block_backward(lib: Library, grad_y: Tensor, x: Tensor, acts: tuple[Tensor, 
         grad_b_down)
     # attention: x1 = x + R·W_oᵀ + b_out, R = attention(LN1(x)·W_qkvᵀ + b_qkv); the
     # FFN's buffers are dead now: dL/dR and dL/dqkv are views of them
-    grad_w_out = grad_x1.t() @ r2 if need[5] else None
-    grad_r = torch.mm(grad_x1, w_out, out=SCRATCH.get("attn_grad", tuple(r2.shape),
+    grad_w_out = gemm.gtx(grad_x1, r2) if need[5] else None
+    grad_r = gemm.xw(grad_x1, w_out, out=SCRATCH.get("attn_grad", tuple(r2.shape),
                                                       within="ffn_act"))
     grad_a_in, grad_w_qkv, grad_b_qkv = qkv_attention_backward(  # (B, C, H·D) grad_r
         lib, grad_r.view(*shape, -1), a_in, w_qkv, qkv, r2.view(*shape, -1), lse,

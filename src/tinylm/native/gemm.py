@@ -1,25 +1,31 @@
-"""The matrix products of the native training steps on the CPU, on the faster of torch's
-two fp32 GEMM libraries.
+"""The matrix products of the native training steps on the CPU, on the fastest of three fp32
+GEMMs: tinylm's own (csrc/gemm.c), oneDNN's and torch's ``mm`` (MKL).
 
-torch's CPU ``mm`` calls MKL. MKL takes its generic code path on AMD CPUs, where oneDNN's
-fp32 linear (``torch.ops.mkldnn._linear_pointwise``, the op inductor uses for linear
-layers when it freezes weights for CPU inference) is faster for the large products a
-block's forward and its input gradients compute: x·Wᵀ and G·W, rows of activations on
-the left
-(6×384 B=8 on an AMD EPYC, 2 threads: those products 1.1–1.5× faster, a training step
-1.03–1.10×; ``python benchmarks/gemm.py`` measures both libraries side by side).
-The weight gradients Gᵀ·X keep torch's ``mm``: their left operand is transposed, which
-oneDNN first copies, and MKL is the faster there.
+A training step's products are skinny: a few hundred to a few thousand rows of
+activations times weights of 128..1536 features. torch's CPU ``mm`` calls MKL, which
+takes its generic code path on AMD CPUs and spends a good part of such a product outside
+its inner kernel; its transposed products Gᵀ·X (the weight gradients) run ~20 % below
+its others. oneDNN's fp32 linear (``torch.ops.mkldnn._linear_pointwise``, the op inductor
+uses for linear layers when it freezes weights for CPU inference) is faster than MKL for
+the large x·Wᵀ and G·W, but costs more than it gains on small ones (every product of a
+4×128 B=12 step on oneDNN: 1.09× slower). tinylm's kernel is one register-blocked
+broadcast-FMA loop for all three forms, called through ctypes with no dispatch
+(``python benchmarks/gemm.py`` times the three side by side).
 
-Both compute IEEE fp32 products (no reduced-precision modes); they differ only in the
+Under both ``"native"`` (the default where the native library is loaded) and
+``"onednn"``, x·Wᵀ and G·W of at least :data:`MIN_WORK` multiply-adds go to oneDNN
+where torch has it (at 2048 rows its blocking beats tinylm's kernel there); the rest,
+weight gradients included, go to tinylm's kernel under "native" and to MKL under
+"onednn" (the rule before tinylm had its kernel). ``"torch"``: MKL for all.
+
+All compute IEEE fp32 products (no reduced-precision modes); they differ only in the
 order of the sums, so a block's outputs agree within float32 rounding
-(tests/test_gemm.py holds each product to float64, and a training step with every
-product on oneDNN to the reference model).
+(tests/test_gemm.py holds each product to float64, and a training step on each backend
+to the reference model).
 
-The choice is made once (:func:`selected`): ``"onednn"`` where torch was built with
-oneDNN and has the op, ``"torch"`` otherwise, or as ``TINYLM_GEMM=torch`` (or ``onednn``)
-says; :func:`using` switches it for a block of code (tests, benchmarks). Tensors that are
-not float32 on the CPU always take torch's ``mm``.
+The choice is made once (:func:`selected`), or as ``TINYLM_GEMM=native`` (``onednn``,
+``torch``) says; :func:`using` switches it for a block of code (tests, benchmarks).
+Tensors that are not float32 on the CPU always take torch's ``mm``.
 """
 
 from __future__ import annotations
@@ -32,11 +38,13 @@ import torch
 from torch import Tensor
 
 from tinylm.core.errors import ConfigError
+from tinylm.native import ops
 
-BACKENDS = ("onednn", "torch")
-#: Products of fewer multiply-adds (N·I·O) than this stay on torch's mm: with every product
-#: on oneDNN a 4×128 B=12 training step was 1.09× slower in-process, although single
-#: products of its sizes time faster in isolation; 6×384's (≥ 3·10⁸) gain.
+BACKENDS = ("native", "onednn", "torch")
+#: x·Wᵀ and G·W of at least this many multiply-adds (N·I·O) go to oneDNN; smaller ones to
+#: tinylm's kernel ("native") or torch's mm ("onednn"): with every product on oneDNN a
+#: 4×128 B=12 training step was 1.09× slower in-process, although single products of its
+#: sizes time faster in isolation; 6×384's (≥ 3·10⁸) gain.
 MIN_WORK = 1 << 27
 _chosen: list[str] = []  # the backend in use, decided on first call
 
@@ -52,13 +60,13 @@ def _decide() -> str:
     if asked and asked not in BACKENDS:
         raise ConfigError(f"TINYLM_GEMM={asked!r} is not a GEMM backend: set it to one of "
                           f"{', '.join(BACKENDS)}, or unset it")
-    if asked == "torch" or not _available():
-        return "torch"
-    return "onednn"
+    if asked:
+        return asked
+    return "native" if ops.loaded() is not None else "onednn" if _available() else "torch"
 
 
 def selected() -> str:
-    """The backend the native steps' products use: "onednn" or "torch"."""
+    """The backend the native steps' products use: "native", "onednn" or "torch"."""
     if not _chosen:
         _chosen.append(_decide())
     return _chosen[0]
@@ -79,32 +87,58 @@ def using(backend: str) -> Iterator[None]:
         _chosen[0] = before
 
 
-def _onednn(x: Tensor, w: Tensor) -> bool:
-    """Whether x (rows on the left) and w take oneDNN's path."""
-    return (x.dim() == 2 and x.shape[0] * w.numel() >= MIN_WORK  # small: no more checks
-            and x.dtype == torch.float32 and w.dtype == torch.float32
-            and x.device.type == "cpu" and w.device.type == "cpu" and x.is_contiguous()
-            and selected() == "onednn")
+def _float32_cpu(*ts: Tensor) -> bool:
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in ts)
 
 
-def xwt(x: Tensor, w: Tensor) -> Tensor:
-    """x·Wᵀ, a new (N, O) tensor, for x (N, I) and a weight W (O, I)."""
-    if _onednn(x, w):
+def _route(x: Tensor, w: Tensor) -> str:
+    """Where x·Wᵀ or G·W goes: "native", "onednn" or "torch"."""
+    if x.dim() != 2 or not _float32_cpu(x, w):
+        return "torch"
+    backend = selected()
+    if backend != "torch" and x.shape[0] * w.numel() >= MIN_WORK and _available() \
+            and x.is_contiguous():
+        return "onednn"
+    return "native" if backend == "native" and ops.loaded() is not None else "torch"
+
+
+def xwt(x: Tensor, w: Tensor, out: Tensor | None = None) -> Tensor:
+    """x·Wᵀ, an (N, O) tensor (``out`` where given), for x (N, I) and a weight W (O, I)."""
+    route = _route(x, w)
+    if route == "native":
+        return ops.loaded().matmul(x.contiguous(), w.contiguous(), b_t=True, out=out)
+    if route == "onednn" and out is None:
         return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
-    return x @ w.t()
+    return torch.mm(x, w.t(), out=out)
 
 
 def xwt_add(y: Tensor, x: Tensor, w: Tensor) -> Tensor:
     """y + x·Wᵀ for y (N, O): a new tensor with oneDNN (its sum fused into the product),
-    y itself, added to in place, with torch. The caller keeps the returned tensor."""
-    if _onednn(x, w) and y.dtype == torch.float32 and y.is_contiguous():
+    y itself, added to in place, otherwise. The caller keeps the returned tensor."""
+    route = _route(x, w)
+    if route == "native" and y.is_contiguous() and y.dtype == torch.float32:
+        return ops.loaded().matmul(x.contiguous(), w.contiguous(), b_t=True, out=y,
+                                   accumulate=True)
+    if route == "onednn" and y.dtype == torch.float32 and y.is_contiguous():
         return torch.ops.mkldnn._linear_pointwise.binary(x, y, w, None, "add")
     return y.addmm_(x, w.t())
 
 
-def xw(g: Tensor, w: Tensor) -> Tensor:
-    """G·W, a new (N, I) tensor, for G (N, O) and a weight W (O, I): the input's gradient
-    of a linear layer."""
-    if _onednn(g, w):
+def xw(g: Tensor, w: Tensor, out: Tensor | None = None) -> Tensor:
+    """G·W, an (N, I) tensor (``out`` where given), for G (N, O) and a weight W (O, I):
+    the input's gradient of a linear layer."""
+    route = _route(g, w)
+    if route == "native":
+        return ops.loaded().matmul(g.contiguous(), w.contiguous(), out=out)
+    if route == "onednn" and out is None:
         return torch.ops.mkldnn._linear_pointwise(g, w.t(), None, "none", [], "")
-    return g @ w
+    return torch.mm(g, w, out=out)
+
+
+def gtx(g: Tensor, x: Tensor) -> Tensor:
+    """Gᵀ·X, a new (O, I) tensor, for G (N, O) and X (N, I): the weight's gradient of a
+    linear layer (tinylm's kernel under "native", torch's mm otherwise)."""
+    if selected() == "native" and g.dim() == 2 and _float32_cpu(g, x) \
+            and ops.loaded() is not None:
+        return ops.loaded().matmul(g.contiguous(), x.contiguous(), a_t=True)
+    return g.t() @ x

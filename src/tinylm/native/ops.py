@@ -161,6 +161,18 @@ def _ok(code: int, op: str) -> None:
         raise MemoryError(f"native {op}: out of memory")
 
 
+_work = threading.local()
+
+
+def _workspace(n: int) -> Tensor:
+    """A float32 buffer of at least ``n`` elements, this thread's, reused from call to call
+    (a fresh one per product would be memory mapped anew, page by page, each step)."""
+    buf = getattr(_work, "buffer", None)
+    if buf is None or buf.numel() < n:
+        buf = _work.buffer = torch.empty(n)
+    return buf
+
+
 def _threads() -> int:
     return torch.get_num_threads()
 
@@ -319,6 +331,30 @@ class Library:
                              x.data_ptr(), ids.shape[0], E, V):
             raise ValueError(f"token ids must be in [0, {V}), got {ids.tolist()}")
         return x
+
+    def matmul(self, a: Tensor, b: Tensor, *, a_t: bool = False, b_t: bool = False,
+               out: Tensor | None = None, accumulate: bool = False) -> Tensor:
+        """op(a)·op(b) for 2-D float32 a, b: a (M, K), or (K, M) used transposed (``a_t``,
+        a weight gradient Gᵀ·X); b (K, N), or a weight (N, K) used transposed (``b_t``,
+        x·Wᵀ); not both. Into ``out`` (M, N) if given, added to it where ``accumulate``,
+        else a new tensor (csrc/gemm.c)."""
+        if a_t and b_t:
+            raise OpError("matmul takes a transposed a or a transposed b, not both")
+        check("a", a, (-1, -1))
+        check("b", b, (-1, -1))
+        (K, M), (N, Kb) = (a.shape if a_t else a.shape[::-1]), \
+            (b.shape if b_t else b.shape[::-1])
+        if Kb != K:
+            raise OpError(f"matmul: inner sizes differ ({K} and {Kb})")
+        if accumulate and out is None:
+            raise OpError("matmul: accumulate needs an out tensor")
+        c = _out(out, (M, N))
+        n = self.raw.tl_gemm_work(N, K, int(b_t))
+        work = _workspace(n).data_ptr() if n else None
+        self.raw.tl_gemm(M, N, K, a.data_ptr(), 1 if a_t else K, M if a_t else 1,
+                         b.data_ptr(), K if b_t else N, int(b_t), c.data_ptr(), N,
+                         int(accumulate), work, _threads())
+        return c
 
     def bias_gelu_(self, a: Tensor, bias: Tensor | None, out: Tensor | None = None
                    ) -> Tensor:

@@ -38,6 +38,18 @@ def _linear_and_argmax(lib: Any, g: torch.Generator) -> None:
         _expect(torch.equal(lib.argmax(x), x.argmax(-1)), f"argmax (V={V})")
 
 
+def _matmul(lib: Any, g: torch.Generator) -> None:
+    for M, N, K in ((7, 70, 19), (13, 16, 300)):  # partial tiles and panels; two k chunks
+        a, w, b = (torch.randn(M, K, generator=g), torch.randn(N, K, generator=g),
+                   torch.randn(K, N, generator=g))
+        at = torch.randn(K, M, generator=g)
+        for got, want, form in ((lib.matmul(a, w, b_t=True), a @ w.t(), "x·Wᵀ"),
+                                (lib.matmul(a, b), a @ b, "G·W"),
+                                (lib.matmul(at, b, a_t=True), at.t() @ b, "Gᵀ·X")):
+            _expect(torch.allclose(got, want, rtol=1e-4, atol=1e-3),
+                    f"matmul {form} (M={M} N={N} K={K})")
+
+
 def _linear_q8(lib: Any, g: torch.Generator) -> None:
     for O, I, G in ((37, 19, 19), (21, 33, 8), (3, 1, 1)):
         q = torch.randint(-127, 128, (O, I), generator=g, dtype=torch.int8)
@@ -197,6 +209,6 @@ def run(lib: Any) -> None:
     """Check every op of ``lib`` (a :class:`tinylm.native.ops.Library`)."""
     g = torch.Generator().manual_seed(0)
     with torch.inference_mode(False), torch.no_grad():
-        for part in (_linear_and_argmax, _linear_q8, _linear_blocks, _decode_attention, _gelu,
+        for part in (_linear_and_argmax, _matmul, _linear_q8, _linear_blocks, _decode_attention, _gelu,
                      _training_attention, _layer_norm, _variants, _bpe):
             part(lib, g)

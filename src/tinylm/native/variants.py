@@ -116,14 +116,14 @@ def mlp_forward(lib: Library, kind: str, f_in: Tensor, t: dict[str, Tensor | Non
     """(the MLP's activation g (N, F), the pre-activations backward recomputes it from);
     ``buf`` gives the memory of h and g."""
     N, F_ = f_in.shape[0], t["w_up"].shape[0]
-    h = torch.mm(f_in, t["w_up"].t(), out=buf("h", (N, F_)))  # (N, E)·(E, F) -> (N, F)
+    h = gemm.xwt(f_in, t["w_up"], out=buf("h", (N, F_)))  # (N, E)·(E, F) -> (N, F)
     if kind == "gelu":  # h += b_up; GELU(h)
         return lib.bias_gelu_(h, t["b_up"], buf("g", (N, F_))), (h,)
     if t["b_up"] is not None:
         h += t["b_up"]
     if kind == "relu2":
         return lib.relu2(h, buf("g", (N, F_))), (h,)
-    gate = torch.mm(f_in, t["w_gate"].t(), out=buf("gate", (N, F_)))
+    gate = gemm.xwt(f_in, t["w_gate"], out=buf("gate", (N, F_)))
     if t["b_gate"] is not None:
         gate += t["b_gate"]
     return F.silu(gate).mul_(h), (gate, h)  # SwiGLU: SiLU(gate) ⊙ up
@@ -161,7 +161,7 @@ def block_forward(lib: Library, layout: Layout, x: Tensor, t: dict[str, Tensor |
     x0 = x.contiguous().view(N, E)
     a_in, st1 = norm_forward(lib, layout.norm, x0, t["ln1_w"], t["ln1_b"], layout.eps1,
                              buf("a_in", (N, E)))
-    qkv = torch.mm(a_in, t["w_qkv"].t(), out=buf("qkv", (N, t["w_qkv"].shape[0])))
+    qkv = gemm.xwt(a_in, t["w_qkv"], out=buf("qkv", (N, t["w_qkv"].shape[0])))
     qkv = qkv.view(B, C, -1)  # (B, C, 3·H·D), [q | k | v]
     HD = t["w_out"].shape[1]
     qk = rs_qk = None
@@ -256,13 +256,13 @@ def block_backward(lib: Library, layout: Layout, grad_y: Tensor, main: tuple[Ten
     grad_x1, grads["ln2_w"], grads["ln2_b"] = norm_backward(  # + gy: the residual path
         lib, layout.norm, grads.pop("f_in"), x1, t["ln2_w"], st2, need["ln2_w"],
         need["ln2_b"], gy)
-    grads["w_out"] = grad_x1.t() @ r2 if need["w_out"] else None
+    grads["w_out"] = gemm.gtx(grad_x1, r2) if need["w_out"] else None
     grads["b_out"] = grad_x1.sum(0) if t["b_out"] is not None and need["b_out"] else None
     grad_r = gemm.xw(grad_x1, t["w_out"]).view(*grad_y.shape[:2], -1)  # (B, C, H·D)
     grad_qkv = _attention_grads(lib, layout, grad_r, att_in, r2, lse, qk, rs_qk, t, need,
                                 grads)
     g2 = grad_qkv.view(x0.shape[0], -1)  # (B·C, 3·H·D)
-    grads["w_qkv"] = g2.t() @ a_in if need["w_qkv"] else None
+    grads["w_qkv"] = gemm.gtx(g2, a_in) if need["w_qkv"] else None
     grad_x, grads["ln1_w"], grads["ln1_b"] = norm_backward(  # + grad_x1: the residual
         lib, layout.norm, gemm.xw(g2, t["w_qkv"]), x0, t["ln1_w"], st1, need["ln1_w"],
         need["ln1_b"], grad_x1)
@@ -286,13 +286,13 @@ def _mlp_grads(lib: Library, kind: str, gy: Tensor, f_in: Tensor, kept: tuple[Te
     grad_g = gemm.xw(gy, t["w_down"])  # (B·C, E)·(E, F) -> (B·C, F)
     g, grad_h, grad_gate = mlp_backward(lib, kind, grad_g, kept)
     grads: dict[str, Tensor | None] = {
-        "w_down": gy.t() @ g if need["w_down"] else None,
+        "w_down": gemm.gtx(gy, g) if need["w_down"] else None,
         "b_down": gy.sum(0) if t["b_down"] is not None and need["b_down"] else None,
-        "w_up": grad_h.t() @ f_in if need["w_up"] else None,
+        "w_up": gemm.gtx(grad_h, f_in) if need["w_up"] else None,
         "b_up": grad_h.sum(0) if t["b_up"] is not None and need["b_up"] else None,
         "f_in": gemm.xw(grad_h, t["w_up"])}
     if grad_gate is not None:
-        grads["w_gate"] = grad_gate.t() @ f_in if need["w_gate"] else None
+        grads["w_gate"] = gemm.gtx(grad_gate, f_in) if need["w_gate"] else None
         grads["b_gate"] = grad_gate.sum(0) if t["b_gate"] is not None and need["b_gate"] \
             else None
         grads["f_in"].addmm_(grad_gate, t["w_gate"])

@@ -175,6 +175,13 @@ static inline float gelu_tanh(float x) { return 0.5f * x * (1.0f + tanh_inner(x)
 
 /* --- exported functions (one line of documentation each; details in the .c files) --- */
 
+/* gemm.c: c (M, N) = a·b or c += a·b for training's products (x·Wᵀ, G·W, Gᵀ·X); a through
+ * two strides, b as stored (wt = 0) or a weight W (N, K) used transposed (wt = 1). */
+TL_API long tl_gemm_work(long N, long K, int wt);
+TL_API void tl_gemm(long M, long N, long K, const float *a, long sam, long sak,
+                    const float *b, long ldb, int wt, float *c, long ldc, int accumulate,
+                    float *work, int threads);
+
 /* linear.c: y = x·Wᵀ + b for the few rows of a decoding step, from a packed W. */
 TL_API long tl_packed_size(long O, long I);
 TL_API void tl_pack(const float *W, float *out, long O, long I, int threads);
