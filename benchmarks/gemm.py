@@ -1,15 +1,16 @@
-"""The training block's matrix products on torch's two CPU GEMM libraries, side by side:
-torch's ``mm`` (MKL) and oneDNN's fp32 linear (``tinylm.native.gemm``), in one run.
+"""The training block's matrix products on three CPU GEMMs, side by side: torch's ``mm``
+(MKL), oneDNN's fp32 linear and tinylm's own kernel (csrc/gemm.c), as
+``tinylm.native.gemm`` calls them, in one run.
 
     python benchmarks/gemm.py [--repeats 30] [--threads N] [--no-write]
 
 For the block products of the two training shapes of ``benchmarks/train.py`` (4×128 B=12
 and 6×384 B=8): x·Wᵀ (the projections), y + x·Wᵀ (the output projections into the
-residual), G·W (the input gradients) and Gᵀ·X (the weight gradients, which tinylm keeps on
-torch's mm). The two libraries alternate call by call; the figure is the median time.
-``gemm.MIN_WORK`` is the size above which tinylm uses oneDNN; the table says which
-library each product takes. Written to BENCHMARKS.md between ``<!-- bench:gemm -->``
-markers.
+residual), G·W (the input gradients) and Gᵀ·X (the weight gradients). The three alternate
+call by call; the figure is the median time. The table says which one tinylm's default
+(``"native"``) takes for each product: oneDNN for x·Wᵀ and G·W of at least
+``gemm.MIN_WORK`` multiply-adds, its own kernel for the rest. Written to BENCHMARKS.md
+between ``<!-- bench:gemm -->`` markers.
 """
 
 from __future__ import annotations
@@ -25,7 +26,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import closing_lines, write_section  # noqa: E402
+from tinylm import native  # noqa: E402
 from tinylm.native import gemm  # noqa: E402
+
+BACKENDS = ("torch", "onednn", "native")
 
 # shape name -> (tokens N = B·C, E)
 SHAPES = {"4×128 B=12": (12 * 64, 128), "6×384 B=8": (8 * 256, 384)}
@@ -49,20 +53,25 @@ def products(N: int, E: int) -> dict[str, tuple]:
         grad, w = rand(N, O), rand(O, I)
         out[name] = (lambda grad=grad, w=w: gemm.xw(grad, w), N * I * O, True)
     grad, x = rand(N, 4 * E), rand(N, E)
-    out["up Gᵀ·X"] = (lambda: _gtx(grad, x), N * E * 4 * E, False)
+    for name, (I, O) in {"up Gᵀ·X": (E, 4 * E), "down Gᵀ·X": (4 * E, E)}.items():
+        grad, x = rand(N, O), rand(N, I)
+        out[name] = (lambda grad=grad, x=x: _gtx(grad, x), N * I * O, False)
     return out
 
 
 def _gtx(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """Gᵀ·X on the selected library (tinylm itself always uses torch's mm for it)."""
+    """Gᵀ·X on the selected library (oneDNN, which tinylm does not use for it: through
+    the copy of the transposed operand its linear op needs)."""
     if gemm.selected() == "onednn":
         return torch.ops.mkldnn._linear_pointwise(grad.t(), x.t(), None, "none", [], "")
-    return grad.t() @ x
+    return gemm.gtx(grad, x)
 
 
 def timed(fn, backend: str) -> float:
-    """One call of ``fn`` on ``backend``, whatever the product's size (MIN_WORK off)."""
-    threshold, gemm.MIN_WORK = gemm.MIN_WORK, 0
+    """One call of ``fn`` on ``backend``, whatever the product's size (oneDNN: MIN_WORK
+    off; tinylm's kernel: no product passed on to oneDNN)."""
+    threshold = gemm.MIN_WORK
+    gemm.MIN_WORK = 0 if backend == "onednn" else 1 << 62
     try:
         with gemm.using(backend):
             t = time.perf_counter()
@@ -76,30 +85,32 @@ def measure(repeats: int) -> list[dict]:
     rows = []
     for shape, (N, E) in SHAPES.items():
         for name, (fn, work, routed) in products(N, E).items():
-            times = {"torch": [], "onednn": []}
+            times = {b: [] for b in BACKENDS}
             for backend in times:
                 timed(fn, backend)  # warm-up: oneDNN's primitive, MKL's buffers
             for _ in range(repeats):
                 for backend in times:
                     times[backend].append(timed(fn, backend))
-            t, d = (statistics.median(times[b]) for b in ("torch", "onednn"))
-            takes = "oneDNN" if routed and work >= gemm.MIN_WORK else "torch mm"
-            rows.append({"shape": shape, "product": name, "work": work, "torch": t,
-                         "onednn": d, "takes": takes if routed else "torch mm (always)"})
+            takes = "oneDNN" if routed and work >= gemm.MIN_WORK else "tinylm"
+            rows.append({"shape": shape, "product": name, "work": work, "takes": takes,
+                         **{b: statistics.median(times[b]) for b in BACKENDS}})
             print(rows[-1], file=sys.stderr)
     return rows
 
 
 def render(rows: list[dict], threads: int, load: float) -> str:
     lines = [f"{os.cpu_count()} CPUs, {threads} threads, torch {torch.__version__}, fp32; "
-             f"median of alternated calls. tinylm uses oneDNN for products of at least "
-             f"{gemm.MIN_WORK:,} multiply-adds (`tinylm.native.gemm.MIN_WORK`).", "",
-             "| shape | product | multiply-adds | torch mm ms | oneDNN ms | "
-             "torch ÷ oneDNN | tinylm takes |", "|---|---|---|---|---|---|---|"]
+             f"median of alternated calls. tinylm uses oneDNN for x·Wᵀ and G·W of at least "
+             f"{gemm.MIN_WORK:,} multiply-adds (`tinylm.native.gemm.MIN_WORK`), its own "
+             "kernel (csrc/gemm.c) for the rest.", "",
+             "| shape | product | multiply-adds | torch mm ms | oneDNN ms | tinylm ms | "
+             "torch ÷ oneDNN | torch ÷ tinylm | tinylm takes |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['shape']} | {r['product']} | {r['work'] / 1e6:,.0f} M | "
                      f"{r['torch'] * 1e3:.3f} | {r['onednn'] * 1e3:.3f} | "
-                     f"{r['torch'] / r['onednn']:.2f}× | {r['takes']} |")
+                     f"{r['native'] * 1e3:.3f} | {r['torch'] / r['onednn']:.2f}× | "
+                     f"{r['torch'] / r['native']:.2f}× | {r['takes']} |")
     return "\n".join(lines + closing_lines("benchmarks/gemm.py", load))
 
 
@@ -111,12 +122,15 @@ def main() -> None:
     args = parser.parse_args()
     if not gemm._available():
         sys.exit("this torch has no oneDNN linear op: nothing to compare")
+    if native.load() is None:
+        sys.exit("the native library did not build: nothing to compare")
     torch.set_num_threads(args.threads)
     load = os.getloadavg()[0]
     table = render(measure(args.repeats), args.threads, load)
     print(table)
     if not args.no_write:
-        write_section("gemm", "The block's products: torch mm (MKL) and oneDNN", table)
+        write_section("gemm", "The block's products: torch mm (MKL), oneDNN and tinylm's "
+                      "kernel", table)
 
 
 if __name__ == "__main__":

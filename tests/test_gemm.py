@@ -216,3 +216,15 @@ def test_native_matmul_refuses_what_it_cannot_take() -> None:
         lib.matmul(a.t(), torch.randn(4, 5))
     with pytest.raises(ops.OpError, match="float32"):
         lib.matmul(a.double(), b)
+
+
+def test_the_work_size_python_computes_is_the_kernels() -> None:
+    """Library.matmul sizes csrc/gemm.c's work buffer itself (a ctypes call less per
+    product): the same numbers as tl_gemm_work."""
+    lib = ops.load()
+    nr = lib.gemm_width
+    for N, K in ((1, 1), (nr, 7), (nr + 1, 300), (3 * nr, 128), (65, 128)):
+        for wt in (0, 1):
+            want = lib.raw.tl_gemm_work(N, K, wt)
+            got = -(-N // nr) * K * nr if wt else (K * nr if N % nr else 0)
+            assert got == want, (N, K, wt)

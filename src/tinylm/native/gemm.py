@@ -30,6 +30,7 @@ Tensors that are not float32 on the CPU always take torch's ``mm``.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -49,6 +50,7 @@ MIN_WORK = 1 << 27
 _chosen: list[str] = []  # the backend in use, decided on first call
 
 
+@functools.cache
 def _available() -> bool:
     """Whether this torch has oneDNN's linear op on the CPU."""
     return torch.backends.mkldnn.is_available() and \
@@ -88,25 +90,26 @@ def using(backend: str) -> Iterator[None]:
 
 
 def _float32_cpu(*ts: Tensor) -> bool:
-    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in ts)
+    return all(t.dtype == torch.float32 and t.is_cpu for t in ts)
 
 
-def _route(x: Tensor, w: Tensor) -> str:
-    """Where x·Wᵀ or G·W goes: "native", "onednn" or "torch"."""
-    if x.dim() != 2 or not _float32_cpu(x, w):
-        return "torch"
+def _route(x: Tensor, w: Tensor) -> tuple[str, ops.Library | None]:
+    """Where x·Wᵀ or G·W goes ("native", "onednn" or "torch"), with the library for
+    "native". Called for every product of a step: the cheap tests first."""
     backend = selected()
-    if backend != "torch" and x.shape[0] * w.numel() >= MIN_WORK and _available() \
-            and x.is_contiguous():
-        return "onednn"
-    return "native" if backend == "native" and ops.loaded() is not None else "torch"
+    if backend == "torch" or x.dim() != 2 or not _float32_cpu(x, w):
+        return "torch", None
+    if x.shape[0] * w.numel() >= MIN_WORK and x.is_contiguous() and _available():
+        return "onednn", None
+    lib = ops.loaded() if backend == "native" else None
+    return ("native", lib) if lib is not None else ("torch", None)
 
 
 def xwt(x: Tensor, w: Tensor, out: Tensor | None = None) -> Tensor:
     """x·Wᵀ, an (N, O) tensor (``out`` where given), for x (N, I) and a weight W (O, I)."""
-    route = _route(x, w)
-    if route == "native":
-        return ops.loaded().matmul(x.contiguous(), w.contiguous(), b_t=True, out=out)
+    route, lib = _route(x, w)
+    if lib is not None:
+        return lib.matmul(x.contiguous(), w.contiguous(), b_t=True, out=out)
     if route == "onednn" and out is None:
         return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
     return torch.mm(x, w.t(), out=out)
@@ -115,10 +118,9 @@ def xwt(x: Tensor, w: Tensor, out: Tensor | None = None) -> Tensor:
 def xwt_add(y: Tensor, x: Tensor, w: Tensor) -> Tensor:
     """y + x·Wᵀ for y (N, O): a new tensor with oneDNN (its sum fused into the product),
     y itself, added to in place, otherwise. The caller keeps the returned tensor."""
-    route = _route(x, w)
-    if route == "native" and y.is_contiguous() and y.dtype == torch.float32:
-        return ops.loaded().matmul(x.contiguous(), w.contiguous(), b_t=True, out=y,
-                                   accumulate=True)
+    route, lib = _route(x, w)
+    if lib is not None and y.dtype == torch.float32 and y.is_contiguous():
+        return lib.matmul(x.contiguous(), w.contiguous(), b_t=True, out=y, accumulate=True)
     if route == "onednn" and y.dtype == torch.float32 and y.is_contiguous():
         return torch.ops.mkldnn._linear_pointwise.binary(x, y, w, None, "add")
     return y.addmm_(x, w.t())
@@ -127,9 +129,9 @@ def xwt_add(y: Tensor, x: Tensor, w: Tensor) -> Tensor:
 def xw(g: Tensor, w: Tensor, out: Tensor | None = None) -> Tensor:
     """G·W, an (N, I) tensor (``out`` where given), for G (N, O) and a weight W (O, I):
     the input's gradient of a linear layer."""
-    route = _route(g, w)
-    if route == "native":
-        return ops.loaded().matmul(g.contiguous(), w.contiguous(), out=out)
+    route, lib = _route(g, w)
+    if lib is not None:
+        return lib.matmul(g.contiguous(), w.contiguous(), out=out)
     if route == "onednn" and out is None:
         return torch.ops.mkldnn._linear_pointwise(g, w.t(), None, "none", [], "")
     return torch.mm(g, w, out=out)
@@ -138,7 +140,7 @@ def xw(g: Tensor, w: Tensor, out: Tensor | None = None) -> Tensor:
 def gtx(g: Tensor, x: Tensor) -> Tensor:
     """Gᵀ·X, a new (O, I) tensor, for G (N, O) and X (N, I): the weight's gradient of a
     linear layer (tinylm's kernel under "native", torch's mm otherwise)."""
-    if selected() == "native" and g.dim() == 2 and _float32_cpu(g, x) \
-            and ops.loaded() is not None:
-        return ops.loaded().matmul(g.contiguous(), x.contiguous(), a_t=True)
+    lib = ops.loaded() if selected() == "native" else None
+    if lib is not None and g.dim() == 2 and _float32_cpu(g, x):
+        return lib.matmul(g.contiguous(), x.contiguous(), a_t=True)
     return g.t() @ x

@@ -182,6 +182,8 @@ class Library:
 
     def __init__(self, cdll: ctypes.CDLL) -> None:
         self.raw = bind(cdll)  # unchecked, for callers that checked their buffers once
+        #: the columns of csrc/gemm.c's panels (its work for one panel of one k)
+        self.gemm_width = self.raw.tl_gemm_work(1, 1, 1)
 
     def pack(self, weight: Tensor) -> Tensor:
         """The panel-packed copy of a (O, I) weight for :meth:`linear`."""
@@ -349,7 +351,8 @@ class Library:
         if accumulate and out is None:
             raise OpError("matmul: accumulate needs an out tensor")
         c = _out(out, (M, N))
-        n = self.raw.tl_gemm_work(N, K, int(b_t))
+        nr = self.gemm_width  # the work buffer: panels of W, or b's last, partial panel
+        n = -(-N // nr) * K * nr if b_t else (K * nr if N % nr else 0)
         work = _workspace(n).data_ptr() if n else None
         self.raw.tl_gemm(M, N, K, a.data_ptr(), 1 if a_t else K, M if a_t else 1,
                          b.data_ptr(), K if b_t else N, int(b_t), c.data_ptr(), N,

@@ -209,6 +209,7 @@ def run(lib: Any) -> None:
     """Check every op of ``lib`` (a :class:`tinylm.native.ops.Library`)."""
     g = torch.Generator().manual_seed(0)
     with torch.inference_mode(False), torch.no_grad():
-        for part in (_linear_and_argmax, _matmul, _linear_q8, _linear_blocks, _decode_attention, _gelu,
-                     _training_attention, _layer_norm, _variants, _bpe):
+        for part in (_linear_and_argmax, _matmul, _linear_q8, _linear_blocks,
+                     _decode_attention, _gelu, _training_attention, _layer_norm, _variants,
+                     _bpe):
             part(lib, g)
