@@ -16,6 +16,7 @@ each decoding plan equal those of repeated full forwards of the reference model.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import threading
@@ -133,10 +134,19 @@ def assert_step_equals(got, want) -> None:
 
 
 @pytest.mark.skipif(not NATIVE, reason="TINYLM_NATIVE=0: no fast path, no scratch buffers")
-def test_reused_scratch_buffers_keep_every_step_equal_to_the_reference() -> None:
+@pytest.mark.parametrize("one_call", [True, False], ids=["one-native-call", "composed"])
+def test_reused_scratch_buffers_keep_every_step_equal_to_the_reference(one_call) -> None:
     """The whole-block step keeps its temporaries in per-thread buffers that every block
     and step reuses: interleaved steps of models of other sizes, and steps in two
-    threads at once, still give the reference's loss and gradients."""
+    threads at once, still give the reference's loss and gradients -- both as one native
+    call per block and direction (csrc/train_block.c, where every product is on
+    tinylm's kernel, as at these sizes) and composed kernel by kernel in Python."""
+    with contextlib.nullcontext() if one_call else functions.composed_blocks():
+        _scratch_buffers_reused(one_call)
+
+
+def _scratch_buffers_reused(one_call: bool) -> None:
+    functions.SCRATCH.buffers.clear()
     runs = [make("bias-tied"), make("5heads-D16", seed=1), make("nobias-untied-3heads", 2)]
     wants = [reference_step(m, ids) for m, ids in runs]
     for m, _ in runs:
@@ -145,8 +155,10 @@ def test_reused_scratch_buffers_keep_every_step_equal_to_the_reference() -> None
         for (m, ids), want in zip(runs, wants, strict=True):
             assert_step_equals(step(m, ids), want)
     kept = {n: t.data_ptr() for n, t in functions.SCRATCH.buffers.items()}
-    # dL/dqkv and dL/dR live in the FFN's two buffers (dead by then): no buffers of their own
-    assert set(kept) == {"ffn_act", "ffn_grad"}
+    # dL/dqkv and dL/dR live in the FFN's two buffers (dead by then): no buffers of their
+    # own; the one call keeps its two (B·C, E) temporaries too
+    assert set(kept) == {"ffn_act", "ffn_grad"} | (
+        {"block_t1", "block_gx1"} if one_call else set())
     step(*runs[-1])  # the same shapes again: the same buffers
     assert {n: t.data_ptr() for n, t in functions.SCRATCH.buffers.items()} == kept
     got = {}

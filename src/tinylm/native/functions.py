@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from tinylm.native import gemm
+from tinylm.native import gemm, ops
 from tinylm.native.ops import Library
 
 
@@ -283,7 +285,28 @@ class BlockFn(torch.autograd.Function):
 
 
 #: The block's activations kept for backward, in :func:`block_forward`'s order.
-BLOCK_SAVED = ("mu1", "rs1", "a_in", "qkv", "r2", "lse", "x1", "mu2", "rs2", "f_in", "h")
+BLOCK_SAVED = ops.BLOCK_SAVED
+_one_call = [True]  # whether a block whose products all run on tinylm's kernel is one call
+
+
+@contextmanager
+def composed_blocks() -> Iterator[None]:
+    """Within this block, :func:`block_forward` and :func:`block_backward` always call
+    the kernels one by one from Python (tests and benchmarks compare the two ways)."""
+    _one_call[0] = False
+    try:
+        yield
+    finally:
+        _one_call[0] = True
+
+
+def _one_call_lib(lib: Library, x: Tensor, *weights: Tensor) -> Library | None:
+    """``lib`` where the whole block runs as one native call (csrc/train_block.c): every
+    product on tinylm's kernel (gemm.all_native), float32 activations."""
+    if not _one_call[0] or x.dtype != torch.float32 or \
+            gemm.all_native(x.numel() // x.shape[-1], *weights) is not lib:
+        return None
+    return lib
 
 
 def block_forward(lib: Library, x: Tensor, n_head: int, eps1: float, eps2: float,
@@ -297,6 +320,11 @@ def block_forward(lib: Library, x: Tensor, n_head: int, eps1: float, eps2: float
     :class:`Scratch` buffer), so the torch.library op (tinylm.native.customops) returns
     them as they are."""
     B, C, E = x.shape
+    if _one_call_lib(lib, x, w_qkv, w_out, w_up, w_down) is not None:
+        return lib.block_train_forward(
+            x.contiguous(), n_head, eps1, eps2, (ln1_w, ln1_b, w_qkv, b_qkv, w_out, b_out,
+                                                 ln2_w, ln2_b, w_up, b_up, w_down, b_down),
+            SCRATCH.get("ffn_act", (B * C, w_up.shape[0])))
     x0 = x.contiguous().view(-1, E)  # (B·C, E)
     # each LayerNorm pass also starts its branch's residual sum: x + b_o, x1 + b_down
     a_in, mu1, rs1, x1 = lib.layer_norm_residual(x0, ln1_w, ln1_b, eps1, b_out)
@@ -320,8 +348,10 @@ def block_backward(lib: Library, grad_y: Tensor, x: Tensor, acts: tuple[Tensor, 
     ``need`` (in that order) says so. ``acts`` are :func:`block_forward`'s, ``weights``
     (ln1_w, w_qkv, w_out, ln2_w, w_up, w_down), ``biases`` whether (b_qkv, b_out, b_up,
     b_down) exist."""
-    mu1, rs1, a_in, qkv, r2, lse, x1, mu2, rs2, f_in, h = acts
     ln1_w, w_qkv, w_out, ln2_w, w_up, w_down = weights
+    if _one_call_lib(lib, x, w_qkv, w_out, w_up, w_down) is not None:
+        return _block_backward_one_call(lib, grad_y, x, acts, weights, n_head, biases, need)
+    mu1, rs1, a_in, qkv, r2, lse, x1, mu2, rs2, f_in, h = acts
     has_b_qkv, has_b_out, has_b_up, has_b_down = biases
     shape = tuple(x.shape[:2])
     x0 = x.contiguous().view(x1.shape)
@@ -352,3 +382,27 @@ def block_backward(lib: Library, grad_y: Tensor, x: Tensor, acts: tuple[Tensor, 
     return (grad_x.view(grad_y.shape), grad_ln1_w, grad_ln1_b, grad_w_qkv, grad_b_qkv,
             grad_w_out, grad_b_out, grad_ln2_w, grad_ln2_b, grad_w_up, grad_b_up,
             grad_w_down, grad_b_down)
+
+
+def _block_backward_one_call(lib: Library, grad_y: Tensor, x: Tensor,
+                             acts: tuple[Tensor, ...], weights: tuple[Tensor | None, ...],
+                             n_head: int, biases: tuple[bool, bool, bool, bool],
+                             need: tuple[bool, ...]) -> tuple[Tensor | None, ...]:
+    """:func:`block_backward` as one native call (:meth:`Library.block_train_backward`),
+    its temporaries in :data:`SCRATCH` (the same buffers, the same reuse)."""
+    ln1_w, w_qkv, w_out, ln2_w, w_up, w_down = weights
+    N, F_, HD = acts[0].shape[0], w_up.shape[0], w_out.shape[1]
+    scratch = {"s_grad": SCRATCH.get("ffn_grad", (N, F_)),
+               "s_act": SCRATCH.get("ffn_act", (N, F_))}
+    scratch |= {"s_attn": SCRATCH.get("attn_grad", (N, HD), within="ffn_act"),
+                "s_qkv": SCRATCH.get("qkv_grad", (N, 3 * HD), within="ffn_grad"),
+                "s_t1": SCRATCH.get("block_t1", (N, x.shape[-1])),
+                "s_gx1": SCRATCH.get("block_gx1", (N, x.shape[-1]))}
+    # the gradients wanted, of (ln1_w, ln1_b, w_qkv, b_qkv, w_out, b_out, ln2_w, ln2_b,
+    # w_up, b_up, w_down, b_down): where needed and the parameter exists
+    has = (ln1_w is not None, True, True, biases[0], True, biases[1], ln2_w is not None,
+           True, True, biases[2], True, biases[3])
+    want = tuple(h and n for h, n in zip(has, need[1:], strict=True))
+    return lib.block_train_backward(grad_y, x.contiguous(), acts, dict(zip(
+        ("ln1_w", "w_qkv", "w_out", "ln2_w", "w_up", "w_down"), weights, strict=True)),
+        n_head, want, scratch)

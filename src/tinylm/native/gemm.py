@@ -137,6 +137,16 @@ def xw(g: Tensor, w: Tensor, out: Tensor | None = None) -> Tensor:
     return torch.mm(g, w, out=out)
 
 
+def all_native(rows: int, *weights: Tensor) -> ops.Library | None:
+    """The library where every product of ``rows`` rows with each of ``weights`` (x·Wᵀ,
+    G·W and Gᵀ·X) goes to tinylm's kernel, else None: then a step that makes them all
+    can run as one native call (csrc/train_block.c), no Python between its products."""
+    if selected() != "native" or not _float32_cpu(*weights) or \
+            rows * max(w.numel() for w in weights) >= MIN_WORK:
+        return None
+    return ops.loaded()
+
+
 def gtx(g: Tensor, x: Tensor) -> Tensor:
     """Gᵀ·X, a new (O, I) tensor, for G (N, O) and X (N, I): the weight's gradient of a
     linear layer (tinylm's kernel under "native", torch's mm otherwise)."""

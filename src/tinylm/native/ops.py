@@ -359,6 +359,56 @@ class Library:
                          int(accumulate), work, _threads())
         return c
 
+    def block_train_forward(self, x: Tensor, n_head: int, eps1: float, eps2: float,
+                            params: tuple[Tensor | None, ...], act: Tensor
+                            ) -> tuple[Tensor, tuple[Tensor, ...]]:
+        """A GPT-2 block's forward for training in one native call (csrc/train_block.c):
+        x (B, C, E), ``params`` (ln1_w, ln1_b, w_qkv, b_qkv, w_out, b_out, ln2_w, ln2_b,
+        w_up, b_up, w_down, b_down; None where absent) -> (y (B, C, E), the activations
+        of :data:`tinylm.native.functions.BLOCK_SAVED`). ``act`` (B·C, F) is scratch."""
+        p = dict(zip(BLOCK_PARAMS, params, strict=True))
+        B, C, E, H, D, F = _block_sizes(x, n_head, p)
+        N = B * C
+        acts = dict(mu1=torch.empty(N), rs1=torch.empty(N), a_in=torch.empty(N, E),
+                    qkv=torch.empty(B, C, 3 * H * D), r=torch.empty(N, H * D),
+                    lse=torch.empty(B, H, C), x1=torch.empty(N, E), mu2=torch.empty(N),
+                    rs2=torch.empty(N), f_in=torch.empty(N, E), h=torch.empty(N, F))
+        y = torch.empty(B, C, E)
+        check("act", act, (N, F))
+        work = _workspace(self.raw.tl_block_work(N, E, H * D, F))
+        slots = _block_slots(p, x=x, y=y, s_act=act, work=work, **acts)
+        _ok(self.raw.tl_block_fwd(slots.data_ptr(), B, C, E, H, D, F, eps1, eps2, D**-0.5,
+                                  _threads()), "block_train_forward")
+        return y, tuple(acts.values())
+
+    def block_train_backward(self, grad_y: Tensor, x: Tensor, acts: tuple[Tensor, ...],
+                             weights: dict[str, Tensor | None], n_head: int,
+                             want: tuple[bool, ...], scratch: dict[str, Tensor]
+                             ) -> tuple[Tensor | None, ...]:
+        """The backward of :meth:`block_train_forward` from dL/dy: (dL/dx, then the
+        gradient of each of :data:`BLOCK_PARAMS` where ``want`` says so, else None).
+        ``weights``: ln1_w, w_qkv, w_out, ln2_w, w_up, w_down by name (the norms' may be
+        None). ``scratch``: s_grad, s_act (B·C, F), s_attn (B·C, H·D), s_qkv
+        (B·C, 3·H·D), s_t1, s_gx1 (B·C, E), all dead on return."""
+        B, C, E, H, D, F = _block_sizes(x, n_head, weights)
+        N, shapes = B * C, _block_param_shapes(E, H * D, F)
+        grad_y = grad_y.contiguous()
+        check("grad_y", grad_y, (B, C, E))
+        for name, t in zip(BLOCK_SAVED, acts, strict=True):
+            check(name, t, _block_act_shape(name, B, C, E, H, D, F))
+        for name, shape in (("s_grad", (N, F)), ("s_act", (N, F)), ("s_attn", (N, H * D)),
+                            ("s_qkv", (N, 3 * H * D)), ("s_t1", (N, E)), ("s_gx1", (N, E))):
+            check(name, scratch[name], shape)
+        grads = {"g_" + name: torch.empty(shapes[name]) if w else None
+                 for name, w in zip(BLOCK_PARAMS, want, strict=True)}
+        gx = torch.empty(B, C, E)
+        slots = _block_slots(weights, x=x, gy=grad_y, gx=gx, **grads, **scratch,
+                             **dict(zip(BLOCK_SAVED, acts, strict=True)),
+                             work=_workspace(self.raw.tl_block_work(N, E, H * D, F)))
+        _ok(self.raw.tl_block_bwd(slots.data_ptr(), B, C, E, H, D, F, D**-0.5, _threads()),
+            "block_train_backward")
+        return (gx, *grads.values())
+
     def bias_gelu_(self, a: Tensor, bias: Tensor | None, out: Tensor | None = None
                    ) -> Tensor:
         """``a += bias`` in place (a (..., N)), then GELU_tanh(a) as a new tensor (or
@@ -596,6 +646,59 @@ class Library:
                                  grad_bias.data_ptr() if grad_bias is not None else None,
                                  B, C, H, D, D**-0.5, _threads()), "causal_attention_backward")
         return grad_qkv, grad_bias
+
+
+#: A block's parameters, in the order of tinylm.native.functions.BlockFn's arguments.
+BLOCK_PARAMS = ("ln1_w", "ln1_b", "w_qkv", "b_qkv", "w_out", "b_out", "ln2_w", "ln2_b",
+                "w_up", "b_up", "w_down", "b_down")
+#: The activations a block's forward keeps for its backward (functions.BLOCK_SAVED).
+BLOCK_SAVED = ("mu1", "rs1", "a_in", "qkv", "r2", "lse", "x1", "mu2", "rs2", "f_in", "h")
+
+
+@functools.cache
+def block_slot(name: str) -> int:
+    """The index of a tensor in csrc/train_block.c's address array (its BT_* slot)."""
+    return header_constant("BT_" + ("R" if name == "r2" else name.upper()))
+
+
+def _block_slots(params: dict[str, Tensor | None], **tensors: Tensor | None) -> Tensor:
+    """The int64 address array of train_block.c: each tensor at its slot, 0 for None."""
+    out = [0] * header_constant("BT_SLOTS")
+    for name, t in (*params.items(), *tensors.items()):
+        if t is not None:
+            out[block_slot(name)] = t.data_ptr()
+    return torch.tensor(out, dtype=torch.int64)
+
+
+def _block_param_shapes(E: int, HD: int, F: int) -> dict[str, tuple[int, ...]]:
+    return {"ln1_w": (E,), "ln1_b": (E,), "w_qkv": (3 * HD, E), "b_qkv": (3 * HD,),
+            "w_out": (E, HD), "b_out": (E,), "ln2_w": (E,), "ln2_b": (E,),
+            "w_up": (F, E), "b_up": (F,), "w_down": (E, F), "b_down": (E,)}
+
+
+def _block_sizes(x: Tensor, n_head: int, params: dict[str, Tensor | None]
+                 ) -> tuple[int, int, int, int, int, int]:
+    """(B, C, E, H, D, F) of a block's input and parameters (by name: the weights
+    w_qkv, w_out, w_up, w_down and any others given), each checked."""
+    check("x", x, (-1, -1, -1))
+    B, C, E = x.shape
+    HD, F = params["w_out"].shape[-1], params["w_up"].shape[0]
+    if n_head < 1 or HD % n_head or not attention_fits(C, n_head, HD // n_head):
+        raise OpError(f"the native block takes C <= {ATTENTION_MAX_CONTEXT} and heads of a "
+                      f"multiple of 16 wide, got C={C}, {HD} for {n_head} heads")
+    shapes = _block_param_shapes(E, HD, F)
+    for name, t in params.items():
+        if t is not None or name.startswith("w_"):
+            check(name, t, shapes[name])
+    return B, C, E, n_head, HD // n_head, F
+
+
+def _block_act_shape(name: str, B: int, C: int, E: int, H: int, D: int, F: int
+                     ) -> tuple[int, ...]:
+    N = B * C
+    return {"mu1": (N,), "rs1": (N,), "a_in": (N, E), "qkv": (B, C, 3 * H * D),
+            "r2": (N, H * D), "lse": (B, H, C), "x1": (N, E), "mu2": (N,), "rs2": (N,),
+            "f_in": (N, E), "h": (N, F)}[name]
 
 
 def attention_fits(context: int, n_head: int, head_dim: int) -> bool:

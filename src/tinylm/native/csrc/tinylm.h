@@ -182,6 +182,65 @@ TL_API void tl_gemm(long M, long N, long K, const float *a, long sam, long sak,
                     const float *b, long ldb, int wt, float *c, long ldc, int accumulate,
                     float *work, int threads);
 
+/* train_block.c: a GPT-2 block's training step, forward and backward, one call each, every
+ * product on gemm.c's kernel. The tensors' addresses come in one int64 array, slot BT_*
+ * (0: absent): the block's input and parameters; the activations the forward writes
+ * and the backward reads; dL/dy, and the gradients the backward writes; scratch
+ * (S_ACT, S_GRAD: N·F floats; S_ATTN: N·HD; S_QKV: N·3·HD; S_T1, S_GX1: N·E) and the
+ * products' work (tl_block_work floats). */
+#define BT_X 0
+#define BT_LN1_W 1
+#define BT_LN1_B 2
+#define BT_W_QKV 3
+#define BT_B_QKV 4
+#define BT_W_OUT 5
+#define BT_B_OUT 6
+#define BT_LN2_W 7
+#define BT_LN2_B 8
+#define BT_W_UP 9
+#define BT_B_UP 10
+#define BT_W_DOWN 11
+#define BT_B_DOWN 12
+#define BT_Y 13
+#define BT_MU1 14
+#define BT_RS1 15
+#define BT_A_IN 16
+#define BT_QKV 17
+#define BT_R 18
+#define BT_LSE 19
+#define BT_X1 20
+#define BT_MU2 21
+#define BT_RS2 22
+#define BT_F_IN 23
+#define BT_H 24
+#define BT_GY 25
+#define BT_GX 26
+#define BT_G_LN1_W 27
+#define BT_G_LN1_B 28
+#define BT_G_W_QKV 29
+#define BT_G_B_QKV 30
+#define BT_G_W_OUT 31
+#define BT_G_B_OUT 32
+#define BT_G_LN2_W 33
+#define BT_G_LN2_B 34
+#define BT_G_W_UP 35
+#define BT_G_B_UP 36
+#define BT_G_W_DOWN 37
+#define BT_G_B_DOWN 38
+#define BT_S_ACT 39
+#define BT_S_GRAD 40
+#define BT_S_ATTN 41
+#define BT_S_QKV 42
+#define BT_S_T1 43
+#define BT_S_GX1 44
+#define BT_WORK 45
+#define BT_SLOTS 46
+TL_API long tl_block_work(long N, long E, long HD, long F);
+TL_API int tl_block_fwd(const long *t, long B, long C, long E, long H, long D, long F,
+                        float eps1, float eps2, float scale, int threads);
+TL_API int tl_block_bwd(const long *t, long B, long C, long E, long H, long D, long F,
+                        float scale, int threads);
+
 /* linear.c: y = x·Wᵀ + b for the few rows of a decoding step, from a packed W. */
 TL_API long tl_packed_size(long O, long I);
 TL_API void tl_pack(const float *W, float *out, long O, long I, int threads);
