@@ -42,15 +42,18 @@ def _onednn_calls(fn) -> tuple[object, int]:
 
 
 def _native_calls(monkeypatch) -> list[int]:
-    """A one-element counter of the native library's matmul calls from now on."""
+    """A one-element counter, from now on, of the native library's calls that run
+    tinylm's kernel: its matmul, and a whole block's step (csrc/train_block.c)."""
     lib = ops.load()
     assert lib is not None, "the native library did not build"
-    calls, real = [0], lib.matmul
+    calls = [0]
+    for name in ("matmul", "block_train_forward", "block_train_backward"):
+        real = getattr(lib, name)
 
-    def counted(*args, **kwargs):
-        calls[0] += 1
-        return real(*args, **kwargs)
-    monkeypatch.setattr(lib, "matmul", counted)
+        def counted(*args, real=real, **kwargs):
+            calls[0] += 1
+            return real(*args, **kwargs)
+        monkeypatch.setattr(lib, name, counted)
     return calls
 
 

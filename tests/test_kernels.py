@@ -40,7 +40,8 @@ def test_the_kernel_builds_and_loads_here(lib) -> None:
 
 def test_signatures_come_from_the_header_and_cover_every_export(lib) -> None:
     sigs = ops.parse_header(ops.HEADER.read_text())
-    assert len(sigs) == 38  # + gemm.c's 2 (the work size, the product)
+    assert len(sigs) == 41  # + gemm.c's 2 (the work size, the product)
+    # + train_block.c's 3 (the work size, a block's forward, its backward)
     # + blocks.c's 4 (block sizes, packing, the product)
     # + the ragged batch's 3: tl_embed_rows, tl_attend_rows, tl_rope_rows
     # + bpe.c's 4: tl_bpe_new (returns a pointer), _free, _encode, _split

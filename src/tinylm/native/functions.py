@@ -321,9 +321,10 @@ def block_forward(lib: Library, x: Tensor, n_head: int, eps1: float, eps2: float
     them as they are."""
     B, C, E = x.shape
     if _one_call_lib(lib, x, w_qkv, w_out, w_up, w_down) is not None:
+        params = (ln1_w, ln1_b, w_qkv, b_qkv, w_out, b_out, ln2_w, ln2_b, w_up, b_up, w_down,
+                  b_down)  # a LoRA layer's effective weight is an expression: made whole
         return lib.block_train_forward(
-            x.contiguous(), n_head, eps1, eps2, (ln1_w, ln1_b, w_qkv, b_qkv, w_out, b_out,
-                                                 ln2_w, ln2_b, w_up, b_up, w_down, b_down),
+            x.contiguous(), n_head, eps1, eps2, tuple(_whole(p) for p in params),
             SCRATCH.get("ffn_act", (B * C, w_up.shape[0])))
     x0 = x.contiguous().view(-1, E)  # (B·C, E)
     # each LayerNorm pass also starts its branch's residual sum: x + b_o, x1 + b_down
@@ -404,5 +405,10 @@ def _block_backward_one_call(lib: Library, grad_y: Tensor, x: Tensor,
            True, True, biases[2], True, biases[3])
     want = tuple(h and n for h, n in zip(has, need[1:], strict=True))
     return lib.block_train_backward(grad_y, x.contiguous(), acts, dict(zip(
-        ("ln1_w", "w_qkv", "w_out", "ln2_w", "w_up", "w_down"), weights, strict=True)),
-        n_head, want, scratch)
+        ("ln1_w", "w_qkv", "w_out", "ln2_w", "w_up", "w_down"),
+        (_whole(w) for w in weights), strict=True)), n_head, want, scratch)
+
+
+def _whole(t: Tensor | None) -> Tensor | None:
+    """``t`` contiguous (itself where it is), None as None."""
+    return t if t is None else t.contiguous()
