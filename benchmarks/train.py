@@ -36,6 +36,7 @@ The table is printed and written to BENCHMARKS.md between ``<!-- bench:train -->
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -131,16 +132,19 @@ def batch(config: ModelConfig, B: int, seed: int = 0):
 
 def matmul_rate(sizes: tuple[int, ...] = (512, 1024, 2048), seconds: float = 0.5) -> float:
     """Best observed fp32 GEMM rate (FLOP/s) of this machine at the current thread count,
-    over square sizes and both of torch's CPU GEMM libraries (torch's mm, i.e. MKL, and
-    oneDNN's linear, which tinylm uses for large products: tinylm.native.gemm), each
-    timed for about ``seconds``, best of 5 blocks."""
+    over square sizes and the three GEMMs tinylm.native.gemm chooses from (torch's mm,
+    i.e. MKL; oneDNN's linear; tinylm's own kernel), each timed for about ``seconds``,
+    best of 5 blocks."""
     best_rate = 0.0
+    lib = native.load()
     for n in sizes:
         a, b = torch.randn(n, n), torch.randn(n, n)
         products = [lambda a=a, b=b: a @ b]
         if gemm._available():
             products.append(lambda a=a, b=b: torch.ops.mkldnn._linear_pointwise(
                 a, b, None, "none", [], ""))
+        if lib is not None:
+            products.append(lambda a=a, b=b: lib.matmul(a, b))
         for product in products:
             product()
             t = time.perf_counter()
@@ -219,17 +223,43 @@ def paired(r: dict, a: str, b: str) -> str:
 
 #: What a profiled op's self time is counted as (the rest: "other").
 GEMMS = ("aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm",
-         "mkldnn::_linear_pointwise")  # oneDNN's products (tinylm.native.gemm)
+         "mkldnn::_linear_pointwise",  # oneDNN's products (tinylm.native.gemm)
+         "tinylm::matmul")  # tinylm's kernel (csrc/gemm.c), marked by _timed_matmul
 NATIVE = ("BlockFn", "BlockFnBackward", "VariantBlockFn", "VariantBlockFnBackward",
           "tinylm::block", "tinylm::block_backward", "tinylm::variant_block",
           "tinylm::variant_block_backward")  # ctypes kernels + their Python, in these ranges
+
+
+@contextlib.contextmanager
+def _timed_matmul():
+    """tinylm's kernel is a ctypes call the profiler does not see: within this block each
+    product is a ``tinylm::matmul`` range, and the blocks run composed kernel by kernel
+    (functions.composed_blocks), so that no product hides inside one native call."""
+    from torch.profiler import record_function
+
+    from tinylm.native import functions, ops
+
+    lib = ops.load()
+    real = lib.matmul
+
+    def matmul(*args, **kwargs):
+        with record_function("tinylm::matmul"):
+            return real(*args, **kwargs)
+    lib.matmul = matmul
+    try:
+        with functions.composed_blocks():
+            yield
+    finally:
+        lib.matmul = real
 
 
 def profile(shape: str, B: int, rate: float, steps: int = 5) -> str:
     """Where tinylm's step goes (torch.profiler, self times per step), eager and compiled:
     the GEMMs, the native kernels (the time inside tinylm's block steps that is not a
     GEMM), the optimizer and the rest; and the ceiling it implies (a step of the GEMMs
-    alone, and at the measured matmul rate)."""
+    alone, and at the measured matmul rate). The blocks run composed kernel by kernel
+    (:func:`_timed_matmul`), a little slower than the one native call they make where
+    every product is on tinylm's kernel."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -248,7 +278,7 @@ def profile(shape: str, B: int, rate: float, steps: int = 5) -> str:
         for _ in range(3):
             step(x, y)
         t = time.perf_counter()
-        with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        with _timed_matmul(), torch_profile(activities=[ProfilerActivity.CPU]) as prof:
             for _ in range(steps):
                 step(x, y)
         wall = (time.perf_counter() - t) / steps
@@ -432,7 +462,7 @@ def render(rate: float, rows: list[dict], mem: list[dict], threads: int, command
         f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
         f"torch {torch.__version__}, transformers {transformers.__version__}, "
         f"{threads} threads, fp32. Measured fp32 matmul rate (best square GEMM of torch's "
-        f"mm and oneDNN's linear, measured before and after the timings): "
+        f"mm, oneDNN's linear and tinylm's kernel, measured before and after the timings): "
         f"**{rate / 1e9:.1f} GFLOP/s**. Load average (1 min) at the end of each shape: "
         + ", ".join(f"{r['shape']} {r['load']:.1f}" for r in rows) + ".",
         "",
