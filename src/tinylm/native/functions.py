@@ -318,7 +318,8 @@ def block_forward(lib: Library, x: Tensor, n_head: int, eps1: float, eps2: float
     """:class:`BlockFn`'s forward: (y (B, C, E), the activations backward needs, in
     :data:`BLOCK_SAVED` order). Every returned tensor is new (none is a view of x or a
     :class:`Scratch` buffer), so the torch.library op (tinylm.native.customops) returns
-    them as they are."""
+    them as they are. Where every product goes to tinylm's kernel (gemm.all_native),
+    these same steps run as one native call (csrc/train_block.c)."""
     B, C, E = x.shape
     if _one_call_lib(lib, x, w_qkv, w_out, w_up, w_down) is not None:
         params = (ln1_w, ln1_b, w_qkv, b_qkv, w_out, b_out, ln2_w, ln2_b, w_up, b_up, w_down,
@@ -348,7 +349,7 @@ def block_backward(lib: Library, grad_y: Tensor, x: Tensor, acts: tuple[Tensor, 
     b_qkv, w_out, b_out, ln2_w, ln2_b, w_up, b_up, w_down, b_down), each only where
     ``need`` (in that order) says so. ``acts`` are :func:`block_forward`'s, ``weights``
     (ln1_w, w_qkv, w_out, ln2_w, w_up, w_down), ``biases`` whether (b_qkv, b_out, b_up,
-    b_down) exist."""
+    b_down) exist. As :func:`block_forward`, one native call where it can be."""
     ln1_w, w_qkv, w_out, ln2_w, w_up, w_down = weights
     if _one_call_lib(lib, x, w_qkv, w_out, w_up, w_down) is not None:
         return _block_backward_one_call(lib, grad_y, x, acts, weights, n_head, biases, need)
