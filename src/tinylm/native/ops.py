@@ -369,10 +369,8 @@ class Library:
         p = dict(zip(BLOCK_PARAMS, params, strict=True))
         B, C, E, H, D, F = _block_sizes(x, n_head, p)
         N = B * C
-        acts = dict(mu1=torch.empty(N), rs1=torch.empty(N), a_in=torch.empty(N, E),
-                    qkv=torch.empty(B, C, 3 * H * D), r=torch.empty(N, H * D),
-                    lse=torch.empty(B, H, C), x1=torch.empty(N, E), mu2=torch.empty(N),
-                    rs2=torch.empty(N), f_in=torch.empty(N, E), h=torch.empty(N, F))
+        acts = {name: torch.empty(shape)
+                for name, shape in _block_act_shapes(B, C, E, H, D, F).items()}
         y = torch.empty(B, C, E)
         check("act", act, (N, F))
         work = _workspace(self.raw.tl_block_work(N, E, H * D, F))
@@ -394,8 +392,9 @@ class Library:
         N, shapes = B * C, _block_param_shapes(E, H * D, F)
         grad_y = grad_y.contiguous()
         check("grad_y", grad_y, (B, C, E))
-        for name, t in zip(BLOCK_SAVED, acts, strict=True):
-            check(name, t, _block_act_shape(name, B, C, E, H, D, F))
+        for (name, shape), t in zip(_block_act_shapes(B, C, E, H, D, F).items(), acts,
+                                    strict=True):
+            check(name, t, shape)
         for name, shape in (("s_grad", (N, F)), ("s_act", (N, F)), ("s_attn", (N, H * D)),
                             ("s_qkv", (N, 3 * H * D)), ("s_t1", (N, E)), ("s_gx1", (N, E))):
             check(name, scratch[name], shape)
@@ -693,12 +692,13 @@ def _block_sizes(x: Tensor, n_head: int, params: dict[str, Tensor | None]
     return B, C, E, n_head, HD // n_head, F
 
 
-def _block_act_shape(name: str, B: int, C: int, E: int, H: int, D: int, F: int
-                     ) -> tuple[int, ...]:
+def _block_act_shapes(B: int, C: int, E: int, H: int, D: int, F: int
+                      ) -> dict[str, tuple[int, ...]]:
+    """The shape of each of :data:`BLOCK_SAVED`, in that order."""
     N = B * C
     return {"mu1": (N,), "rs1": (N,), "a_in": (N, E), "qkv": (B, C, 3 * H * D),
             "r2": (N, H * D), "lse": (B, H, C), "x1": (N, E), "mu2": (N,), "rs2": (N,),
-            "f_in": (N, E), "h": (N, F)}[name]
+            "f_in": (N, E), "h": (N, F)}
 
 
 def attention_fits(context: int, n_head: int, head_dim: int) -> bool:
